@@ -1,0 +1,40 @@
+"""Shared fixtures: the golden reference data and checkpoint folders assembled from tests/data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "golden"
+TOKENIZER_DIR = GOLDEN / "tokenizer"
+
+
+def assemble_checkpoint(name: str, dest: Path) -> Path:
+    """Lay out golden checkpoint `name` in the original HF layout under `dest` (tokenizer files are shared)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for src in [*TOKENIZER_DIR.iterdir(), *(GOLDEN / "checkpoints" / name).iterdir()]:
+        (dest / src.name).symlink_to(src.resolve())
+    return dest
+
+
+@pytest.fixture(scope="session")
+def golden_dir(tmp_path_factory) -> callable:
+    """`golden_dir("tiny_random")` -> a folder in the original Hugging Face layout."""
+    root = tmp_path_factory.mktemp("golden")
+
+    def get(name: str) -> Path:
+        dest = root / name
+        return dest if dest.exists() else assemble_checkpoint(name, dest)
+
+    return get
+
+
+def golden_case(name: str) -> dict:
+    return json.loads((GOLDEN / "cases" / f"{name}.json").read_text())
+
+
+def golden_cases() -> list[str]:
+    return sorted(p.stem for p in (GOLDEN / "cases").glob("*.json"))
