@@ -78,7 +78,6 @@ def token_ids_from_config(config: dict, added_tokens: dict[str, int], vocab: dic
     )
     if ids.coord_end - ids.coord_start != 1000:
         raise ValueError(
-            f"config.json: coordinate tokens must span <0>..<1000> (1001 ids); "
-            f"got {ids.coord_start}..{ids.coord_end}"
+            f"config.json: coordinate tokens must span <0>..<1000> (1001 ids); got {ids.coord_start}..{ids.coord_end}"
         )
     return ids

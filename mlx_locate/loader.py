@@ -1,0 +1,156 @@
+"""Strict loading of LocateAnything checkpoints: original Hugging Face layout, mlx-vlm layout, our own.
+
+Only safetensors files are read; no code from a checkpoint folder is ever executed.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import ModelConfig
+from .model import LocateAnything
+
+HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
+# mlx-vlm's renames (MODEL.md §4), applied in order to key prefixes.
+MLX_VLM_RENAMES = (
+    ("vision_tower.patch_embed.", "vision_model.patch_embed."),
+    ("vision_tower.", "vision_model.encoder."),
+    ("multi_modal_projector.layer_norm.", "mlp1.0."),
+    ("multi_modal_projector.linear_1.", "mlp1.1."),
+    ("multi_modal_projector.linear_2.", "mlp1.3."),
+)
+DROPPED = ("language_model.lm_head.weight",)
+
+
+def resolve(path_or_id: str | Path) -> Path:
+    """A local folder, or a Hugging Face hub id downloaded (with a progress bar) into the hub cache."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    name = str(path_or_id)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"model folder {name!r} does not exist (expected a folder or a hub id 'org/name')")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=name, allow_patterns=HF_WEIGHT_PATTERNS))
+
+
+def read_json(folder: Path, name: str) -> dict:
+    path = folder / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: missing {name}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def check_safetensors(path: Path) -> None:
+    """Validate the header and the file size so a truncated file fails here, by name."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if 8 + header_len > size:
+            raise ValueError(f"{path}: truncated safetensors file (header of {header_len} bytes, file {size} bytes)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{path}: not a safetensors file (unreadable header)") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end > size:
+        raise ValueError(
+            f"{path}: truncated safetensors file (tensors need {8 + header_len + end} bytes, file has {size})"
+        )
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(folder, index.name).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{folder}: shards named by {index.name} are missing: {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weights found")
+    return files
+
+
+def read_weights(folder: Path) -> dict[str, mx.array]:
+    weights = {}
+    for path in weight_files(folder):
+        check_safetensors(path)
+        weights.update(mx.load(str(path)))
+    return weights
+
+
+def sanitize(weights: dict[str, mx.array], patch_size: int) -> dict[str, mx.array]:
+    """Map the HF or mlx-vlm names and layouts onto ours; drop the head copy and rotary buffers."""
+    out = {}
+    for key, value in weights.items():
+        if key in DROPPED or "rotary_emb" in key or key.endswith("inv_freq"):
+            continue
+        for old, new in MLX_VLM_RENAMES:
+            if key.startswith(old):
+                key = new + key[len(old) :]
+                break
+        if key.startswith("vision_model.encoder.blocks.") and ".attn." in key:
+            key = key.replace(".attn.", ".")
+        if key == "vision_model.patch_embed.proj.weight":
+            if value.ndim == 4 and value.shape[-1] == 3 and value.shape[1] == patch_size:
+                value = value.transpose(0, 3, 1, 2)  # OHWI (mlx-vlm) -> OIHW
+            value = value.reshape(value.shape[0], -1)
+        out[key] = value
+    return out
+
+
+def check_names_and_shapes(model: nn.Module, weights: dict[str, mx.array], folder: Path) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    misshapen = [
+        f"{k} {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
+        for k in sorted(expected.keys() & weights.keys())
+        if tuple(weights[k].shape) != tuple(expected[k].shape)
+    ]
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
+        if items:
+            shown = ", ".join(items[:8]) + (f", ... ({len(items)} in all)" if len(items) > 8 else "")
+            problems.append(f"{label} tensors: {shown}")
+    if problems:
+        raise ValueError(f"{folder}: weights do not match the config: " + "; ".join(problems))
+
+
+def build_model(folder: Path, config: ModelConfig, token_ids, dtype: str | None = None) -> LocateAnything:
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    model = LocateAnything(config, token_ids)
+    weights = sanitize(read_weights(folder), config.vision.patch_size)
+    quant = config.raw.get("quantization")
+    if quant:
+        nn.quantize(
+            model,
+            group_size=quant["group_size"],
+            bits=quant["bits"],
+            # Per-module settings (mixed presets) override the defaults, as in mlx-lm.
+            class_predicate=lambda path, module: f"{path}.scales" in weights and quant.get(path, True),
+        )
+    if dtype is not None:
+        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    check_names_and_shapes(model, weights, folder)
+    model.load_weights(list(weights.items()), strict=True)
+    model.eval()
+    return model

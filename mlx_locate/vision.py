@@ -1,0 +1,153 @@
+"""MoonViT vision tower (MODEL.md §6.1-§6.5): patches + grid -> per-patch features.
+
+Runs one image at a time (§6.5), so attention needs no mask and uses fused SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .config import VisionConfig
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def bicubic_matrix(size_in: int, size_out: int, a: float = -0.75) -> np.ndarray:
+    """(size_out, size_in) matrix of PyTorch's bicubic resize (align_corners=False, clamped taps)."""
+
+    def k(t: np.ndarray) -> np.ndarray:
+        t = np.abs(t)
+        near = ((a + 2) * t - (a + 3)) * t * t + 1
+        far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+        return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+
+    out = np.arange(size_out, dtype=np.float64)
+    s = (out + 0.5) * size_in / size_out - 0.5
+    i0 = np.floor(s)
+    f = s - i0
+    matrix = np.zeros((size_out, size_in), dtype=np.float64)
+    for tap, weight in ((-1, k(1 + f)), (0, k(f)), (1, k(1 - f)), (2, k(2 - f))):
+        idx = np.clip(i0 + tap, 0, size_in - 1).astype(np.int64)
+        np.add.at(matrix, (np.arange(size_out), idx), weight)
+    return matrix
+
+
+@lru_cache(maxsize=64)
+def _resize_matrices(table_h: int, table_w: int, h: int, w: int) -> tuple[mx.array, mx.array]:
+    return (
+        mx.array(bicubic_matrix(table_h, h).astype(np.float32)),
+        mx.array(bicubic_matrix(table_w, w).astype(np.float32)),
+    )
+
+
+@lru_cache(maxsize=64)
+def rope2d_tables(h: int, w: int, head_dim: int, theta: float) -> tuple[mx.array, mx.array]:
+    """cos, sin of shape (h*w, head_dim/2): pair 2m follows the column, pair 2m+1 the row (§6.3)."""
+    freqs = theta ** (-4.0 * np.arange(head_dim // 4, dtype=np.float64) / head_dim)  # (D/4,)
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    angles = np.empty((h * w, head_dim // 2), dtype=np.float64)
+    angles[:, 0::2] = cols.reshape(-1, 1) * freqs
+    angles[:, 1::2] = rows.reshape(-1, 1) * freqs
+    return mx.array(np.cos(angles).astype(np.float32)), mx.array(np.sin(angles).astype(np.float32))
+
+
+def apply_rope2d(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """x: (L, H, D); rotates pairs (2j, 2j+1) as complex numbers, in float32."""
+    L, H, D = x.shape
+    pairs = x.astype(mx.float32).reshape(L, H, D // 2, 2)
+    re, im = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = mx.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
+    return out.reshape(L, H, D).astype(x.dtype)
+
+
+class PosEmb(nn.Module):
+    def __init__(self, height: int, width: int, dim: int):
+        super().__init__()
+        self.weight = mx.zeros((height, width, dim))
+
+    def __call__(self, h: int, w: int) -> mx.array:
+        table_h, table_w, dim = self.weight.shape
+        r_h, r_w = _resize_matrices(table_h, table_w, h, w)
+        table = self.weight.astype(mx.float32)
+        resized = mx.einsum("hi,ijc,wj->hwc", r_h, table, r_w)
+        return resized.reshape(h * w, dim)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        p = config.patch_size
+        self.proj = nn.Linear(3 * p * p, config.hidden_size)  # the stride-p conv, weight (C, 3*p*p)
+        self.pos_emb = PosEmb(config.init_pos_emb_height, config.init_pos_emb_width, config.hidden_size)
+
+    def __call__(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
+        x = self.proj(patches.reshape(patches.shape[0], -1).astype(self.proj.weight.dtype))
+        return x + self.pos_emb(*grid).astype(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc0 = nn.Linear(dim, hidden)
+        self.fc1 = nn.Linear(hidden, dim)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.fc1(gelu_tanh(self.fc0(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        dim = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.norm0 = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.norm1 = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.wqkv = nn.Linear(dim, 3 * dim)
+        self.wo = nn.Linear(dim, dim)
+        self.mlp = MLP(dim, config.intermediate_size)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+        L, dim = x.shape
+        head_dim = dim // self.num_heads
+        qkv = self.wqkv(self.norm0(x)).reshape(L, 3, self.num_heads, head_dim)
+        q = apply_rope2d(qkv[:, 0], cos, sin)
+        k = apply_rope2d(qkv[:, 1], cos, sin)
+        v = qkv[:, 2]
+        q, k, v = (t.transpose(1, 0, 2)[None] for t in (q, k, v))  # (1, H, L, D)
+        attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
+        x = x + self.wo(attn[0].transpose(1, 0, 2).reshape(L, dim))
+        return x + self.mlp(self.norm1(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.blocks = [Block(config) for _ in range(config.num_hidden_layers)]
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class VisionTower(nn.Module):
+    """`vision_model.*` of the checkpoint."""
+
+    def __init__(self, config: VisionConfig):
+        super().__init__()
+        self.config = config
+        self.patch_embed = PatchEmbed(config)
+        self.encoder = Encoder(config)
+
+    def __call__(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
+        """patches (h*w, 3, p, p) of one image -> (h*w, C) after the final LayerNorm."""
+        h, w = grid
+        x = self.patch_embed(patches, grid)
+        cos, sin = rope2d_tables(h, w, self.config.head_dim, self.config.rope_theta)
+        for block in self.encoder.blocks:
+            x = block(x, cos, sin)
+        return self.encoder.final_layernorm(x)
