@@ -59,7 +59,7 @@ class CompiledSteps:
         def step(inputs: mx.array, c: mx.array, q: mx.array, *flat_kv: mx.array):
             self.traces += 1  # runs only while tracing when compiled
             embeds = inputs if phase is Phase.PREFILL else lm.model.embed_tokens(inputs)[None]
-            kv = list(zip(flat_kv[0::2], flat_kv[1::2]))
+            kv = list(zip(flat_kv[0::2], flat_kv[1::2], strict=True))
             hidden, new_kv = lm(embeds, step_positions(c, q, Q, block), step_mask(c, q, Q, U, block), kv, c)
             rows = q - head_rows + mx.arange(head_rows, dtype=mx.int32)
             logits = lm.logits(mx.take(hidden[0], rows, axis=0))  # (head_rows, V)
@@ -81,7 +81,7 @@ class StepRunner:
         fn = self.steps.get(phase, Q, U)
         flat = [t for pair in self.cache.kv for t in pair]
         logits, *flat = fn(inputs, mx.array([c], dtype=mx.int32), mx.array([q], dtype=mx.int32), *flat)
-        self.cache.kv = list(zip(flat[0::2], flat[1::2]))
+        self.cache.kv = list(zip(flat[0::2], flat[1::2], strict=True))
         return logits
 
     def prefill(self, embeds: mx.array) -> mx.array:

@@ -83,7 +83,8 @@ class ModelConfig:
             raise ValueError(f"config.json text_config: block_size must be 6, got {config.text.block_size}")
         if config.vision.merge_kernel_size != (2, 2):
             raise ValueError(
-                f"config.json vision_config: merge_kernel_size must be [2, 2], got {list(config.vision.merge_kernel_size)}"
+                "config.json vision_config: merge_kernel_size must be [2, 2], "
+                f"got {list(config.vision.merge_kernel_size)}"
             )
         if config.vision.head_dim % 4:
             raise ValueError(
