@@ -1,0 +1,76 @@
+"""Draw located objects onto a copy of an image: boxes as rectangles, points as small circles."""
+
+from __future__ import annotations
+
+import colorsys
+from collections.abc import Sequence
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+from .parse import LocatedObject
+from .preprocess import to_rgb
+
+
+def _palette(n: int) -> list[tuple[int, int, int]]:
+    """`n` distinct saturated colours, evenly spaced in hue (golden-ratio steps keep neighbours apart)."""
+    colours = []
+    for i in range(n):
+        r, g, b = colorsys.hsv_to_rgb((i * 0.618033988749895) % 1.0, 0.9, 0.95)
+        colours.append((round(r * 255), round(g * 255), round(b * 255)))
+    return colours
+
+
+def _caption(obj: LocatedObject) -> str:
+    parts = [obj.label] if obj.label else []
+    if obj.confidence is not None:
+        parts.append(f"{obj.confidence:.2f}")
+    return " ".join(parts)
+
+
+def draw_objects(
+    image: Image.Image,
+    objects: Sequence[LocatedObject],
+    path: str | Path | None = None,
+    *,
+    overwrite: bool = False,
+) -> Image.Image:
+    """Return an RGB copy of `image` with every box and point drawn, one colour per label, captioned with
+    the label and confidence when known. Saves to `path` when given; an existing file raises
+    `FileExistsError` unless `overwrite=True`. `objects` must be in the image's original pixel frame.
+    """
+    if path is not None and Path(path).exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
+    canvas = to_rgb(image).copy()  # RGBA on white, as the model saw it; the caller's image stays untouched
+    draw = ImageDraw.Draw(canvas)
+    font = ImageFont.load_default()
+    width, height = canvas.size
+    line = max(2, round(min(width, height) / 200))
+    radius = max(3, 2 * line)
+
+    labels = list(dict.fromkeys(obj.label for obj in objects))
+    colour_of = dict(zip(labels, _palette(len(labels)), strict=True))
+    for obj in objects:
+        colour = colour_of[obj.label]
+        if obj.box is not None:
+            x1, y1, x2, y2 = obj.box
+            left, top, right, bottom = min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
+            draw.rectangle((left, top, right, bottom), outline=colour, width=line)
+        elif obj.point is not None:
+            x, y = obj.point
+            left, top = x - radius, y - radius
+            draw.ellipse((left, top, x + radius, y + radius), outline=colour, fill=colour)
+        else:
+            continue
+        caption = _caption(obj)
+        if caption:
+            tx1, ty1, tx2, ty2 = draw.textbbox((0, 0), caption, font=font)
+            text_w, text_h = tx2 - tx1 + 4, ty2 - ty1 + 4
+            # Above the object when there is room, otherwise just inside its top edge.
+            tx, ty = max(0, left), top - text_h if top - text_h >= 0 else max(0, top)
+            draw.rectangle((tx, ty, tx + text_w, ty + text_h), fill=colour)
+            draw.text((tx + 2 - tx1, ty + 2 - ty1), caption, fill=(0, 0, 0), font=font)
+
+    if path is not None:
+        canvas.save(path)
+    return canvas

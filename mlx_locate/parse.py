@@ -1,0 +1,136 @@
+"""Generated token ids -> labelled boxes and points in original-image pixels (MODEL.md §9).
+
+The grammar is `item* [<|im_end|>]` with items `<ref> TEXT </ref>`, `<box> x1 y1 x2 y2 </box>`,
+`<box> x y </box>` and `<box> None </box>`. The parser never raises on an id sequence: model output is
+untrusted, and anything outside the grammar is skipped or counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .tokens import TokenIds
+
+
+@dataclass(frozen=True)
+class LocatedObject:
+    label: str | None  # the last <ref> label before the box; None when no <ref> came first (pointing)
+    box: tuple[float, float, float, float] | None  # x1, y1, x2, y2 in original pixels, clamped to the image
+    box_norm: tuple[int, int, int, int] | None  # the same as the model wrote it, 0..1000
+    point: tuple[float, float] | None  # x, y in original pixels, clamped
+    point_norm: tuple[int, int] | None  # 0..1000
+    confidence: float | None  # geometric mean of the probabilities of <box>, the coordinates and </box>
+
+
+@dataclass(frozen=True)
+class ParseResult:
+    objects: list[LocatedObject]
+    empty_labels: list[str | None]  # labels answered with <box>None</box> (or `none`)
+    malformed: int  # boxes skipped because they held something other than 4 or 2 coordinates or one None
+    truncated: bool  # the stream ended inside an unfinished <ref> or <box>
+    ended: bool  # <|im_end|> was seen
+
+
+def to_pixels(coords: Sequence[int], image_size: tuple[int, int]) -> tuple[float, ...]:
+    """Map normalised (x, y, x, y, ...) values in 0..1000 onto an image of `image_size` = (W0, H0) pixels.
+
+    The preprocessing stretches the whole frame, so x -> x / 1000 * W0 and y -> y / 1000 * H0; results are
+    clamped to [0, W0] and [0, H0]. Always pass the original size, never the processed one.
+    """
+    width, height = image_size
+    out = []
+    for i, value in enumerate(coords):
+        extent = width if i % 2 == 0 else height
+        out.append(min(max(value / 1000 * extent, 0.0), float(extent)))
+    return tuple(out)
+
+
+def _geometric_mean(probs: Sequence[float]) -> float:
+    if any(p <= 0 for p in probs):
+        return 0.0
+    return math.exp(sum(math.log(p) for p in probs) / len(probs))
+
+
+def parse_tokens(
+    ids: Sequence[int],
+    token_ids: TokenIds,
+    decode: Callable[[list[int]], str],
+    image_size: tuple[int, int],
+    token_probs: Sequence[float] | None = None,
+) -> ParseResult:
+    """Parse generated ids into located objects.
+
+    Args:
+        ids: the generated ids (the answer only, without the prompt).
+        token_ids: the special ids of the checkpoint.
+        decode: turns label ids into text (byte-level BPE); it only ever sees ids in [0, vocab_size).
+        image_size: (W0, H0), the image size after RGB conversion and before any resize.
+        token_probs: optional probability of each id as it was chosen; gives each object a confidence.
+
+    Returns:
+        A `ParseResult`. Never raises on the ids; raises `ValueError` if `token_probs` and `ids` differ in length.
+    """
+    ids = [int(t) for t in ids]
+    if token_probs is not None and len(token_probs) != len(ids):
+        raise ValueError(f"token_probs has {len(token_probs)} entries but ids has {len(ids)}; pass one per id")
+    tk = token_ids
+    skipped = {tk.null, tk.switch}
+    ref_stops = {tk.ref_end, tk.box_start, tk.ref_start, tk.null, tk.im_end}
+    box_stops = {tk.box_end, tk.box_start, tk.ref_start, tk.im_end}
+    empties = {tk.none, tk.none_lower}
+
+    objects: list[LocatedObject] = []
+    empty_labels: list[str | None] = []
+    malformed = 0
+    label: str | None = None
+
+    def result(truncated: bool = False, ended: bool = False) -> ParseResult:
+        return ParseResult(objects, empty_labels, malformed, truncated, ended)
+
+    i, n = 0, len(ids)
+    while i < n:
+        token = ids[i]
+        if token == tk.im_end:
+            return result(ended=True)
+        if token == tk.ref_start:
+            j = i + 1
+            while j < n and ids[j] not in ref_stops:
+                j += 1
+            if j == n:
+                return result(truncated=True)
+            text_ids = [t for t in ids[i + 1 : j] if 0 <= t < tk.vocab_size and t not in skipped]
+            label = decode(text_ids).strip()
+            # </ref> is consumed; an early stop token starts the next item.
+            i = j + 1 if ids[j] == tk.ref_end else j
+            continue
+        if token == tk.box_start:
+            j = i + 1
+            while j < n and ids[j] not in box_stops:
+                j += 1
+            if j == n:
+                return result(truncated=True)
+            if ids[j] != tk.box_end:
+                malformed += 1
+                i = j
+                continue
+            inner = [k for k in range(i + 1, j) if ids[k] not in skipped]
+            values = [tk.coord_value(ids[k]) for k in inner if tk.is_coord(ids[k])]
+            if len(inner) == 1 and ids[inner[0]] in empties:
+                empty_labels.append(label)
+            elif len(values) == len(inner) and len(values) in (2, 4):
+                confidence = None
+                if token_probs is not None:
+                    confidence = _geometric_mean([float(token_probs[k]) for k in (i, *inner, j)])
+                pixels = to_pixels(values, image_size)
+                if len(values) == 4:
+                    objects.append(LocatedObject(label, pixels, tuple(values), None, None, confidence))
+                else:
+                    objects.append(LocatedObject(label, None, None, pixels, tuple(values), confidence))
+            else:
+                malformed += 1
+            i = j + 1
+            continue
+        i += 1  # stray tokens outside an item (<null>, <switch>, text, lone coordinates or </box>)
+    return result()

@@ -1,0 +1,119 @@
+"""Image -> normalised 14 x 14 patches in raster order, as the reference processor makes them (MODEL.md §5).
+
+Pure numpy and Pillow. The resizes go through Pillow's BICUBIC filter, which the reference uses too, so the
+patches are bit-identical to the reference's `pixel_values`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+IN_TOKEN_LIMIT = 25600  # patches before the token-limit rescale (preprocessor_config.json)
+PATCH_SIZE = 14
+MERGE = 2  # 2 x 2 patches merge into one LM token, so both sides are multiples of 2 * PATCH_SIZE
+MAX_PATCHES_PER_SIDE = 512  # a side of 512 patches or more is rejected, as the reference does
+
+
+class TargetSize(NamedTuple):
+    scaled: tuple[int, int]  # (w, h) after the token-limit step; the input size when no rescale is needed
+    final: tuple[int, int]  # (W, H), multiples of MERGE * patch
+
+
+class Preprocessed(NamedTuple):
+    patches: np.ndarray  # (L, 3, patch, patch) float32, raster order over the patch grid
+    grid: tuple[int, int]  # (h, w) in patches; L = h * w
+    processed_size: tuple[int, int]  # (W, H) in pixels of the stretched image
+    original_size: tuple[int, int]  # (W0, H0) after RGB conversion; model coordinates map onto this
+
+
+def load_image(image: str | Path | Image.Image) -> Image.Image:
+    """Open an image file (or pass a PIL image through), decoded now rather than lazily.
+
+    Raises `FileNotFoundError` for a missing path and `ValueError` naming the file when it is not an image.
+    """
+    if isinstance(image, Image.Image):
+        return image
+    path = Path(image)
+    if not path.exists():
+        raise FileNotFoundError(f"image file not found: {path}")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file; expected an image file (PNG, JPEG, ...)")
+    try:
+        with Image.open(path) as opened:
+            opened.load()
+            return opened
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"{path} is not a readable image: {exc}") from exc
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGBA is composited onto white using its alpha; any other mode goes through `convert("RGB")`.
+
+    EXIF orientation is not applied, so coordinates refer to the stored pixels.
+    """
+    if image.mode == "RGBA":
+        canvas = Image.new("RGB", image.size, (255, 255, 255))
+        canvas.paste(image, mask=image.getchannel("A"))
+        return canvas
+    if image.mode == "RGB":
+        return image
+    return image.convert("RGB")
+
+
+def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int = PATCH_SIZE) -> TargetSize:
+    """The sizes an image of `w x h` pixels is resized to (MODEL.md §5 steps 2-4).
+
+    Step 2 scales the image down (truncating) when it has more than `in_token_limit` patches; step 3 stretches
+    each side up to a multiple of `2 * patch`. Raises `ValueError` naming the sizes when a side would be 0
+    pixels or a side would reach 512 patches.
+    """
+    n_patches = (w // patch) * (h // patch)
+    if n_patches > in_token_limit:
+        scale = math.sqrt(in_token_limit / n_patches)
+        scaled = (int(w * scale), int(h * scale))
+    else:
+        scaled = (w, h)
+    if min(scaled) <= 0:
+        raise ValueError(
+            f"image of {w}x{h} pixels would have a side of 0 pixels after scaling to {scaled[0]}x{scaled[1]} "
+            f"(token limit {in_token_limit} patches); use a less extreme aspect ratio"
+        )
+    unit = MERGE * patch
+    final = (math.ceil(scaled[0] / unit) * unit, math.ceil(scaled[1] / unit) * unit)
+    if final[0] // patch >= MAX_PATCHES_PER_SIDE or final[1] // patch >= MAX_PATCHES_PER_SIDE:
+        raise ValueError(
+            f"image of {w}x{h} pixels becomes {final[0]}x{final[1]} "
+            f"({final[1] // patch}x{final[0] // patch} patches); each side must stay below "
+            f"{MAX_PATCHES_PER_SIDE} patches. Crop the image to an aspect ratio below about 10:1"
+        )
+    return TargetSize(scaled, final)
+
+
+def preprocess(
+    image: str | Path | Image.Image, in_token_limit: int = IN_TOKEN_LIMIT, patch_size: int = PATCH_SIZE
+) -> Preprocessed:
+    """Convert to RGB, resize (MODEL.md §5), normalise to [-1, 1] and cut into patches in raster order."""
+    rgb = to_rgb(load_image(image))
+    original_size = rgb.size
+    sizes = target_size(*original_size, in_token_limit=in_token_limit, patch=patch_size)
+    # Two separate resizes when both steps change the size: each rounds to uint8, as in the reference.
+    if sizes.scaled != rgb.size:
+        rgb = rgb.resize(sizes.scaled, Image.Resampling.BICUBIC)
+    if sizes.final != rgb.size:
+        rgb = rgb.resize(sizes.final, Image.Resampling.BICUBIC)
+
+    width, height = sizes.final
+    gh, gw = height // patch_size, width // patch_size
+    pixels = np.asarray(rgb, dtype=np.uint8)  # (H, W, 3)
+    grid = pixels.reshape(gh, patch_size, gw, patch_size, 3).transpose(0, 2, 4, 1, 3)  # (gh, gw, 3, p, p)
+    patches = grid.reshape(gh * gw, 3, patch_size, patch_size).astype(np.float32)
+    # Same float32 operations as the reference's ToTensor + Normalize(0.5, 0.5): x / 255, then (x - 0.5) / 0.5.
+    patches /= np.float32(255.0)
+    patches -= np.float32(0.5)
+    patches /= np.float32(0.5)
+    return Preprocessed(patches, (gh, gw), (width, height), original_size)
