@@ -1,0 +1,127 @@
+"""Prompts: the §8.3 task table, renderings A and B, placeholder expansion, and the golden prompt ids."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TOKENIZER_DIR, golden_case, golden_cases
+
+from mlx_locate.prompts import TASKS, chat_text, image_token_counts, prompt_ids, prompt_string, task_text
+from mlx_locate.tokenizer import Tokenizer
+
+# The queries behind the golden cases' task texts (tests/data/golden/README.md, "Prompts").
+GOLDEN_QUERIES = {
+    "detect": ["red box", "green circle"],
+    "single": "the blue square",
+    "refer": "the blue square",
+    "point": "the yellow circle",
+    "ocr": None,
+    "textground": "EXIT",
+}
+SYSTEM_A = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 624, 151645, 198]
+SYSTEM_B = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198]
+USER_IMAGE_1 = [151644, 872, 198, 27, 1805, 220, 16, 29, 151666]  # <|im_start|>user\n<image 1><img>
+TAIL = [151645, 198, 151644, 77091, 198]  # <|im_end|>\n<|im_start|>assistant\n
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_folder(TOKENIZER_DIR)
+
+
+@pytest.mark.parametrize("name", golden_cases())
+def test_golden_case(tok, name):
+    case = golden_case(name)
+    task = name.split("__")[2]
+    rendering = "B" if case["template"] == "jinja" else "A"
+    grid = tuple(case["image_grid_hw"])
+    text = task_text(task, GOLDEN_QUERIES[task])
+    assert text == case["prompt"]
+    chat = chat_text(text, 1, rendering)
+    assert chat == case["chat_text"]
+    assert prompt_string(chat, [grid]) == case["prompt_string"]
+    assert image_token_counts([grid]) == [case["num_image_tokens"]]
+    assert prompt_ids(tok, text, [grid], rendering) == case["input_ids"]
+
+
+@pytest.mark.parametrize("rendering, system", [("A", SYSTEM_A), ("B", SYSTEM_B)])
+def test_worked_example(tok, rendering, system):
+    query = task_text("detect", ["person", "car"])
+    query_ids = [9152, 349, 678, 279, 13121, 429, 9071, 279, 2701, 4008, 25, 1697, 152680, 6918, 13]
+    ids = prompt_ids(tok, query, [(36, 46)], rendering)
+    assert ids == system + USER_IMAGE_1 + [151665] * 414 + [151667] + query_ids + TAIL
+
+
+def test_task_table():
+    assert TASKS == ("detect", "single", "refer", "textground", "ocr", "gui", "point", "raw")
+    assert task_text("detect", "person") == "Locate all the instances that matches the following description: person."
+    assert task_text("detect", [" a ", "b", "c"]).endswith(": a</c>b</c>c.")
+    assert task_text("single", "the dog") == "Locate a single instance that matches the following description: the dog."
+    assert task_text("refer", "dogs") == "Locate all the instances that match the following description: dogs."
+    assert task_text("textground", "EXIT") == "Please locate the text referred as EXIT."
+    assert task_text("ocr") == "Detect all the text in box format."
+    assert (
+        task_text("gui", "the OK button") == "Locate the region that matches the following description: the OK button."
+    )
+    assert task_text("point", "the cup") == "Point to: the cup."
+    assert task_text("raw", " anything, verbatim ") == " anything, verbatim "
+
+
+@pytest.mark.parametrize(
+    "task, query, message",
+    [
+        (
+            "segment",
+            "x",
+            "unknown task 'segment'; valid tasks: detect, single, refer, textground, ocr, gui, point, raw",
+        ),
+        ("detect", None, "needs a non-empty query"),
+        ("detect", [], "needs a non-empty query"),
+        ("detect", ["a", " "], "needs a non-empty query"),
+        ("point", "  ", "needs a non-empty query"),
+        ("single", ["a", "b"], "only 'detect' takes a list"),
+        ("ocr", "x", "takes no query"),
+        ("raw", None, "needs the user text"),
+    ],
+)
+def test_task_errors(task, query, message):
+    with pytest.raises(ValueError, match=message):
+        task_text(task, query)
+
+
+def test_chat_renderings():
+    a = chat_text("hi", 2)
+    assert a == (
+        "<|im_start|>system\nYou are a helpful assistant.\n<|im_end|>\n"
+        "<|im_start|>user\n<image-1><image-2>hi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert chat_text("hi", 1, "B").startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    # Rendering A leaves a placeholder where the user text puts it; B always prepends one.
+    assert "user\nsee <image-1> here" in chat_text("see <image-1> here", 1, "A")
+    assert "user\n<image-1>see <image-1>" in chat_text("see <image-1> here", 1, "B")
+    with pytest.raises(ValueError, match="valid renderings: A, B"):
+        chat_text("hi", 1, "C")
+
+
+@pytest.mark.parametrize(
+    "text, grids, rendering",
+    [
+        ("a.<image-1>b", [(4, 6)], "A"),  # "." and "<image" would merge into one pre-token if split apart
+        ("<image-2> then <image-1>: same?", [(2, 2), (4, 4)], "A"),
+        ("two images", [(2, 4), (6, 2)], "B"),
+        ("big", [(160, 160)], "A"),
+    ],
+)
+def test_spliced_ids_equal_full_encoding(tok, text, grids, rendering):
+    chat = chat_text(text, len(grids), rendering)
+    assert prompt_ids(tok, text, grids, rendering) == tok.encode(prompt_string(chat, grids))
+
+
+def test_prompt_errors(tok):
+    with pytest.raises(ValueError, match="positive even sides"):
+        prompt_ids(tok, "x", [(3, 4)])
+    with pytest.raises(ValueError, match="must not contain <IMG_CONTEXT>"):
+        prompt_ids(tok, "x<IMG_CONTEXT>", [(2, 2)])
+    with pytest.raises(ValueError, match="found <image-1>, <image-1>"):
+        prompt_ids(tok, "again <image-1>", [(2, 2)], "B")
+    with pytest.raises(ValueError, match="found <image-1>, <image-3>"):
+        prompt_ids(tok, "<image-3>", [(2, 2)])
