@@ -29,8 +29,17 @@ MLX_VLM_RENAMES = (
 DROPPED = ("language_model.lm_head.weight",)
 
 
+DEMO_NAME = "demo"
+DEMO_DIR = Path(__file__).parent / "demo"
+
+
 def resolve(path_or_id: str | Path) -> Path:
-    """A local folder, or a Hugging Face hub id downloaded (with a progress bar) into the hub cache."""
+    """A local folder, "demo" (the bundled demo model), or a Hugging Face hub id downloaded (with a progress
+    bar) into the hub cache."""
+    if str(path_or_id) == DEMO_NAME:
+        if not (DEMO_DIR / "config.json").is_file():
+            raise FileNotFoundError(f"the bundled demo model is missing from {DEMO_DIR}")
+        return DEMO_DIR
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
