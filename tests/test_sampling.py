@@ -1,0 +1,228 @@
+"""Sampling transform and device summaries against an independent float64 numpy implementation."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import GOLDEN, TOKENIZER_DIR
+
+from mlx_locate.decide import (
+    COL_P_X0,
+    COL_SPECIAL,
+    COL_TOP_IDS,
+    COL_TOP_PROBS,
+    COL_X0,
+    ROW_WIDTH,
+    TOP_K,
+    Guards,
+    Mode,
+    Next,
+    Source,
+    decide_block,
+    special_ids,
+)
+from mlx_locate.sampling import F32_MIN, Sampling, ar_summary, block_summary, mark_seen, softmax, transform_logits
+from mlx_locate.tokens import token_ids_from_config
+
+
+def _ids():
+    config = json.loads((GOLDEN / "checkpoints" / "tiny_random" / "config.json").read_text())
+    added = json.loads((TOKENIZER_DIR / "added_tokens.json").read_text())
+    vocab = json.loads((TOKENIZER_DIR / "vocab.json").read_text())
+    return token_ids_from_config(config, added, vocab)
+
+
+IDS = _ids()
+V = IDS.vocab_size
+KEY = mx.random.key(7)
+
+
+def np_softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def np_transform(logits: np.ndarray, seen: np.ndarray, s: Sampling) -> np.ndarray:
+    """§10.4(a) steps 1-4 in float64; dropped logits are -inf."""
+    x = logits.astype(np.float64)
+    r = s.repetition_penalty
+    x = np.where(seen & (x > 0), x / r, np.where(seen, x * r, x))
+    if s.temperature > 0:
+        x = x / s.temperature
+    if s.top_p < 1:
+        for row in x:
+            order = np.argsort(-row, kind="stable")
+            cum = np.cumsum(np_softmax(row[order]))
+            crossing = int(np.argmax(cum > s.top_p)) if (cum > s.top_p).any() else len(row) - 1
+            row[order[crossing + 1 :]] = -np.inf
+    if s.top_k > 0:
+        kth = np.sort(x, axis=-1)[:, -s.top_k][:, None]
+        x = np.where(x < kth, -np.inf, x)
+    return x
+
+
+def random_case(rows: int, vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    logits = (rng.normal(0, 2.5, (rows, vocab))).astype(np.float32)
+    seen = rng.random(vocab) < 0.2
+    return logits, seen
+
+
+def check_transform(logits: np.ndarray, seen: np.ndarray, s: Sampling) -> None:
+    ours = np.array(transform_logits(mx.array(logits), mx.array(seen), s))
+    want = np_transform(logits, seen, s)
+    dropped = np.isinf(want)
+    np.testing.assert_array_equal(ours == F32_MIN, dropped)
+    np.testing.assert_allclose(ours[~dropped], want[~dropped], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "s",
+    [
+        Sampling(repetition_penalty=1.1),
+        Sampling(repetition_penalty=0.8),
+        Sampling(temperature=0.7),
+        Sampling(top_p=0.9),
+        Sampling(top_p=0.5, temperature=1.3),
+        Sampling(top_k=7),
+        Sampling(top_k=1),
+        Sampling.OFFICIAL,
+        Sampling(temperature=0.7, top_p=0.95, top_k=20, repetition_penalty=1.3),
+    ],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_transform_matches_float64(s, seed):
+    check_transform(*random_case(3, 4000, seed), s)
+
+
+def test_repetition_penalty_per_distinct_id():
+    logits = np.array([[2.0, -2.0, 0.0, 3.0, -1.0]], dtype=np.float32)
+    seen = mark_seen(mx.zeros((5,), dtype=mx.bool_), [0, 0, 0, 1, 2, 1])
+    out = np.array(transform_logits(mx.array(logits), seen, Sampling(repetition_penalty=2.0)))
+    np.testing.assert_allclose(out, [[1.0, -4.0, 0.0, 3.0, -1.0]])
+    assert mark_seen(seen, []) is seen
+
+
+def test_top_p_keeps_the_crossing_token():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]])).astype(np.float32)
+    for top_p, kept in [(0.79, 2), (0.81, 3), (0.5, 2), (0.49, 1), (0.96, 4)]:
+        out = np.array(transform_logits(mx.array(logits), mx.zeros((4,), dtype=mx.bool_), Sampling(top_p=top_p)))
+        assert (out[0] > F32_MIN).sum() == kept, top_p
+
+
+def test_greedy_is_identity():
+    x = mx.array(random_case(2, 100, 3)[0])
+    assert transform_logits(x, mx.zeros((100,), dtype=mx.bool_), Sampling()) is x
+
+
+def test_settings():
+    assert Sampling.OFFICIAL == Sampling(temperature=0.7, top_p=0.9, top_k=0, repetition_penalty=1.1)
+    for bad in ({"temperature": -1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"repetition_penalty": 0}):
+        with pytest.raises(ValueError, match="sampling"):
+            Sampling(**bad)
+
+
+def test_softmax_accuracy_on_full_vocabulary():
+    """A flat float32 sum over V drifts by ~0.6%; the two-level sum stays near float64."""
+    logits, _ = random_case(2, V, 4)
+    logits[:, 5] = 14.0
+    np.testing.assert_allclose(np.array(softmax(mx.array(logits))), np_softmax(logits.astype(np.float64)), rtol=2e-5)
+
+
+def unpack(summary: np.ndarray) -> np.ndarray:
+    return np.asarray(summary).reshape(-1, ROW_WIDTH)
+
+
+def test_block_summary_greedy_matches_numpy():
+    logits, _ = random_case(6, V, 5)
+    seen = mx.zeros((V,), dtype=mx.bool_)
+    rows = unpack(np.array(block_summary(mx.array(logits), seen, KEY, s=Sampling(), ids=IDS)))
+    p = np_softmax(logits.astype(np.float64))
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :TOP_K]
+    np.testing.assert_array_equal(rows[:, COL_X0], logits.argmax(axis=-1))
+    np.testing.assert_array_equal(rows[:, COL_TOP_IDS : COL_TOP_IDS + TOP_K], top)
+    np.testing.assert_allclose(
+        rows[:, COL_TOP_PROBS : COL_TOP_PROBS + TOP_K], np.take_along_axis(p, top, -1), rtol=2e-5
+    )
+    np.testing.assert_allclose(rows[:, COL_P_X0], p.max(axis=-1), rtol=2e-5)
+    np.testing.assert_allclose(rows[:, COL_SPECIAL:], p[:, list(special_ids(IDS))], rtol=2e-5)
+
+
+def test_x0_is_the_first_maximum():
+    logits = np.zeros((6, 300), dtype=np.float32)
+    logits[:, [40, 10, 200]] = 5.0
+    seen = mx.zeros((300,), dtype=mx.bool_)
+    rows = unpack(np.array(block_summary(mx.array(logits), seen, KEY, s=Sampling(), ids=IDS)))
+    assert (rows[:, COL_X0] == 10).all()
+    assert np.array(ar_summary(mx.array(logits[:1]), seen, KEY, s=Sampling()))[0] == 10
+
+
+@pytest.mark.parametrize("s", [Sampling(), Sampling.OFFICIAL, Sampling(temperature=1.0, top_k=50)])
+def test_compiled_equals_eager(s):
+    logits, seen = random_case(6, V, 6)
+    logits, seen = mx.array(logits), mx.array(seen)
+    eager = unpack(np.array(block_summary(logits, seen, KEY, s=s, ids=IDS)))
+    compiled = unpack(np.array(mx.compile(partial(block_summary, s=s, ids=IDS))(logits, seen, KEY)))
+    ids_cols = [COL_X0, *range(COL_TOP_IDS, COL_TOP_IDS + TOP_K)]
+    np.testing.assert_array_equal(compiled[:, ids_cols], eager[:, ids_cols])
+    np.testing.assert_allclose(compiled, eager, rtol=1e-6)
+    ar_eager = np.array(ar_summary(logits[:1], seen, KEY, s=s))
+    ar_compiled = np.array(mx.compile(partial(ar_summary, s=s))(logits[:1], seen, KEY))
+    assert ar_compiled[0] == ar_eager[0]
+    np.testing.assert_allclose(ar_compiled, ar_eager, rtol=1e-6)
+
+
+def test_sampling_draws_only_nucleus_tokens():
+    vocab = 3000
+    rng = np.random.default_rng(8)
+    logits = rng.normal(0, 0.3, (1, vocab)).astype(np.float32)
+    logits[0, :6] = [9.0, 8.5, 8.2, 8.0, 7.6, 7.0]  # a nucleus of a handful of tokens
+    seen = rng.random(vocab) < 0.2
+    s = Sampling.OFFICIAL
+    p = np_softmax(np_transform(logits, seen, s))[0]
+    nucleus = set(np.flatnonzero(p > 0).tolist())
+    assert 2 < len(nucleus) < 50
+    block_fn = mx.compile(partial(block_summary, s=s, ids=IDS))
+    ar_fn = mx.compile(partial(ar_summary, s=s))
+    x6, seen_mx = mx.array(np.repeat(logits, 6, axis=0)), mx.array(seen)
+    drawn = []
+    for key in mx.random.split(mx.random.key(0), 40):
+        rows = unpack(np.array(block_fn(x6, seen_mx, key)))
+        drawn += rows[:, COL_X0].astype(int).tolist()
+        np.testing.assert_allclose(rows[:, COL_P_X0], p[rows[:, COL_X0].astype(int)], rtol=1e-4)
+        token, p_token = np.array(ar_fn(x6[:1], seen_mx, key)).tolist()
+        drawn.append(int(token))
+        assert p_token == pytest.approx(p[int(token)], rel=1e-4)
+    assert set(drawn) <= nucleus
+    assert len(set(drawn)) > 2
+
+
+def peaked(probs: dict[int, float], vocab: int = V) -> np.ndarray:
+    rest = 1.0 - sum(probs.values())
+    row = np.full(vocab, np.log(rest / (vocab - len(probs))))
+    for token, p in probs.items():
+        row[token] = np.log(p)
+    return row.astype(np.float32)
+
+
+def test_top_p_is_what_makes_the_reference_stop():
+    """§10.7: once the model is done, greedy D_box fabricates a box from faint coordinates; top-p removes them."""
+    c = IDS.coord_token
+    word = 1000
+    faint = {c(100): 0.004, c(700): 0.003, 1037: 0.002, 1074: 0.001}
+    rows = [peaked({IDS.im_end: 0.95, 1037: 0.01})]
+    rows += [peaked({word: 0.95, **faint}) for _ in range(4)]
+    rows += [peaked({IDS.null: 0.95, 1037: 0.01})]
+    logits, seen = mx.array(np.stack(rows)), mx.zeros((V,), dtype=mx.bool_)
+    greedy = decide_block(
+        np.array(block_summary(logits, seen, KEY, s=Sampling(), ids=IDS)), Mode.FAST, IDS, guards=Guards.STRICT
+    )
+    assert greedy.source is Source.D_BOX and greedy.next is Next.BLOCK
+    official = np.array(block_summary(logits, seen, KEY, s=Sampling.OFFICIAL, ids=IDS))
+    assert (unpack(official)[1:5, COL_TOP_PROBS + 1 : COL_TOP_PROBS + TOP_K] == 0).all()
+    d = decide_block(official, Mode.FAST, IDS, guards=Guards.STRICT)
+    assert (d.source, d.tokens, d.next) == (Source.X0, [IDS.im_end], Next.STOP)
