@@ -1,0 +1,97 @@
+"""End-to-end parity with NVIDIA's reference on the golden tiny checkpoints (tests/data/golden/README.md).
+
+float32 against float32: vision tower (allow 1e-4), connector features (1e-5), last-prompt and first-block
+logits (tiny_random 1e-4 absolute; tiny_peaky 1e-4 relative), and every greedy token sequence exactly.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import GOLDEN, golden_case, golden_cases
+
+import mlx_locate
+from mlx_locate.compiled import StepRunner
+from mlx_locate.preprocess import preprocess
+from mlx_locate.projector import merge_2x2
+
+CHECKPOINTS = ("tiny_random", "tiny_peaky")
+CASES = golden_cases()
+IMAGES = sorted({name.split("__")[1] for name in CASES})
+
+
+@pytest.fixture(scope="module")
+def models(golden_dir):
+    return {name: mlx_locate.load(golden_dir(name), dtype="float32") for name in CHECKPOINTS}
+
+
+def image_path(case_name: str):
+    return GOLDEN / "images" / f"{case_name.split('__')[1]}.png"
+
+
+def logit_tolerance(case_name: str, values: np.ndarray) -> float:
+    return 1e-4 * max(1.0, float(np.abs(values).max())) if case_name.startswith("tiny_peaky") else 1e-4
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize("image", IMAGES)
+def test_vision_tower_and_features(models, checkpoint, image):
+    model = models[checkpoint]
+    pre = preprocess(GOLDEN / "images" / f"{image}.png")
+    tower = model.network.vision_model(mx.array(pre.patches), pre.grid)
+    merged = np.array(merge_2x2(tower, pre.grid))
+    features = np.array(model.network.image_features(mx.array(pre.patches), pre.grid))
+    gold_tower = np.load(GOLDEN / "cases" / f"{checkpoint}__{image}.vision_tower.npy")
+    gold_features = np.load(GOLDEN / "cases" / f"{checkpoint}__{image}.vision_features.npy")
+    np.testing.assert_allclose(merged, gold_tower, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(features, gold_features, atol=1e-5, rtol=0)
+
+
+def first_forwards(model, case):
+    """Logits of slow mode's first forward (last prompt row) and of the first block step (6 rows)."""
+    pre = preprocess(image_path(case["_name"]))
+    features = model.network.image_features(mx.array(pre.patches), pre.grid)
+    runner = StepRunner(model.steps, model.new_cache())
+    prompt = case["input_ids"]
+    last = runner.prefill(model.network.embed(prompt, features))
+    block = runner.step([prompt[-1]] + [model.token_ids.text_mask] * 5, block=True)
+    return np.array(last)[0], np.array(block)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_prompt_and_first_logits(models, name):
+    case = {**golden_case(name), "_name": name}
+    model = models[name.split("__")[0]]
+    last, block = first_forwards(model, case)
+    rows = [(last, case["prompt_last_logits"])] + [(block[j], r) for j, r in enumerate(case["first_block"]["rows"])]
+    for logits, gold in rows:
+        top = gold["top"]
+        assert list(np.argsort(-logits, kind="stable")[:10]) == top["ids"]
+        values = np.array(top["values"])
+        np.testing.assert_allclose(logits[top["ids"]], values, atol=logit_tolerance(name, values), rtol=0)
+        lse = float(np.log(np.sum(np.exp(logits.astype(np.float64) - logits.max()))) + logits.max())
+        assert abs(lse - gold["logsumexp"]) <= logit_tolerance(name, values)
+
+
+@pytest.mark.parametrize("mode", ["slow", "fast", "hybrid"])
+@pytest.mark.parametrize("name", CASES)
+def test_greedy_tokens(models, name, mode):
+    case = golden_case(name)
+    gold = case["generation"][mode]
+    model = models[name.split("__")[0]]
+    result = model.locate(
+        image_path(name),
+        prompt=case["prompt"],
+        task="raw",
+        mode=mode,
+        max_tokens=case["settings"]["max_new_tokens"],
+        strict=True,
+        rendering="B" if name.endswith("__jinja") else "A",
+    )
+    assert result.prompt_ids == case["input_ids"]
+    assert result.grid == case["image_grid_hw"]
+    assert result.token_ids == gold["generated_ids"]
+    assert result.stats["stop_reason"] == gold["stop"]
+    assert result.stats["steps"] == gold["n_forward"]
+    assert result.stats["host_reads"] == result.stats["steps"]
