@@ -270,7 +270,6 @@ def decide_block(
     thresholds: Thresholds = Thresholds(),
     guards: Guards = Guards(),
     redecode_labels: bool = False,
-    prev_box: tuple[int, int, int, int] | None = None,
 ) -> BlockDecision:
     """Decide one block step from its summary (§10.4 b-e).
 
@@ -278,13 +277,12 @@ def decide_block(
         summary: the host copy of `sampling.block_summary`, shape (BLOCK_SUMMARY_SIZE,).
         mode: `Mode.FAST` or `Mode.HYBRID`.
         thresholds: decision thresholds (reference values by default).
-        guards: `Guards.STRICT` follows the reference exactly; the default adds the end and loop guards.
+        guards: `Guards.STRICT` follows the reference exactly. The end and box-start guards act here; the loop
+            guard spans steps (a box may also be completed by AR), so the decode loop applies `loop_guard_trips`.
         redecode_labels: hybrid text fix. When a label block has a label token (up to its first </ref>) with
             probability below `thresholds.label_prob`, commit the row-0 token and the confident tokens after it,
             and return `Next.AR` with `Event.LABEL_REDECODE`; AR then re-decodes the label until </ref>.
             Row 0 is always committed, so the AR step has an uncached tail to run on.
-        prev_box: the previous box of the stream as 4 coordinate values, for the loop guard. When the guard
-            trips on this block's box, nothing is committed and the decision is `Next.STOP`.
 
     Returns:
         A `BlockDecision`.
@@ -327,11 +325,6 @@ def decide_block(
             keep += 1
         if keep < label_len:
             tokens, probs, nxt, event = tokens[:keep], probs[:keep], Next.AR, Event.LABEL_REDECODE
-
-    if guards.loop_guard and prev_box is not None and event is Event.BOX:
-        box_values = tuple(ids.coord_value(tok) for tok in tokens[1:5])
-        if loop_guard_trips(prev_box, box_values):
-            tokens, probs, nxt, event, stop_reason = [], [], Next.STOP, Event.END, StopReason.LOOP_GUARD
 
     return BlockDecision(
         tokens=tokens,

@@ -222,17 +222,6 @@ def test_loop_guard_trips(prev, last, trips):
     assert loop_guard_trips(prev, last) is trips
 
 
-def test_loop_guard_in_decide_block():
-    summary = golden_summary("box_legal")
-    box = decide_block(summary, Mode.HYBRID, IDS, guards=Guards.STRICT).tokens
-    values = tuple(IDS.coord_value(t) for t in box[1:5])
-    d = decide_block(summary, Mode.HYBRID, IDS, prev_box=values)
-    assert (d.tokens, d.next, d.stop_reason) == ([], Next.STOP, StopReason.LOOP_GUARD)
-    assert decide_block(summary, Mode.HYBRID, IDS, guards=Guards.STRICT, prev_box=values).tokens == box
-    assert decide_block(summary, Mode.HYBRID, IDS, prev_box=(0, 0, 1000, 1000)).tokens == box
-    assert decide_block(summary, Mode.HYBRID, IDS).tokens == box
-
-
 # --- Thresholds the golden blocks leave out ---
 
 
