@@ -1,0 +1,192 @@
+"""Command line: `mlx-locate --model M --image I --query Q [--json] [--draw out.png]`.
+
+`python -m mlx_locate.generate` runs the same `main`. Errors a user can cause (a missing or unreadable image,
+a missing model folder, a bad config, an unknown task) print one `error: ...` line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from .decide import Guards, Mode
+from .draw import draw_objects
+from .locate import Result, load
+from .preprocess import load_image
+from .prompts import RENDERINGS, TASKS, task_text
+from .sampling import Sampling
+
+DEFAULT_MODEL = None  # a checkpoint folder or hub id; None: --model is required
+DEFAULT_TASK = "detect"
+DEFAULT_MODE = Mode.HYBRID.value
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_RENDERING = "A"
+DEFAULT_SEED = 0
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-locate",
+        description="Locate objects, text or GUI elements in an image with LocateAnything on MLX.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder or Hugging Face hub id (required)")
+    p.add_argument("--image", required=True, help="image file (PNG, JPEG, ...)")
+    p.add_argument("--task", choices=TASKS, help=f"prompt template (default: {DEFAULT_TASK})")
+    p.add_argument(
+        "--query",
+        action="append",
+        help="what to find; repeat for several categories (detect only)",
+    )
+    p.add_argument("--prompt", help="raw user text, sent as is; replaces --task and --query")
+
+    d = p.add_argument_group("decoding")
+    d.add_argument(
+        "--mode",
+        choices=[m.value for m in Mode],
+        default=DEFAULT_MODE,
+        help="slow: token by token; fast: boxes in parallel; hybrid: parallel, token by token on doubt "
+        "(default: %(default)s)",
+    )
+    d.add_argument(
+        "--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, help="generated tokens (default: %(default)s)"
+    )
+    d.add_argument("--strict", action="store_true", help="the reference's decisions exactly: every guard off")
+    d.add_argument("--no-end-guard", action="store_true", help="do not stop when <|im_end|> or <null> leads a block")
+    d.add_argument("--no-loop-guard", action="store_true", help="do not stop when a box repeats the previous one")
+    d.add_argument("--box-start-guard", action="store_true", help="block decoding fails unless <box> leads")
+    d.add_argument(
+        "--redecode-labels",
+        action=argparse.BooleanOptionalAction,
+        help="re-decode uncertain label tokens one by one in hybrid mode (default: on for --task ocr)",
+    )
+    d.add_argument("--rendering", choices=RENDERINGS, default=DEFAULT_RENDERING, help="chat rendering (default: A)")
+    d.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+
+    s = p.add_argument_group("sampling (default: greedy)")
+    official = Sampling.OFFICIAL
+    s.add_argument(
+        "--official-sampling",
+        action="store_true",
+        help=f"the model card's settings: temperature {official.temperature}, top-p {official.top_p}, "
+        f"repetition penalty {official.repetition_penalty}; the flags below override single values",
+    )
+    s.add_argument("--temperature", type=float, help="0 = greedy")
+    s.add_argument("--top-p", type=float, help="nucleus mass; 1 = off")
+    s.add_argument("--top-k", type=int, help="0 = off")
+    s.add_argument("--repetition-penalty", type=float, help="1 = off")
+    s.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (default: %(default)s)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    o.add_argument("--draw", metavar="PATH", help="save the image with the boxes, points and labels drawn")
+    o.add_argument("--overwrite", action="store_true", help="let --draw replace an existing file")
+    return p
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flag combinations argparse cannot express; each exits with status 2 through `parser.error`."""
+    if args.model is None:
+        parser.error("--model is required: a checkpoint folder or a Hugging Face hub id")
+    if args.prompt is not None and (args.task is not None or args.query):
+        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
+    if args.query and len(args.query) > 1 and (args.task or DEFAULT_TASK) != "detect":
+        parser.error(f"--query given {len(args.query)} times; only --task detect takes several categories")
+    if args.strict and args.box_start_guard:
+        parser.error("--strict turns every guard off; drop --box-start-guard")
+    if args.overwrite and not args.draw:
+        parser.error("--overwrite only applies to --draw")
+
+
+def task_and_query(args: argparse.Namespace) -> tuple[str, str | list[str] | None]:
+    if args.prompt is not None:
+        return "raw", args.prompt
+    queries = args.query or []
+    return args.task or DEFAULT_TASK, queries[0] if len(queries) == 1 else queries or None
+
+
+def sampling_of(args: argparse.Namespace) -> Sampling:
+    """`Sampling()` (greedy) or `Sampling.OFFICIAL`, with each given flag replacing its field."""
+    base = Sampling.OFFICIAL if args.official_sampling else Sampling()
+    names = ("temperature", "top_p", "top_k", "repetition_penalty")
+    return dataclasses.replace(base, **{n: getattr(args, n) for n in names if getattr(args, n) is not None})
+
+
+def guards_of(args: argparse.Namespace) -> Guards:
+    return Guards(
+        end_guard=not args.no_end_guard, loop_guard=not args.no_loop_guard, box_start_guard=args.box_start_guard
+    )
+
+
+def format_text(result: Result) -> str:
+    """One line per object (label, pixel box or point, confidence), then a one-line summary."""
+    lines = []
+    for obj in result.objects:
+        label = obj.label if obj.label is not None else "-"
+        where = obj.box if obj.box is not None else obj.point
+        kind = "box" if obj.box is not None else "point"
+        coords = ", ".join(f"{v:.1f}" for v in where)
+        confidence = "" if obj.confidence is None else f"  {obj.confidence:.3f}"
+        lines.append(f"{label}  {kind} [{coords}]{confidence}")
+    lines.extend(f"{label if label is not None else '-'}  not found" for label in result.empty_labels)
+    if not lines:
+        lines.append("no objects found")
+    s = result.stats
+    timings = ", ".join(f"{k[:-2]} {s[k]:.2f}s" for k in ("preprocess_s", "vision_s", "prefill_s", "decode_s"))
+    summary = (
+        f"[{result.mode}] {s['steps']} steps ({s['block_steps']} block, {s['ar_steps']} AR), {s['tokens']} tokens; "
+        f"{timings}; stop: {s['stop_reason']}{' (truncated)' if result.truncated else ''}"
+    )
+    return "\n".join([*lines, summary])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    task, query = task_and_query(args)
+    try:
+        # Everything the user gave is checked before the (slow) model load.
+        task_text(task, query)
+        sampling = sampling_of(args)
+        image = load_image(args.image)
+        if args.draw and Path(args.draw).exists() and not args.overwrite:
+            raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
+        model = load(args.model, dtype=args.dtype)
+        result = model.locate(
+            image,
+            query,
+            task=task,
+            mode=args.mode,
+            max_tokens=args.max_tokens,
+            sampling=sampling,
+            strict=args.strict,
+            guards=guards_of(args),
+            redecode_labels=args.redecode_labels,
+            rendering=args.rendering,
+            seed=args.seed,
+        )
+        if args.draw:
+            draw_objects(image, result.objects, args.draw, overwrite=args.overwrite)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict()) if args.json else format_text(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""The command line through `main([...])` on the tiny_peaky golden checkpoint, with short generations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import GOLDEN
+from PIL import Image
+
+from mlx_locate import generate
+from mlx_locate.locate import load
+from mlx_locate.sampling import Sampling
+
+IMAGE = GOLDEN / "images" / "rgba_400x300.png"  # the smallest golden image (165 image tokens), not square
+# Fast mode on this image and these categories commits one box (greedy, so always the same one).
+WITH_BOX = ["--query", "red box", "--query", "green circle", "--mode", "fast"]
+_models = {}
+
+
+def cached_load(path, dtype=None):
+    """`load` once per checkpoint for the whole module: each CLI run would otherwise reload and recompile."""
+    key = (str(path), dtype)
+    if key not in _models:
+        _models[key] = load(path, dtype)
+    return _models[key]
+
+
+@pytest.fixture
+def cli(golden_dir, monkeypatch, capsys):
+    """`cli(*args)` -> (exit code, stdout, stderr) of `main` with `--model tiny_peaky --image IMAGE --max-tokens 16`."""
+    monkeypatch.setattr(generate, "load", cached_load)
+    model = str(golden_dir("tiny_peaky"))
+
+    def run(*args: str, image=IMAGE, model=model) -> tuple[int, str, str]:
+        argv = ["--model", model, "--image", str(image), "--max-tokens", "16", *args]
+        code = generate.main(argv)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_text_output(cli):
+    code, out, err = cli(*WITH_BOX)
+    assert code == 0, err
+    *objects, summary = out.strip().splitlines()
+    assert len(objects) == 1
+    label, kind, *rest = objects[0].split()
+    assert kind == "box" and rest[0].startswith("[") and rest[3].endswith("]")
+    assert float(rest[4]) > 0  # confidence
+    assert summary.startswith("[fast]") and "steps" in summary and "stop:" in summary and "decode" in summary
+
+
+def test_json_output(cli):
+    code, out, err = cli(*WITH_BOX, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    keys = ["prompt_ids", "token_ids", "token_probs", "text", "grid", "mode", "objects", "empty_labels"]
+    assert set(keys + ["truncated", "stats"]) <= set(data)
+    assert data["mode"] == "fast"
+    assert len(data["grid"]) == 2 and len(data["token_probs"]) == len(data["token_ids"]) <= 16
+    assert data["stats"]["steps"] >= 1 and data["stats"]["stop_reason"]
+    width, height = Image.open(IMAGE).size
+    assert data["objects"]
+    for obj in data["objects"]:
+        assert {"label", "confidence"} <= set(obj)
+        pixels, norm = (obj["box"], obj["box_norm"]) if "box" in obj else (obj["point"], obj["point_norm"])
+        sizes = [width, height] * (len(norm) // 2)
+        assert all(0 <= v <= 1000 for v in norm)
+        np.testing.assert_allclose(pixels, [v / 1000 * s for v, s in zip(norm, sizes, strict=True)], atol=1e-6)
+
+
+def test_several_queries_join_into_one_detect_prompt(cli, golden_dir):
+    separator = cached_load(str(golden_dir("tiny_peaky"))).tokenizer.added_tokens["</c>"]
+    code, out, err = cli("--query", "red box", "--json", "--mode", "slow")
+    assert code == 0, err
+    assert separator not in json.loads(out)["prompt_ids"]
+    code, out, err = cli("--query", "red box", "--query", "green circle", "--json", "--mode", "slow")
+    assert code == 0, err
+    assert json.loads(out)["prompt_ids"].count(separator) == 1
+
+
+def test_draw(cli, tmp_path):
+    path = tmp_path / "drawn.png"
+    code, _, err = cli(*WITH_BOX, "--draw", str(path))
+    assert code == 0, err
+    drawn = np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
+    source = np.asarray(Image.open(IMAGE).convert("RGB"), dtype=np.int16)
+    assert drawn.shape == source.shape and np.abs(drawn - source).max() > 0
+
+    before = path.read_bytes()
+    code, _, err = cli(*WITH_BOX, "--draw", str(path))
+    assert code == 2 and err.startswith("error:") and "--overwrite" in err
+    assert path.read_bytes() == before
+    code, _, err = cli(*WITH_BOX, "--draw", str(path), "--overwrite")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("args", [["--strict"], ["--mode", "slow"], ["--mode", "fast", "--no-loop-guard"]])
+def test_modes_and_strict(cli, args):
+    code, out, err = cli("--query", "red box", "--json", *args)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["mode"] == (args[1] if args[0] == "--mode" else "hybrid")
+    if args[1:2] == ["slow"]:
+        assert data["stats"]["block_steps"] == 0
+
+
+def test_prompt_and_sampling_flags(cli):
+    args = ["--prompt", "Point to: the red box.", "--official-sampling", "--top-k", "5", "--seed", "3"]
+    code, out, err = cli(*args, "--rendering", "B", "--no-redecode-labels", "--no-end-guard", "--json")
+    assert code == 0, err
+    assert json.loads(out)["mode"] == "hybrid"
+
+
+def test_sampling_of():
+    args = generate.build_parser().parse_args(["--image", "x", "--official-sampling", "--temperature", "0.3"])
+    assert generate.sampling_of(args) == Sampling(temperature=0.3, top_p=0.9, top_k=0, repetition_penalty=1.1)
+    args = generate.build_parser().parse_args(["--image", "x", "--top-k", "4"])
+    assert generate.sampling_of(args) == Sampling(top_k=4)
+
+
+def test_user_errors_exit_2(cli, tmp_path):
+    not_image = tmp_path / "notes.png"
+    not_image.write_text("not a picture")
+    bad_config = tmp_path / "bad_model"
+    bad_config.mkdir()
+    (bad_config / "config.json").write_text("{ nope")
+    cases = [
+        ([], {"image": tmp_path / "missing.png"}, "image file not found"),
+        ([], {"image": not_image}, "not a readable image"),
+        ([], {"model": str(tmp_path / "no_model")}, "does not exist"),
+        ([], {"model": str(bad_config)}, "not valid JSON"),
+        (["--top-p", "0"], {}, "invalid sampling settings"),
+        (["--task", "ocr"], {}, "takes no query"),
+    ]
+    for args, kwargs, message in cases:
+        code, out, err = cli("--query", "red box", *args, **kwargs)
+        assert code == 2 and out == ""
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mode", "medium"], "invalid choice"),
+        (["--max-tokens", "0"], "must be at least 1"),
+        (["--task", "segment"], "invalid choice"),
+        (["--task", "refer", "--query", "a", "--query", "b"], "only --task detect"),
+        (["--prompt", "hi", "--query", "a"], "--prompt"),
+        (["--strict", "--box-start-guard"], "--strict"),
+    ],
+)
+def test_argument_errors(cli, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        cli("--query", "red box", *args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_model_is_required(capsys):
+    with pytest.raises(SystemExit) as exc:
+        generate.main(["--image", str(IMAGE), "--query", "x"])
+    assert exc.value.code == 2 and "--model is required" in capsys.readouterr().err
+
+
+def test_module_help():
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_locate.generate", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--model", "--image", "--query", "--json", "--draw", "--official-sampling", "--redecode-labels"):
+        assert flag in proc.stdout
