@@ -85,14 +85,14 @@ class StepRunner:
         return logits
 
     def prefill(self, embeds: mx.array) -> mx.array:
-        """Caches the prompt (1, P, D) from slot 0; returns the last row's logits (1, V)."""
+        """Caches prompt rows (1, P, D) after those already cached (a shared prefix, or none); returns the
+        last row's logits (1, V)."""
         P = embeds.shape[1]
         Q = padded_rows(Phase.PREFILL, P)
         if Q > P:
             embeds = mx.concatenate([embeds, mx.zeros((1, Q - P, embeds.shape[2]), embeds.dtype)], axis=1)
-        self.cache.offset = 0
         logits = self._run(Phase.PREFILL, embeds, P, Q)
-        self.cache.offset = P
+        self.cache.offset += P
         return logits
 
     def step(self, ids: list[int], block: bool) -> mx.array:

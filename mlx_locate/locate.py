@@ -5,7 +5,9 @@ The data flow reads top to bottom: preprocess -> vision -> projector -> splice -
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from .decode import DecodeOptions, decode
 from .loader import build_model, read_json, resolve
 from .model import LocateAnything
 from .parse import LocatedObject, parse_tokens
-from .preprocess import IN_TOKEN_LIMIT, load_image, preprocess, to_rgb
+from .preprocess import IN_TOKEN_LIMIT, Preprocessed, load_image, preprocess, to_rgb
 from .prompts import prompt_ids, task_text
 from .sampling import Sampling
 from .tokenizer import Tokenizer
@@ -46,8 +48,11 @@ class Result:
         return out
 
 
+FEATURE_CACHE_SIZE = 8  # images whose vision features stay cached, by content
+
+
 class LocateModel:
-    """A loaded checkpoint: network, tokenizer and compiled step functions."""
+    """A loaded checkpoint: network, tokenizer, compiled step functions and a vision-feature cache."""
 
     def __init__(self, network: LocateAnything, tokenizer: Tokenizer, in_token_limit: int = IN_TOKEN_LIMIT):
         self.network = network
@@ -55,6 +60,7 @@ class LocateModel:
         self.token_ids = network.token_ids
         self.in_token_limit = in_token_limit
         self.steps = CompiledSteps(network)
+        self.features: OrderedDict[tuple, mx.array] = OrderedDict()
 
     @property
     def compilations(self) -> int:
@@ -66,9 +72,63 @@ class LocateModel:
         dtype = self.network.language_model.model.norm.weight.dtype
         return KVCache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, dtype)
 
+    def image_features(self, rgb: Image.Image, pre: Preprocessed) -> tuple[mx.array, bool]:
+        """Vision tower + connector for one image, cached by the image's content; returns (features, hit)."""
+        key = (hashlib.sha256(rgb.tobytes()).hexdigest(), rgb.size, pre.grid)
+        if key in self.features:
+            self.features.move_to_end(key)
+            return self.features[key], True
+        features = self.network.image_features(mx.array(pre.patches), pre.grid)
+        mx.eval(features)
+        self.features[key] = features
+        if len(self.features) > FEATURE_CACHE_SIZE:
+            self.features.popitem(last=False)
+        return features, False
+
+    def session(self, image: str | Path | Image.Image, rendering: str = "A") -> Session:
+        """Run the image through vision and the prompt prefix once; then ask many queries."""
+        return Session(self, image, rendering)
+
+    def locate(
+        self, image: str | Path | Image.Image, query: str | list[str] | None = None, *, rendering: str = "A", **kwargs
+    ) -> Result | list[Result]:
+        """Find `query` in `image`; a list of queries gives a list of results, sharing the image's work.
+
+        Keyword arguments are those of `Session.locate` (task, mode, max_tokens, sampling, ...).
+        """
+        session = self.session(image, rendering)
+        if isinstance(query, list):
+            return [session.locate(q, **kwargs) for q in query]
+        return session.locate(query, **kwargs)
+
+
+class Session:
+    """One image and many queries: preprocessing, vision and the prompt prefix up to `</img>` run once;
+    each query forks the cached prefix (no copy) and prefills only its own text."""
+
+    def __init__(self, model: LocateModel, image: str | Path | Image.Image, rendering: str = "A"):
+        self.model = model
+        self.rendering = rendering
+        network = model.network
+        t0 = time.perf_counter()
+        rgb = to_rgb(load_image(image))
+        self.pre = preprocess(rgb, in_token_limit=model.in_token_limit, patch_size=network.config.vision.patch_size)
+        prompt = prompt_ids(model.tokenizer, "", [self.pre.grid], rendering=rendering)
+        self.prefix = prompt[: prompt.index(model.token_ids.img_end) + 1]
+        self.timings = {"preprocess_s": time.perf_counter() - t0}
+
+        t0 = time.perf_counter()
+        features, self.vision_cached = model.image_features(rgb, self.pre)
+        self.timings["vision_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        self.cache = model.new_cache()
+        StepRunner(model.steps, self.cache).prefill(network.embed(self.prefix, features))
+        mx.eval([t for pair in self.cache.kv for t in pair])
+        self.timings["prefix_prefill_s"] = time.perf_counter() - t0
+
     def locate(
         self,
-        image: str | Path | Image.Image,
         query: str | list[str] | None = None,
         *,
         task: str = "detect",
@@ -78,15 +138,15 @@ class LocateModel:
         strict: bool = False,
         guards: Guards = Guards(),
         redecode_labels: bool | None = None,
-        rendering: str = "A",
         prompt: str | None = None,
         seed: int = 0,
     ) -> Result:
-        """Find `query` in `image`. `task` picks the prompt template (MODEL.md §8.3); `prompt` replaces it
-        with raw user text. Boxes and points come back in the pixels of the image as given.
+        """Find `query` in the session's image. `task` picks the prompt template (MODEL.md §8.3); `prompt`
+        replaces it with raw user text. Boxes and points come back in the pixels of the image as given.
 
         `redecode_labels` (hybrid) re-decodes uncertain label tokens autoregressively; default: on for OCR.
         """
+        model, network = self.model, self.model.network
         if isinstance(mode, str):
             modes = {m.value: m for m in Mode}
             if mode not in modes:
@@ -102,31 +162,25 @@ class LocateModel:
             redecode_labels=(task == "ocr") if redecode_labels is None else redecode_labels,
             seed=seed,
         )
-        timings = {}
-        t0 = time.perf_counter()
-        rgb = to_rgb(load_image(image))
-        pre = preprocess(rgb, in_token_limit=self.in_token_limit, patch_size=self.network.config.vision.patch_size)
-        ids = prompt_ids(self.tokenizer, user_text, [pre.grid], rendering=rendering)
-        timings["preprocess_s"] = time.perf_counter() - t0
+        ids = prompt_ids(model.tokenizer, user_text, [self.pre.grid], rendering=self.rendering)
+        assert ids[: len(self.prefix)] == self.prefix, "the prompt must extend the session's prefix"
 
         t0 = time.perf_counter()
-        features = self.network.image_features(mx.array(pre.patches), pre.grid)
-        mx.eval(features)
-        timings["vision_s"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        runner = StepRunner(self.steps, self.new_cache())
-        first_logits = runner.prefill(self.network.embed(ids, features))
+        runner = StepRunner(model.steps, self.cache.fork())
+        no_features = mx.zeros((0, network.config.text.hidden_size))
+        first_logits = runner.prefill(network.embed(ids[len(self.prefix) :], no_features))
         mx.eval(first_logits)
-        timings["prefill_s"] = time.perf_counter() - t0
+        prefill_s = time.perf_counter() - t0
 
-        out = decode(runner.step, ids, first_logits, self.token_ids, options, self.tokenizer.model_max_length)
-        parsed = parse_tokens(out.tokens, self.token_ids, self.tokenizer.decode, pre.original_size, out.probs)
+        out = decode(runner.step, ids, first_logits, model.token_ids, options, model.tokenizer.model_max_length)
+        parsed = parse_tokens(out.tokens, model.token_ids, model.tokenizer.decode, self.pre.original_size, out.probs)
         s = out.stats
         stats = {
-            **timings,
+            **self.timings,
+            "vision_cached": self.vision_cached,
+            "prefill_s": prefill_s,
             "decode_s": s.decode_s,
-            "first_box_s": None if s.first_box_s is None else timings["prefill_s"] + s.first_box_s,
+            "first_box_s": None if s.first_box_s is None else prefill_s + s.first_box_s,
             "tokens": len(out.tokens),
             "steps": s.steps,
             "block_steps": s.block_steps,
@@ -136,17 +190,17 @@ class LocateModel:
             "host_reads": s.host_reads,
             "stop_reason": s.stop_reason.value,
             "sources": s.sources,
-            "compilations": self.compilations,
+            "compilations": model.compilations,
         }
         return Result(
             objects=parsed.objects,
             empty_labels=parsed.empty_labels,
-            text=self.tokenizer.decode(out.tokens),
+            text=model.tokenizer.decode(out.tokens),
             prompt_ids=ids,
             token_ids=out.tokens,
             token_probs=out.probs,
-            grid=list(pre.grid),
-            image_size=pre.original_size,
+            grid=list(self.pre.grid),
+            image_size=self.pre.original_size,
             mode=mode.value,
             truncated=parsed.truncated,
             stats=stats,
