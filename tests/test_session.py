@@ -1,0 +1,48 @@
+"""Many queries on one image: the shared prefix and the vision cache change nothing in the answers."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import GOLDEN
+from PIL import Image
+
+import mlx_locate
+
+IMAGE = GOLDEN / "images" / "shapes_448x448.png"
+QUERIES = ["red box", "green circle", "the blue square"]
+
+
+@pytest.fixture(scope="module")
+def model(golden_dir):
+    return mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
+
+
+def test_prefix_reuse_gives_the_same_tokens_as_separate_calls(model, golden_dir):
+    together = model.locate(IMAGE, QUERIES, mode="hybrid", max_tokens=24)
+    fresh = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
+    for query, result in zip(QUERIES, together, strict=True):
+        alone = fresh.locate(IMAGE, query, mode="hybrid", max_tokens=24)
+        fresh.features.clear()
+        assert result.prompt_ids == alone.prompt_ids
+        assert result.token_ids == alone.token_ids
+        assert result.objects == alone.objects
+
+
+def test_session_queries_are_independent(model):
+    session = model.session(IMAGE)
+    first = session.locate("red box", mode="fast", max_tokens=12)
+    session.locate("green circle", mode="slow", max_tokens=12)
+    again = session.locate("red box", mode="fast", max_tokens=12)
+    assert again.token_ids == first.token_ids
+    assert session.cache.offset == len(session.prefix)
+
+
+def test_vision_cache_hits_on_the_same_image_and_misses_on_a_changed_one(model, tmp_path):
+    model.features.clear()
+    assert not model.session(IMAGE).vision_cached
+    assert model.session(Image.open(IMAGE)).vision_cached  # same content, another object
+    changed = Image.open(IMAGE).convert("RGB")
+    changed.putpixel((0, 0), (1, 2, 3))
+    assert not model.session(changed).vision_cached
+    same_size_other = Image.new("RGB", changed.size, (255, 255, 255))
+    assert not model.session(same_size_other).vision_cached
