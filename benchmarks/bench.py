@@ -1,0 +1,275 @@
+"""Benchmarks of mlx_locate on random checkpoints: per-phase timings, step costs, compilations, memory.
+
+    python benchmarks/bench.py --preset medium [--peer .bench/venv/bin/python] [--json out.json]
+    python benchmarks/bench.py --preset 3b --in-memory            # the GPU machine: no 7 GB file written
+
+Prints a table last and writes full results as JSON. Random weights make meaningless boxes: block and AR
+step costs, prefill and vision times are what matter; decisions still run the real rules. With --peer,
+the same inputs go through mlx-vlm (benchmarks/peer_mlxvlm.py) in that interpreter, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import mlx_locate  # noqa: E402
+from mlx_locate.compiled import StepRunner  # noqa: E402
+from mlx_locate.config import ModelConfig  # noqa: E402
+from mlx_locate.locate import LocateModel  # noqa: E402
+from mlx_locate.model import LocateAnything  # noqa: E402
+from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
+from mlx_locate.tokenizer import Tokenizer  # noqa: E402
+
+TOKENIZER_DIR = ROOT / "tests" / "data" / "golden" / "tokenizer"
+IMAGES = {"640x480": ROOT / "tests/data/golden/images/shapes_640x480.png"}
+QUERY = "red box"
+
+
+def blas_name() -> str:
+    preload = os.environ.get("LD_PRELOAD", "")
+    return Path(preload).name if "blas" in preload else "mlx default (reference BLAS on Linux CPU)"
+
+
+def make_image(size: tuple[int, int], out: Path) -> Path:
+    """A deterministic test image of the given size (shapes on a gradient)."""
+    if not out.exists():
+        w, h = size
+        rng = np.random.default_rng(0)
+        x = np.linspace(0, 255, w, dtype=np.float32)[None, :, None]
+        y = np.linspace(0, 255, h, dtype=np.float32)[:, None, None]
+        img = np.concatenate([np.broadcast_to(x, (h, w, 1)), np.broadcast_to(y, (h, w, 1)), np.full((h, w, 1), 90)], -1)
+        for _ in range(12):
+            x0, y0 = rng.integers(0, w - 40), rng.integers(0, h - 40)
+            img[y0 : y0 + rng.integers(20, 120), x0 : x0 + rng.integers(20, 120)] = rng.integers(0, 255, 3)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(img.astype(np.uint8)).save(out)
+    return out
+
+
+def in_memory_model(preset: str, dtype: str) -> LocateModel:
+    """The preset's architecture with random weights drawn on the device (no checkpoint file)."""
+    p = PRESETS[preset]
+    raw = p.config(dtype)
+    config = ModelConfig.from_dict(raw)
+    tokenizer = Tokenizer.from_folder(TOKENIZER_DIR)
+    network = LocateAnything(config, tokenizer.token_ids(raw))
+    mx.random.seed(0)
+    target = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[dtype]
+
+    def draw(w):
+        return (mx.random.normal(w.shape) * 0.02).astype(target)
+
+    network.update(tree_map(draw, network.parameters()))
+    mx.eval(network.parameters())
+    return LocateModel(network, tokenizer)
+
+
+def weight_bytes(model: LocateModel, decoder_only: bool = True) -> int:
+    tree = model.network.language_model.parameters() if decoder_only else model.network.parameters()
+    return sum(v.nbytes for _, v in tree_flatten(tree))
+
+
+def measure_bandwidth() -> float:
+    """Bytes/s of a large elementwise pass (read + write)."""
+    x = mx.random.normal((64 * 1024 * 1024,)).astype(mx.bfloat16)
+    mx.eval(x)
+    for _ in range(3):
+        mx.eval(x * 1.0001)
+    n = 10
+    t0 = time.perf_counter()
+    for _ in range(n):
+        mx.eval(x * 1.0001)
+    return 2 * x.nbytes * n / (time.perf_counter() - t0)
+
+
+def step_costs(model: LocateModel, context: int, iters: int) -> dict:
+    """ms per AR step (1 row) and per block step (12 rows) at a given cached length, one eval per step."""
+    runner = StepRunner(model.steps, model.new_cache())
+    d = model.network.config.text.hidden_size
+    dtype = model.network.language_model.model.norm.weight.dtype
+    mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
+    out = {}
+    for name, ids, block in (("ar_ms", [1], False), ("block_ms", [1] * 6 + [2] * 6, True)):
+        base = runner.cache.offset
+        for _ in range(3):  # warm-up (compile)
+            mx.eval(runner.step(ids, block))
+            runner.cache.offset = base
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            mx.eval(runner.step(ids, block))
+            runner.cache.offset = base
+        out[name] = 1e3 * (time.perf_counter() - t0) / iters
+    return out
+
+
+def run_modes(model: LocateModel, image: Path, modes: list[str], max_tokens: int, repeat: int) -> dict:
+    results = {}
+    for mode in modes:
+        model.locate(image, QUERY, mode=mode, max_tokens=max_tokens)  # warm-up: compiles every bucket
+        warm = model.compilations
+        mx.reset_peak_memory()
+        runs = []
+        for _ in range(repeat):
+            model.features.clear()
+            runs.append(model.locate(image, QUERY, mode=mode, max_tokens=max_tokens))
+        r = min(runs, key=lambda x: x.stats["decode_s"])
+        s = r.stats
+        boxes = len(r.objects)
+        results[mode] = {
+            "preprocess_ms": 1e3 * s["preprocess_s"],
+            "vision_ms": 1e3 * s["vision_s"],
+            "prefill_ms": 1e3 * (s["prefix_prefill_s"] + s["prefill_s"]),
+            "first_box_ms": None if s["first_box_s"] is None else 1e3 * (s["prefix_prefill_s"] + s["first_box_s"]),
+            "decode_ms": 1e3 * s["decode_s"],
+            "tokens": s["tokens"],
+            "steps": s["steps"],
+            "block_steps": s["block_steps"],
+            "ar_steps": s["ar_steps"],
+            "ms_per_step": 1e3 * s["decode_s"] / max(s["steps"], 1),
+            "tokens_per_s": s["tokens"] / s["decode_s"],
+            "blocks_per_s": s["block_steps"] / s["decode_s"] if s["block_steps"] else None,
+            "boxes": boxes,
+            "boxes_per_s": boxes / s["decode_s"],
+            "host_reads_per_step": s["host_reads"] / max(s["steps"], 1),
+            "compilations_warmup": warm,
+            "compilations_after": model.compilations - warm,
+            "peak_memory_mb": mx.get_peak_memory() / 2**20,
+            "stop_reason": s["stop_reason"],
+            "token_ids": r.token_ids,
+        }
+    return results
+
+
+def run_peer(python: str, model_dir: Path, image: Path, modes: list[str], max_tokens: int, repeat: int) -> dict:
+    script = ROOT / "benchmarks" / "peer_mlxvlm.py"
+    out = {}
+    for mode in modes:
+        cmd = [python, str(script), "--model", str(model_dir), "--image", str(image), "--query", QUERY]
+        cmd += ["--mode", mode, "--max-tokens", str(max_tokens), "--repeat", str(repeat)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        if proc.returncode != 0:
+            out[mode] = {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
+            continue
+        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="medium", choices=sorted(PRESETS))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--in-memory", action="store_true", help="random weights on the device, no checkpoint")
+    parser.add_argument("--modes", nargs="+", default=["slow", "fast", "hybrid"])
+    parser.add_argument("--images", nargs="+", default=["640x480"], help="golden 640x480 or WxH generated")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512], help="cached lengths for step costs")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--peer", help="python of a venv with mlx-vlm 0.7.10: run the peer side by side")
+    parser.add_argument("--workdir", default=str(ROOT / ".bench"))
+    parser.add_argument("--json", default=None, help="write results here (default benchmarks/results/<preset>.json)")
+    args = parser.parse_args(argv)
+
+    work = Path(args.workdir)
+    t0 = time.perf_counter()
+    if args.in_memory:
+        model, model_dir = in_memory_model(args.preset, args.dtype), None
+    else:
+        model_dir = work / f"{args.preset}-{args.dtype}"
+        if not (model_dir / "config.json").is_file():
+            make_random_checkpoint(model_dir, preset=args.preset, dtype=args.dtype, tokenizer_dir=TOKENIZER_DIR)
+        model = mlx_locate.load(model_dir)
+    load_s = time.perf_counter() - t0
+
+    images = {}
+    for name in args.images:
+        images[name] = IMAGES.get(name) or make_image(tuple(int(v) for v in name.split("x")), work / f"{name}.png")
+
+    report = {
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "blas": blas_name(),
+        "load_s": load_s,
+        "decoder_weight_bytes": weight_bytes(model),
+        "images": {},
+        "steps": {},
+    }
+    if mx.default_device() == mx.gpu:
+        bw = measure_bandwidth()
+        report["bandwidth_gb_s"] = bw / 1e9
+        report["step_floor_ms"] = 1e3 * report["decoder_weight_bytes"] / bw
+    for context in args.contexts:
+        report["steps"][context] = step_costs(model, context, args.iters)
+    for name, path in images.items():
+        ours = run_modes(model, path, args.modes, args.max_tokens, args.repeat)
+        entry = {"ours": ours}
+        if args.peer and model_dir is not None:
+            entry["mlx_vlm"] = run_peer(args.peer, model_dir, path, args.modes, args.max_tokens, args.repeat)
+        report["images"][name] = entry
+
+    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"{args.preset}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"\nwrote {out}")
+    return 0
+
+
+def fmt(v, digits=1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def print_table(report: dict) -> None:
+    print(f"\npreset {report['preset']} {report['dtype']} on {report['device']} ({report['blas']})")
+    if "step_floor_ms" in report:
+        gb = report["decoder_weight_bytes"] / 1e9
+        print(f"bandwidth {report['bandwidth_gb_s']:.0f} GB/s; decoder weights {gb:.2f} GB")
+        print(f"step floor (weights / bandwidth) {report['step_floor_ms']:.2f} ms")
+    for context, s in report["steps"].items():
+        line = f"context {context}: AR step {s['ar_ms']:.2f} ms, block step {s['block_ms']:.2f} ms"
+        if "step_floor_ms" in report:
+            line += (
+                f" ({s['ar_ms'] / report['step_floor_ms']:.2f}x / {s['block_ms'] / report['step_floor_ms']:.2f}x floor)"
+            )
+        print(line)
+    cols = [
+        "vision_ms",
+        "prefill_ms",
+        "first_box_ms",
+        "ms_per_step",
+        "tokens_per_s",
+        "blocks_per_s",
+        "host_reads_per_step",
+        "compilations_after",
+        "peak_memory_mb",
+    ]
+    for name, entry in report["images"].items():
+        print(f"\nimage {name}")
+        print(f"{'side':8} {'mode':7} " + " ".join(f"{c:>14}" for c in cols))
+        for side, modes in entry.items():
+            for mode, r in modes.items():
+                if "error" in r:
+                    print(f"{side:8} {mode:7} error: {r['error']}")
+                    continue
+                print(f"{side:8} {mode:7} " + " ".join(f"{fmt(r.get(c)):>14}" for c in cols))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
