@@ -1,0 +1,275 @@
+"""Strict checkpoint loading (MODEL.md §4): every bad input fails with an error that names the problem, and every
+accepted layout (one file, shards + index, mlx-vlm names, no head copy, extra rotary buffers) gives the same model.
+
+Variants are small copies of the golden `tiny_random` weights (10 MB) rewritten with `mx.save_safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import GOLDEN, TOKENIZER_DIR
+from mlx.utils import tree_flatten
+
+from mlx_locate.config import ModelConfig
+from mlx_locate.loader import build_model
+from mlx_locate.locate import load
+from mlx_locate.tokenizer import Tokenizer
+
+SOURCE = GOLDEN / "checkpoints" / "tiny_random"
+HEAD = "language_model.lm_head.weight"
+
+
+@pytest.fixture(scope="module")
+def weights() -> dict[str, mx.array]:
+    return mx.load(str(SOURCE / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def raw_config() -> dict:
+    return json.loads((SOURCE / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def token_ids(raw_config):
+    return Tokenizer.from_folder(TOKENIZER_DIR).token_ids(raw_config)
+
+
+def write_checkpoint(folder: Path, tensors: dict[str, mx.array], config: dict | None = None) -> Path:
+    """config.json (the golden one unless given) + model.safetensors; no tokenizer (build_model needs none)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config or json.loads((SOURCE / "config.json").read_text())))
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
+    return folder
+
+
+def build(folder: Path, token_ids, dtype: str | None = "float32"):
+    raw = json.loads((folder / "config.json").read_text())
+    return build_model(folder, ModelConfig.from_dict(raw), token_ids, dtype)
+
+
+def signature(net) -> np.ndarray:
+    """Vision tower -> connector -> splice -> LM -> last-row logits, on fixed random input (2x2 merged tokens)."""
+    rng = np.random.default_rng(0)
+    patches = mx.array(rng.normal(size=(16, 3, 14, 14)).astype(np.float32))
+    features = net.image_features(patches, (4, 4))
+    ids = [151644, 872, 198] + [net.token_ids.image] * 4 + [9707, 198]
+    embeds = net.embed(ids, features)
+    T = len(ids)
+    lm = net.language_model
+    hidden, _ = lm(embeds, mx.arange(T), mx.tril(mx.ones((T, T), dtype=mx.bool_)))
+    return np.array(lm.logits(hidden[:, -1]))
+
+
+@pytest.fixture(scope="module")
+def reference(weights, token_ids, tmp_path_factory) -> np.ndarray:
+    return signature(build(write_checkpoint(tmp_path_factory.mktemp("ref"), weights), token_ids))
+
+
+# ---------------------------------------------------------------- folders and config.json
+
+
+def test_missing_folder(tmp_path):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing)) + ".*does not exist"):
+        load(missing)
+
+
+def test_missing_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path}: missing config.json")):
+        load(tmp_path)
+
+
+def test_config_not_json(tmp_path):
+    (tmp_path / "config.json").write_text("{'text_config': ")
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "message"),
+    [
+        ("text_config", "hidden_size", r"text_config: missing field\(s\) hidden_size"),
+        ("text_config", "num_key_value_heads", r"text_config: missing field\(s\) num_key_value_heads"),
+        ("vision_config", "patch_size", r"vision_config: missing field\(s\) patch_size"),
+        (None, "vision_config", "missing section vision_config"),
+    ],
+)
+def test_config_missing_field(tmp_path, raw_config, section, field, message):
+    config = json.loads(json.dumps(raw_config))
+    del (config[section] if section else config)[field]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load(tmp_path)
+
+
+# ---------------------------------------------------------------- weight files
+
+
+def test_truncated_safetensors(tmp_path, weights, token_ids):
+    folder = write_checkpoint(tmp_path / "cut", weights)
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # header intact, tensor data cut
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": truncated safetensors file \(tensors need"):
+        build(folder, token_ids)
+    path.write_bytes(data[:100])  # inside the header
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": truncated safetensors file \(header of"):
+        build(folder, token_ids)
+    path.write_bytes(data[:5])
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": truncated safetensors file .*no header"):
+        build(folder, token_ids)
+
+
+def test_not_a_safetensors_file(tmp_path, token_ids):
+    folder = write_checkpoint(tmp_path / "junk", {"x": mx.zeros((1,))})
+    path = folder / "model.safetensors"
+    path.write_bytes((20).to_bytes(8, "little") + b"this is not json at all, sorry")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": not a safetensors file"):
+        build(folder, token_ids)
+    # A file of another kind (here a PNG) reads as a huge header length. The message names the file and the
+    # format, but calls it truncated (see the report: "not a safetensors file or truncated" would be clearer).
+    shutil.copy(GOLDEN / "images" / "shapes_448x448.png", path)
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": .*safetensors"):
+        build(folder, token_ids)
+
+
+def test_no_weights(tmp_path, token_ids):
+    folder = write_checkpoint(tmp_path / "none", {"x": mx.zeros((1,))})
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights"):
+        build(folder, token_ids)
+
+
+# ---------------------------------------------------------------- names and shapes
+
+
+def test_missing_tensor_is_named(tmp_path, weights, token_ids):
+    gone = ["language_model.model.layers.1.mlp.up_proj.weight", "vision_model.encoder.blocks.0.wqkv.bias"]
+    folder = write_checkpoint(tmp_path / "m", {k: v for k, v in weights.items() if k not in gone})
+    with pytest.raises(ValueError, match="missing tensors: " + re.escape(", ".join(sorted(gone)))) as err:
+        build(folder, token_ids)
+    assert "unexpected" not in str(err.value) and "misshapen" not in str(err.value)
+
+
+def test_wrong_shape_is_named(tmp_path, weights, token_ids):
+    bad = dict(weights)
+    bad["mlp1.1.weight"] = bad["mlp1.1.weight"].T
+    folder = write_checkpoint(tmp_path / "s", bad)
+    expected = "misshapen tensors: mlp1.1.weight (256, 16) (expected (16, 256))"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        build(folder, token_ids)
+
+
+def test_unexpected_tensor_is_named(tmp_path, weights, token_ids):
+    extra = "language_model.model.layers.0.self_attn.q_norm.weight"
+    folder = write_checkpoint(tmp_path / "u", {**weights, extra: mx.ones((4,))})
+    with pytest.raises(ValueError, match="unexpected tensors: " + re.escape(extra)):
+        build(folder, token_ids)
+
+
+def test_head_copy_and_rotary_buffers_dropped(tmp_path, weights, token_ids, reference):
+    """No head copy, a head copy that differs (the head is tied to embed_tokens), and rotary buffers: all silent."""
+    rotary = {
+        "language_model.model.layers.0.self_attn.rotary_emb.inv_freq": mx.ones((2,)),
+        "language_model.model.rotary_emb.inv_freq": mx.ones((2,)),
+        "vision_model.encoder.blocks.1.rotary_emb.cos_cached": mx.ones((4, 4)),
+    }
+    no_head = {k: v for k, v in weights.items() if k != HEAD}
+    np.testing.assert_array_equal(signature(build(write_checkpoint(tmp_path / "a", no_head), token_ids)), reference)
+    other_head = {**weights, **rotary, HEAD: mx.zeros_like(weights[HEAD])}
+    np.testing.assert_array_equal(signature(build(write_checkpoint(tmp_path / "b", other_head), token_ids)), reference)
+
+
+# ---------------------------------------------------------------- shards
+
+
+def write_shards(folder: Path, weights: dict[str, mx.array]) -> dict:
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    write_checkpoint(folder, {"x": mx.zeros((1,))})
+    (folder / "model.safetensors").unlink()
+    weight_map = {}
+    for file, keys in shards.items():
+        mx.save_safetensors(str(folder / file), {k: weights[k] for k in keys}, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, file))
+    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return index
+
+
+def test_shards_through_the_index(tmp_path, weights, token_ids, reference):
+    folder = tmp_path / "sharded"
+    write_shards(folder, weights)
+    (folder / "stray.safetensors").write_bytes(b"not read: only the index's files are")
+    np.testing.assert_array_equal(signature(build(folder, token_ids)), reference)
+
+
+def test_shard_named_in_index_but_missing(tmp_path, weights, token_ids):
+    folder = tmp_path / "sharded"
+    write_shards(folder, weights)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors\.index\.json.*model-00002-of-00002\.safetensors"):
+        build(folder, token_ids)
+
+
+# ---------------------------------------------------------------- the mlx-vlm layout
+
+
+def to_mlx_vlm(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """MODEL.md §4: vision_model.{encoder.,} -> vision_tower., blocks' wqkv/wo -> attn.*, OHWI patch weight,
+    mlp1.{0,1,3} -> multi_modal_projector.{layer_norm,linear_1,linear_2}, no head copy."""
+    out = {}
+    projector = {"mlp1.0.": "layer_norm.", "mlp1.1.": "linear_1.", "mlp1.3.": "linear_2."}
+    for key, value in weights.items():
+        if key == HEAD:
+            continue
+        if key == "vision_model.patch_embed.proj.weight":
+            value = value.transpose(0, 2, 3, 1)
+        key = re.sub(r"^vision_model\.(encoder\.)?", "vision_tower.", key)
+        key = re.sub(r"^(vision_tower\.blocks\.\d+\.)(wqkv|wo)\.", r"\1attn.\2.", key)
+        for old, new in projector.items():
+            if key.startswith(old):
+                key = "multi_modal_projector." + new + key[len(old) :]
+        out[key] = value
+    return out
+
+
+def test_mlx_vlm_layout(tmp_path, weights, token_ids, reference):
+    converted = to_mlx_vlm(weights)
+    assert "vision_tower.blocks.1.attn.wqkv.weight" in converted
+    assert "vision_tower.final_layernorm.bias" in converted
+    assert converted["vision_tower.patch_embed.proj.weight"].shape == (64, 14, 14, 3)
+    assert "multi_modal_projector.linear_2.bias" in converted and HEAD not in converted
+    net = build(write_checkpoint(tmp_path / "vlm", converted), token_ids)
+    np.testing.assert_array_equal(signature(net), reference)
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+def test_dtypes(tmp_path, weights, token_ids, reference):
+    folder = write_checkpoint(tmp_path / "d", weights)
+    stored = build(folder, token_ids, dtype=None)
+    params = dict(tree_flatten(stored.parameters()))
+    assert {p.dtype for p in params.values()} == {mx.bfloat16}  # as stored: no float32 copy
+    assert sum(p.nbytes for p in params.values()) == sum(v.nbytes for k, v in weights.items() if k != HEAD)
+    cast = build(folder, token_ids, dtype="float32")
+    assert {p.dtype for p in dict(tree_flatten(cast.parameters())).values()} == {mx.float32}
+    for bad in ("float64", "fp8", "bf16"):
+        with pytest.raises(ValueError, match=f"unknown dtype '{bad}'; choose one of bfloat16, float16, float32"):
+            build(folder, token_ids, dtype=bad)
+
+
+def test_load_end_to_end(golden_dir):
+    """The public `load` on the golden folder (config, tokenizer, weights, preprocessor limit)."""
+    model = load(golden_dir("tiny_random"))
+    assert model.network.language_model.model.norm.weight.dtype == mx.bfloat16
+    assert model.in_token_limit == 25600 and model.token_ids.image == 151665

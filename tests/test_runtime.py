@@ -1,0 +1,356 @@
+"""The cached, bucketed, compiled runtime against plain full recomputes (MODEL.md §10.1-§10.3, §12).
+
+The reference for every step is `LanguageModel` run eagerly without a cache over the whole sequence, with the
+positions of §10.2 and a mask built here entry by entry from §10.3. Checkpoints: the golden `tiny_random`
+(GQA 2:1, head_dim 4) and a random one from `make_random_checkpoint` (3 layers, GQA 4:1, head_dim 4), both in
+float32. Their logits are ~0.4; cached and recomputed paths differ only in summation order: 1e-5 absolute.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import GOLDEN, golden_case
+from PIL import Image
+
+from mlx_locate import cache as cache_module
+from mlx_locate import compiled as compiled_module
+from mlx_locate import decode as decode_module
+from mlx_locate.cache import KV_BUCKET, KVCache, kv_bucket
+from mlx_locate.compiled import PREFILL_BUCKET, CompiledSteps, StepRunner
+from mlx_locate.config import ModelConfig
+from mlx_locate.loader import build_model
+from mlx_locate.locate import load
+from mlx_locate.masks import BLOCK
+from mlx_locate.random_checkpoint import make_random_checkpoint
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def golden(golden_dir):
+    return load(golden_dir("tiny_random"), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def random_net(golden, tmp_path_factory):
+    overrides = {"text_hidden": 32, "text_heads": 8, "text_kv_heads": 2, "text_layers": 3}
+    folder = make_random_checkpoint(tmp_path_factory.mktemp("rt") / "ckpt", "tiny", seed=4, overrides=overrides)
+    config = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
+    return build_model(folder, config, golden.token_ids, "float32")
+
+
+@pytest.fixture(params=["golden", "random"])
+def net(request, golden, random_net):
+    return golden.network if request.param == "golden" else random_net
+
+
+def new_cache(net) -> KVCache:
+    t = net.config.text
+    return KVCache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, mx.float32)
+
+
+SHARED_STEPS: dict[int, CompiledSteps] = {}  # one set of compiled functions per network: each key traces once
+
+
+def runner(net, compile: bool = True, fresh: bool = False) -> StepRunner:
+    if not compile or fresh:
+        return StepRunner(CompiledSteps(net, compile=compile), new_cache(net))
+    steps = SHARED_STEPS.setdefault(id(net), CompiledSteps(net))
+    return StepRunner(steps, new_cache(net))
+
+
+def make_prompt(net, length: int, seed: int = 0, n_image: int = 8) -> tuple[list[int], mx.array]:
+    """Random text ids with `n_image` <IMG_CONTEXT> slots (random features spliced in), ending in "\\n"."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 151643, length).tolist()
+    ids[2 : 2 + n_image] = [net.token_ids.image] * n_image
+    ids[-1] = 198
+    features = mx.array(rng.normal(0, 0.05, (n_image, net.config.text.hidden_size)).astype(np.float32))
+    return ids, net.embed(ids, features)
+
+
+def step_mask_formula(kv_len: int, q_len: int, block: bool) -> np.ndarray:
+    """MODEL.md §10.3 over the last `q_len` of `kv_len` slots: tail rows causal, window rows all but slot n - 1."""
+    mask = np.zeros((q_len, kv_len), dtype=bool)
+    n = kv_len - BLOCK if block else kv_len
+    for i in range(q_len):
+        g = kv_len - q_len + i
+        for k in range(kv_len):
+            mask[i, k] = (k < n + BLOCK and k != n - 1) if g >= n else k <= g
+    return mask
+
+
+class FullRecompute:
+    """The sequence so far as embeddings, recomputed from scratch (no cache) for every step."""
+
+    def __init__(self, net, prompt_embeds: mx.array):
+        self.net = net
+        self.lm = net.language_model
+        self.embeds = prompt_embeds
+
+    def commit(self, ids: list[int]) -> None:
+        self.embeds = mx.concatenate([self.embeds, self.lm.model.embed_tokens(mx.array(ids))[None]], axis=1)
+
+    def causal_last(self) -> mx.array:
+        n = self.embeds.shape[1]
+        hidden, _ = self.lm(self.embeds, mx.arange(n), mx.array(step_mask_formula(n, n, False)))
+        return self.lm.logits(hidden[:, -1])
+
+    def block(self) -> mx.array:
+        """The 6 window rows after the committed sequence: anchor = copy of the last token, 5 masks."""
+        n = self.embeds.shape[1]
+        last = self.embeds[:, -1:]
+        masks = self.lm.model.embed_tokens(mx.array([self.net.token_ids.text_mask] * (BLOCK - 1)))[None]
+        embeds = mx.concatenate([self.embeds, last, masks], axis=1)
+        positions = mx.array(list(range(n)) + list(range(n - 1, n + BLOCK - 1)))
+        hidden, _ = self.lm(embeds, positions, mx.array(step_mask_formula(n + BLOCK, n + BLOCK, True)))
+        return self.lm.logits(hidden[0, -BLOCK:])
+
+
+def close(a: mx.array, b: mx.array, atol: float = ATOL) -> None:
+    np.testing.assert_allclose(np.array(a).reshape(np.array(b).shape), np.array(b), atol=atol, rtol=0)
+
+
+def block_ids(net, tail: list[int], last: int) -> list[int]:
+    return tail + [last] + [net.token_ids.text_mask] * (BLOCK - 1)
+
+
+# ---------------------------------------------------------------- cached steps == full recompute
+
+
+def test_cached_ar_decode_equals_full_recompute(net):
+    """Prefill, then AR tails of 1, 1, 4 and 6 tokens, each against a causal forward over everything."""
+    ids, embeds = make_prompt(net, 40, seed=1)
+    run, ref = runner(net), FullRecompute(net, embeds)
+    close(run.prefill(embeds), ref.causal_last())
+    rng = np.random.default_rng(2)
+    for n_tail in (1, 1, 4, 6):
+        tail = rng.integers(0, 151643, n_tail).tolist()
+        ref.commit(tail)
+        close(run.step(tail, block=False), ref.causal_last())
+    assert run.cache.offset == ref.embeds.shape[1]
+
+
+@pytest.mark.parametrize("tail_len", [1, 3, 6])
+def test_block_step_equals_full_recompute(net, tail_len):
+    """Block steps with a committed tail (the 6 rows), a second block after the commit, then an AR step."""
+    ids, embeds = make_prompt(net, 33, seed=tail_len)
+    run, ref = runner(net), FullRecompute(net, embeds)
+    run.prefill(embeds)
+    rng = np.random.default_rng(10 + tail_len)
+    tail = rng.integers(0, 151643, tail_len).tolist()
+    ref.commit(tail)
+    close(run.step(block_ids(net, tail, tail[-1]), block=True), ref.block())
+    assert run.cache.offset == len(ids) + tail_len  # the window slots are dropped
+    tail = rng.integers(0, 151643, 6 - tail_len + 1).tolist()
+    ref.commit(tail)
+    close(run.step(block_ids(net, tail, tail[-1]), block=True), ref.block())
+    tail = [net.token_ids.box_end]
+    ref.commit(tail)
+    close(run.step(tail, block=False), ref.causal_last())
+
+
+def test_prefill_then_empty_tail_block_equals_first_call(net):
+    """§10.3: causal prefill + a block step with q_len = 6 == one forward over prompt + window (c = 0)."""
+    ids, embeds = make_prompt(net, 50, seed=7)
+    run = runner(net)
+    run.prefill(embeds)
+    close(run.step(block_ids(net, [], ids[-1]), block=True), FullRecompute(net, embeds).block())
+
+
+@pytest.mark.parametrize("split", [1, 127, 129])
+def test_prefill_in_two_parts_equals_one(golden, split):
+    """A cached prefix then the rest of the prompt (what a session does per query), across the 128-row bucket."""
+    net = golden.network
+    ids, embeds = make_prompt(net, 150, seed=split)
+    run = runner(net)
+    run.prefill(embeds[:, :split])
+    ref = FullRecompute(net, embeds)
+    close(run.prefill(embeds[:, split:]), ref.causal_last())
+    assert run.cache.offset == 150
+    close(run.step(block_ids(net, [], ids[-1]), block=True), ref.block())
+
+
+def test_golden_first_block_and_prompt_logits(golden):
+    """The same path on a golden prompt (reference vision features spliced in) gives the recorded logits."""
+    case = golden_case("tiny_random__shapes_448x448__detect")
+    net = golden.network
+    features = mx.array(np.load(GOLDEN / "cases" / "tiny_random__shapes_448x448.vision_features.npy"))
+    ids = case["input_ids"]
+    run = runner(net)
+    last = run.prefill(net.embed(ids, features))[0]
+    top = case["prompt_last_logits"]["top"]
+    np.testing.assert_allclose(np.array(last)[top["ids"]], top["values"], atol=1e-4)
+    assert np.argsort(-np.array(last))[:3].tolist() == top["ids"][:3]
+    rows = run.step(block_ids(net, [], ids[-1]), block=True)
+    for row, want in zip(np.array(rows), case["first_block"]["rows"], strict=True):
+        np.testing.assert_allclose(row[want["top"]["ids"]], want["top"]["values"], atol=1e-4)
+        assert int(row.argmax()) == want["top"]["ids"][0]
+
+
+# ---------------------------------------------------------------- compile, buckets, warm-up
+
+
+def script(net, run: StepRunner, ids: list[int], embeds: mx.array) -> list[mx.array]:
+    """One request: prefill, empty-tail block, AR 1, AR 4, block with a 3-token tail, block with a 6-token tail."""
+    box = net.token_ids.box_start
+    coords = [net.token_ids.coord_token(v) for v in (10, 200, 300, 400, 500)]
+    out = [run.prefill(embeds)]
+    out.append(run.step(block_ids(net, [], ids[-1]), block=True))
+    out.append(run.step([box], block=False))
+    out.append(run.step(coords[:4], block=False))
+    out.append(run.step(block_ids(net, coords[1:4], coords[3]), block=True))
+    out.append(run.step(block_ids(net, coords[:5] + [box], box), block=True))
+    return out
+
+
+def test_compiled_equals_eager(net):
+    ids, embeds = make_prompt(net, 45, seed=3)
+    compiled_run, eager_run = runner(net, fresh=True), runner(net, compile=False)
+    for a, b in zip(script(net, compiled_run, ids, embeds), script(net, eager_run, ids, embeds), strict=True):
+        close(a, b, atol=1e-6)
+    assert compiled_run.steps.traces == len(compiled_run.steps.functions)  # one trace per (phase, Q, U)
+
+
+def script_reference(net, ids: list[int], embeds: mx.array) -> list[mx.array]:
+    box = net.token_ids.box_start
+    coords = [net.token_ids.coord_token(v) for v in (10, 200, 300, 400, 500)]
+    ref = FullRecompute(net, embeds)
+    out = [ref.causal_last(), ref.block()]
+    for tail, block in (([box], False), (coords[:4], False), (coords[1:4], True), (coords[:5] + [box], True)):
+        ref.commit(tail)
+        out.append(ref.block() if block else ref.causal_last())
+    return out
+
+
+@pytest.mark.parametrize("prompt_len", [128, 129, 250])
+def test_default_buckets_leave_logits_unchanged(golden, prompt_len):
+    """Prompts around the 128-row prefill bucket and the 256-slot KV bucket (250 + 6 crosses it mid-request)."""
+    assert (PREFILL_BUCKET, KV_BUCKET) == (128, 256)
+    net = golden.network
+    ids, embeds = make_prompt(net, prompt_len, seed=prompt_len)
+    run = runner(net)
+    for a, b in zip(script(net, run, ids, embeds), script_reference(net, ids, embeds), strict=True):
+        close(a, b)
+    prefill_rows = -(-prompt_len // PREFILL_BUCKET) * PREFILL_BUCKET
+    assert run.cache.capacity == kv_bucket(max(prefill_rows, prompt_len + 8 + 12))  # the last block reserves c + 12
+
+
+@pytest.mark.parametrize(("prefill_bucket", "kv_bucket_size"), [(1, 8), (16, 32), (64, 24)])
+def test_other_buckets_leave_logits_unchanged(random_net, monkeypatch, prefill_bucket, kv_bucket_size):
+    """The same request under other bucket sizes, where prefill padding and cache growth fall elsewhere."""
+    net = random_net
+    ids, embeds = make_prompt(net, 60, seed=5)
+    monkeypatch.setattr(compiled_module, "PREFILL_BUCKET", prefill_bucket)
+    monkeypatch.setattr(cache_module, "KV_BUCKET", kv_bucket_size)
+    run = runner(net)
+    for a, b in zip(script(net, run, ids, embeds), script_reference(net, ids, embeds), strict=True):
+        close(a, b)
+    assert run.cache.capacity % kv_bucket_size == 0
+
+
+@pytest.fixture(scope="module")
+def image():
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (84, 112, 3), dtype=np.uint8))  # grid 6 x 8: 12 image tokens
+
+
+class NumpySpy:
+    """Stands in for numpy inside the decode loop and records every array conversion (a host read)."""
+
+    def __init__(self):
+        self.conversions = []
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def array(self, x, *args, **kwargs):
+        self.conversions.append(type(x))
+        return np.array(x, *args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "fast", "slow"])
+def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image, monkeypatch, mode):
+    """Run `locate` twice: the second run traces nothing; each step reads the device exactly once, counted both by
+    DecodeStats and by a spy on the decode loop's conversions (decide.py is numpy-only, so it cannot read)."""
+    golden.steps = CompiledSteps(golden.network)  # count this mode's functions alone
+    for run in range(2):
+        spy = NumpySpy()
+        monkeypatch.setattr(decode_module, "np", spy)
+        result = golden.locate(image, "red box", mode=mode, max_tokens=16)
+        stats = result.stats
+        assert stats["steps"] == stats["block_steps"] + stats["ar_steps"] > 0
+        assert stats["host_reads"] == stats["steps"] == len(spy.conversions)
+        assert all(t is mx.array for t in spy.conversions)
+        assert (stats["block_steps"] == 0) == (mode == "slow")
+        if run == 0:
+            warm, first = golden.compilations, result
+            assert warm == stats["compilations"] == len(golden.steps.functions) > 0  # one trace per key
+    print(f"{mode}: {warm} compilations in the first run, {golden.compilations} after the second")
+    assert golden.compilations == warm
+    assert result.token_ids == first.token_ids
+
+
+# ---------------------------------------------------------------- the KV cache
+
+
+def test_fork_shares_buffers_and_copies_on_write(golden):
+    net = golden.network
+    ids, embeds = make_prompt(net, 30, seed=9)
+    run = runner(net)
+    run.prefill(embeds)
+    before = [np.array(k) for k, _ in run.cache.kv]
+    fork = run.cache.fork()
+    assert fork.offset == run.cache.offset and fork.capacity == run.cache.capacity
+    assert all(a is b for pa, pb in zip(fork.kv, run.cache.kv, strict=True) for a, b in zip(pa, pb, strict=True))
+
+    branch = StepRunner(run.steps, fork)
+    branch_rows = branch.step(block_ids(net, [7, 8, 9], 9), block=True)
+    assert fork.offset == run.cache.offset + 3
+    for (k, _), old in zip(run.cache.kv, before, strict=True):
+        np.testing.assert_array_equal(np.array(k), old)  # the original is unchanged
+    # the original goes on as if the fork never happened, and the fork still gives its own result
+    other = run.cache.fork()
+    ref = FullRecompute(net, embeds)
+    ref.commit([5])
+    close(run.step([5], block=False), ref.causal_last())
+    for (k, _), old in zip(other.kv, before, strict=True):
+        np.testing.assert_array_equal(np.array(k), old)  # and a write to the original leaves a fork unchanged
+    ref = FullRecompute(net, embeds)
+    ref.commit([7, 8, 9])
+    close(branch_rows, ref.block())
+
+
+def test_cache_grows_by_buckets():
+    assert [kv_bucket(n) for n in (0, 1, 255, 256, 257, 600)] == [0, 256, 256, 256, 512, 768]
+    cache = KVCache(num_layers=2, kv_heads=2, head_dim=4, dtype=mx.bfloat16)
+    assert cache.capacity == 0 and cache.nbytes == 0
+    assert cache.reserve(10) == 256
+    cache.kv = [(k + 1, v + 2) for k, v in cache.kv]
+    assert cache.reserve(256) == 256  # fits: no growth
+    assert cache.reserve(257) == 512
+    for k, v in cache.kv:
+        assert k.shape == (1, 2, 512, 4) and k.dtype == mx.bfloat16
+        k, v = np.array(k.astype(mx.float32)), np.array(v.astype(mx.float32))
+        assert (k[:, :, :256] == 1).all() and (v[:, :, :256] == 2).all()  # kept
+        assert not k[:, :, 256:].any() and not v[:, :, 256:].any()  # zero padding
+    assert cache.nbytes == 2 * 2 * (2 * 512 * 4) * 2
+    assert cache.reserve(100) == 512  # never shrinks
+
+
+def test_runner_grows_the_cache_across_a_request(golden):
+    net = golden.network
+    ids, embeds = make_prompt(net, 240, seed=11)
+    run = runner(net)
+    run.prefill(embeds)
+    assert run.cache.capacity == 256
+    tail = [1, 2, 3, 4, 5, 6]
+    run.step(block_ids(net, [], ids[-1]), block=True)  # reserves 240 + 12 slots
+    run.step(block_ids(net, tail, 6), block=True)  # 240 + 12 again: still 256
+    assert run.cache.offset == 246 and run.cache.capacity == 256
+    run.step(block_ids(net, tail, 6), block=True)  # 246 + 12 > 256
+    assert run.cache.offset == 252 and run.cache.capacity == 512
