@@ -1,7 +1,12 @@
-"""Command line: `mlx-locate --model M --image I --query Q [--json] [--draw out.png]`.
+"""Command line: `mlx-locate --model M --image I --query Q [--query Q2 ...] [--json] [--draw out.png]`.
 
-`python -m mlx_locate.generate` runs the same `main`. Errors a user can cause (a missing or unreadable image,
-a missing model folder, a bad config, an unknown task) print one `error: ...` line and exit with status 2.
+Each `--query` is its own question about the image: the image goes through vision and the prompt prefix once
+(one `Session`) and each query decodes on its own. `--categories "car,person"` (or repeated `--category`) asks
+one detect prompt for several categories, joined by `</c>`. `--json` prints one result's object, or for several
+queries `{"queries": [{"query": Q, ...}, ...]}`. `python -m mlx_locate.generate` runs the same `main`.
+
+Errors a user can cause (a missing or unreadable image, a missing model folder, a bad config, an unknown task)
+print one `error: ...` line and exit with status 2.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ DEFAULT_SEED = 0
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -49,8 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--query",
         action="append",
-        help="what to find; repeat for several categories (detect only)",
+        help="what to find; repeat to ask several separate questions about the same image",
     )
+    p.add_argument(
+        "--categories",
+        metavar="LIST",
+        help='comma-separated categories asked in ONE detect prompt, e.g. "car,person" (joined by </c>)',
+    )
+    p.add_argument("--category", action="append", help="one category of that detect prompt; repeatable")
     p.add_argument("--prompt", help="raw user text, sent as is; replaces --task and --query")
 
     d = p.add_argument_group("decoding")
@@ -62,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     d.add_argument(
-        "--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, help="generated tokens (default: %(default)s)"
+        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="generated tokens (default: %(default)s)"
     )
     d.add_argument("--strict", action="store_true", help="the reference's decisions exactly: every guard off")
     d.add_argument("--no-end-guard", action="store_true", help="do not stop when <|im_end|> or <null> leads a block")
@@ -101,21 +112,28 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     """Flag combinations argparse cannot express; each exits with status 2 through `parser.error`."""
     if args.model is None:
         parser.error("--model is required: a checkpoint folder or a Hugging Face hub id")
-    if args.prompt is not None and (args.task is not None or args.query):
-        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
-    if args.query and len(args.query) > 1 and (args.task or DEFAULT_TASK) != "detect":
-        parser.error(f"--query given {len(args.query)} times; only --task detect takes several categories")
+    categories = args.categories is not None or args.category
+    if args.prompt is not None and (args.task is not None or args.query or categories):
+        parser.error("--prompt is the whole user text; it cannot be combined with --task, --query or --categories")
+    if categories and (args.task or DEFAULT_TASK) != "detect":
+        parser.error(f"--categories/--category: only --task detect takes several categories, not --task {args.task}")
+    if categories and args.query:
+        parser.error("--categories/--category make one detect prompt; ask separate questions with --query instead")
     if args.strict and args.box_start_guard:
         parser.error("--strict turns every guard off; drop --box-start-guard")
     if args.overwrite and not args.draw:
         parser.error("--overwrite only applies to --draw")
 
 
-def task_and_query(args: argparse.Namespace) -> tuple[str, str | list[str] | None]:
+def task_and_queries(args: argparse.Namespace) -> tuple[str, list[str | list[str] | None]]:
+    """The task and one entry per prompt: a phrase, a list of categories (one detect prompt) or None (ocr)."""
     if args.prompt is not None:
-        return "raw", args.prompt
-    queries = args.query or []
-    return args.task or DEFAULT_TASK, queries[0] if len(queries) == 1 else queries or None
+        return "raw", [args.prompt]
+    task = args.task or DEFAULT_TASK
+    if args.categories is not None or args.category:
+        listed = args.categories.split(",") if args.categories is not None else []
+        return task, [[c.strip() for c in [*listed, *(args.category or [])]]]
+    return task, list(args.query or [None])
 
 
 def sampling_of(args: argparse.Namespace) -> Sampling:
@@ -153,38 +171,57 @@ def format_text(result: Result) -> str:
     return "\n".join([*lines, summary])
 
 
+def format_many(queries: list[str | list[str] | None], results: list[Result]) -> str:
+    """`format_text` of one result; for several queries, each block under a `== query ==` header."""
+    if len(results) == 1:
+        return format_text(results[0])
+    blocks = [f"== {q} ==\n{format_text(r)}" for q, r in zip(queries, results, strict=True)]
+    return "\n\n".join(blocks)
+
+
+def format_json(queries: list[str | list[str] | None], results: list[Result]) -> str:
+    """One result's `to_dict()`; for several queries `{"queries": [{"query": ..., **to_dict()}, ...]}`."""
+    if len(results) == 1:
+        return json.dumps(results[0].to_dict())
+    return json.dumps({"queries": [{"query": q, **r.to_dict()} for q, r in zip(queries, results, strict=True)]})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
-    task, query = task_and_query(args)
+    task, queries = task_and_queries(args)
     try:
         # Everything the user gave is checked before the (slow) model load.
-        task_text(task, query)
+        for query in queries:
+            task_text(task, query)
         sampling = sampling_of(args)
         image = load_image(args.image)
         if args.draw and Path(args.draw).exists() and not args.overwrite:
             raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
         model = load(args.model, dtype=args.dtype)
-        result = model.locate(
-            image,
-            query,
-            task=task,
-            mode=args.mode,
-            max_tokens=args.max_tokens,
-            sampling=sampling,
-            strict=args.strict,
-            guards=guards_of(args),
-            redecode_labels=args.redecode_labels,
-            rendering=args.rendering,
-            seed=args.seed,
-        )
+        session = model.session(image, rendering=args.rendering)
+        results = [
+            session.locate(
+                query,
+                task=task,
+                mode=args.mode,
+                max_tokens=args.max_tokens,
+                sampling=sampling,
+                strict=args.strict,
+                guards=guards_of(args),
+                redecode_labels=args.redecode_labels,
+                seed=args.seed,
+            )
+            for query in queries
+        ]
         if args.draw:
-            draw_objects(image, result.objects, args.draw, overwrite=args.overwrite)
+            objects = [obj for result in results for obj in result.objects]
+            draw_objects(image, objects, args.draw, overwrite=args.overwrite)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict()) if args.json else format_text(result))
+    print(format_json(queries, results) if args.json else format_many(queries, results))
     return 0
 
 

@@ -16,8 +16,9 @@ from mlx_locate.locate import load
 from mlx_locate.sampling import Sampling
 
 IMAGE = GOLDEN / "images" / "rgba_400x300.png"  # the smallest golden image (165 image tokens), not square
-# Fast mode on this image and these categories commits one box (greedy, so always the same one).
-WITH_BOX = ["--query", "red box", "--query", "green circle", "--mode", "fast"]
+# Fast mode on this image and these categories (one detect prompt) commits one box (greedy, so always the same one).
+WITH_BOX = ["--categories", "red box,green circle", "--mode", "fast"]
+QUERIES = ["--query", "red box", "--query", "green circle", "--query", "blue square"]
 _models = {}
 
 
@@ -74,14 +75,45 @@ def test_json_output(cli):
         np.testing.assert_allclose(pixels, [v / 1000 * s for v, s in zip(norm, sizes, strict=True)], atol=1e-6)
 
 
-def test_several_queries_join_into_one_detect_prompt(cli, golden_dir):
+def test_categories_join_into_one_detect_prompt(cli, golden_dir):
     separator = cached_load(str(golden_dir("tiny_peaky"))).tokenizer.added_tokens["</c>"]
     code, out, err = cli("--query", "red box", "--json", "--mode", "slow")
     assert code == 0, err
     assert separator not in json.loads(out)["prompt_ids"]
-    code, out, err = cli("--query", "red box", "--query", "green circle", "--json", "--mode", "slow")
+    for args in (["--categories", "red box, green circle"], ["--category", "red box", "--category", "green circle"]):
+        code, out, err = cli(*args, "--json", "--mode", "slow")
+        assert code == 0, err
+        data = json.loads(out)
+        assert "queries" not in data and data["prompt_ids"].count(separator) == 1
+
+
+def test_several_queries_are_separate_prompts_on_one_session(cli):
+    code, out, err = cli(*QUERIES, "--json", "--mode", "fast")
     assert code == 0, err
-    assert json.loads(out)["prompt_ids"].count(separator) == 1
+    data = json.loads(out)
+    assert [q["query"] for q in data["queries"]] == ["red box", "green circle", "blue square"]
+    first, *rest = data["queries"]
+    assert all(q["stats"]["vision_s"] == first["stats"]["vision_s"] for q in rest)  # one session: vision ran once
+    for entry in data["queries"]:
+        code, out, err = cli("--query", entry["query"], "--json", "--mode", "fast")
+        alone = json.loads(out)
+        assert alone["prompt_ids"] == entry["prompt_ids"] and alone["token_ids"] == entry["token_ids"]
+
+    code, out, err = cli(*QUERIES, "--mode", "fast")
+    assert code == 0, err
+    blocks = out.strip().split("\n\n")
+    assert [b.splitlines()[0] for b in blocks] == ["== red box ==", "== green circle ==", "== blue square =="]
+    assert all(b.splitlines()[-1].startswith("[fast]") for b in blocks)
+
+
+def test_draw_shows_every_query(cli, tmp_path, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(generate, "draw_objects", lambda image, objects, path, overwrite: drawn.append(objects))
+    code, out, err = cli(*QUERIES, "--mode", "fast", "--json", "--draw", str(tmp_path / "all.png"))
+    assert code == 0, err
+    assert len(drawn) == 1
+    boxes = [obj["box"] for q in json.loads(out)["queries"] for obj in q["objects"]]
+    assert [list(obj.box) for obj in drawn[0]] == boxes
 
 
 def test_draw(cli, tmp_path):
@@ -137,6 +169,7 @@ def test_user_errors_exit_2(cli, tmp_path):
         ([], {"model": str(bad_config)}, "not valid JSON"),
         (["--top-p", "0"], {}, "invalid sampling settings"),
         (["--task", "ocr"], {}, "takes no query"),
+        (["--query", ""], {}, "non-empty query"),
     ]
     for args, kwargs, message in cases:
         code, out, err = cli("--query", "red box", *args, **kwargs)
@@ -151,7 +184,8 @@ def test_user_errors_exit_2(cli, tmp_path):
         (["--mode", "medium"], "invalid choice"),
         (["--max-tokens", "0"], "must be at least 1"),
         (["--task", "segment"], "invalid choice"),
-        (["--task", "refer", "--query", "a", "--query", "b"], "only --task detect"),
+        (["--task", "refer", "--categories", "a,b"], "only --task detect"),
+        (["--category", "a"], "--query instead"),
         (["--prompt", "hi", "--query", "a"], "--prompt"),
         (["--strict", "--box-start-guard"], "--strict"),
     ],
@@ -174,5 +208,15 @@ def test_module_help():
         [sys.executable, "-m", "mlx_locate.generate", "--help"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--model", "--image", "--query", "--json", "--draw", "--official-sampling", "--redecode-labels"):
+    for flag in (
+        "--model",
+        "--image",
+        "--query",
+        "--categories",
+        "--category",
+        "--json",
+        "--draw",
+        "--official-sampling",
+        "--redecode-labels",
+    ):
         assert flag in proc.stdout
