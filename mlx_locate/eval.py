@@ -1,0 +1,299 @@
+"""Held-out accuracy of a checkpoint on synthetic shape scenes, in every decoding mode.
+
+    python -m mlx_locate.eval --model demo --n 200 --seed 0 --modes slow fast hybrid --json eval.json
+
+Scenes come from `synthetic.make_sample(seed, i, split="eval")`, a stream the training never draws from.
+Box tasks (detect, refer, single) are scored as the reference evaluation does: predictions are matched to
+ground truth greedily by IoU (per category for detection), F1 at IoU 0.5 and the mean F1 over 0.5:0.95, and
+the mean IoU of the boxes matched at 0.5. Points count when they fall inside an unmatched ground-truth box.
+Each absent phrase or category should be answered `<box>None</box>`. Passes per box are decode forward steps
+(prefill excluded) per predicted box or point; "ended" means the stream stopped by itself, not at the cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .locate import LocateModel, Result, load
+from .synthetic import Sample, make_sample
+
+IOU_THRESHOLDS = tuple(round(0.5 + 0.05 * i, 2) for i in range(10))
+MODES = ("slow", "fast", "hybrid")
+
+
+def iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    w = min(a[2], b[2]) - max(a[0], b[0])
+    h = min(a[3], b[3]) - max(a[1], b[1])
+    if w <= 0 or h <= 0:
+        return 0.0
+    inter = w * h
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def greedy_match(preds: list[tuple[float, ...]], gts: list[tuple[float, ...]], floor: float) -> list[float]:
+    """IoUs of the pairs matched greedily by descending IoU (each box used once), keeping IoU >= floor.
+
+    Matching at a higher threshold keeps exactly the pairs of this list at or above it.
+    """
+    pairs = sorted(
+        ((iou(p, g), i, j) for i, p in enumerate(preds) for j, g in enumerate(gts)), key=lambda t: (-t[0], t[1], t[2])
+    )
+    used_p, used_g, matched = set(), set(), []
+    for value, i, j in pairs:
+        if value < floor:
+            break
+        if i not in used_p and j not in used_g:
+            used_p.add(i)
+            used_g.add(j)
+            matched.append(value)
+    return matched
+
+
+def match_points(points: list[tuple[float, float]], boxes: list[tuple[float, ...]]) -> int:
+    """Points inside a ground-truth box, matched greedily by distance to the box centre, each box once."""
+    pairs = []
+    for i, (x, y) in enumerate(points):
+        for j, (x1, y1, x2, y2) in enumerate(boxes):
+            if x1 <= x <= x2 and y1 <= y <= y2:
+                pairs.append((np.hypot(x - (x1 + x2) / 2, y - (y1 + y2) / 2), i, j))
+    used_p, used_g = set(), set()
+    for _, i, j in sorted(pairs):
+        if i not in used_p and j not in used_g:
+            used_p.add(i)
+            used_g.add(j)
+    return len(used_p)
+
+
+@dataclass
+class Tally:
+    """Counts for one mode, summed over samples."""
+
+    box_pred: int = 0
+    box_gt: int = 0
+    matched_ious: list[float] = field(default_factory=list)  # matched at IoU >= 0.5
+    point_pred: int = 0
+    point_gt: int = 0
+    point_hits: int = 0
+    absent: int = 0  # absent phrases or categories asked for
+    absent_none: int = 0  # ... answered <box>None</box>
+    objects: int = 0  # boxes and points predicted
+    steps: int = 0
+    samples: int = 0
+    ended: int = 0
+    exact: int = 0
+    fallbacks: int = 0
+    seconds: float = 0.0
+    stop_reasons: dict[str, int] = field(default_factory=dict)
+
+    def add(self, sample: Sample, result: Result, expected_ids: list[int], seconds: float) -> None:
+        task = sample.task
+        gts = [t for t in task.targets]
+        objects = result.objects
+        if task.task == "point":
+            points = [o.point for o in objects if o.point is not None]
+            self.point_pred += len(points) + sum(o.box is not None for o in objects)
+            self.point_gt += len(gts)
+            self.point_hits += match_points(points, [tuple(map(float, t.box)) for t in gts])
+        else:
+            self.box_pred += sum(o.box is not None or o.point is not None for o in objects)
+            self.box_gt += len(gts)
+            groups = {t.label for t in gts} | {o.label for o in objects} if task.task == "detect" else {None}
+            for group in groups:
+                preds = [o.box for o in objects if o.box is not None and (group is None or o.label == group)]
+                truth = [tuple(map(float, t.box)) for t in gts if group is None or t.label == group]
+                self.matched_ious += greedy_match(preds, truth, IOU_THRESHOLDS[0])
+        for label in absent_labels(sample):
+            self.absent += 1
+            empty = [(e or "").strip() for e in result.empty_labels]
+            self.absent_none += (label or "") in empty
+        s = result.stats
+        self.objects += len(objects)
+        self.steps += s["steps"]
+        self.samples += 1
+        self.ended += s["stop_reason"] != "length_cap"
+        self.exact += result.token_ids == expected_ids
+        self.fallbacks += s["fallbacks"]
+        self.seconds += seconds
+        self.stop_reasons[s["stop_reason"]] = self.stop_reasons.get(s["stop_reason"], 0) + 1
+
+    def summary(self) -> dict:
+        def f1(tp: int, pred: int, gt: int) -> float | None:
+            return 2 * tp / (pred + gt) if pred + gt else None
+
+        ious = np.array(self.matched_ious)
+        f1s = [f1(int((ious >= t).sum()), self.box_pred, self.box_gt) for t in IOU_THRESHOLDS]
+        return {
+            "f1@0.5": f1s[0],
+            "f1@0.5:0.95": None if f1s[0] is None else float(np.mean(f1s)),
+            "f1_by_iou": dict(zip(map(str, IOU_THRESHOLDS), f1s, strict=True)),
+            "mean_iou": float(ious.mean()) if len(ious) else None,
+            "boxes_pred": self.box_pred,
+            "boxes_gt": self.box_gt,
+            "point_f1": f1(self.point_hits, self.point_pred, self.point_gt),
+            "none_rate": self.absent_none / self.absent if self.absent else None,
+            "absent_items": self.absent,
+            "passes_per_box": self.steps / self.objects if self.objects else None,
+            "ended_rate": self.ended / self.samples if self.samples else None,
+            "exact_rate": self.exact / self.samples if self.samples else None,
+            "fallbacks": self.fallbacks,
+            "stop_reasons": self.stop_reasons,
+            "seconds_per_sample": self.seconds / self.samples if self.samples else None,
+        }
+
+
+def absent_labels(sample: Sample) -> list[str | None]:
+    """Phrases or categories of `sample` whose answer is `<box>None</box>` (None: an absent pointing target)."""
+    task = sample.task
+    if task.task == "detect":
+        present = {t.label for t in task.targets}
+        return [c for c in task.query if c not in present]
+    if task.targets:
+        return []
+    return [None] if task.task == "point" else [task.query]
+
+
+def evaluate(
+    model: LocateModel, n: int, seed: int = 0, modes: tuple[str, ...] = MODES, max_tokens: int = 256, **locate_kw
+) -> tuple[dict[str, dict], list[dict]]:
+    """Run `n` held-out samples in each mode. Returns the summary per mode and one record per sample and mode."""
+    tallies = {mode: Tally() for mode in modes}
+    records = []
+    for i in range(n):
+        sample = make_sample(seed, i, "eval")
+        task = sample.task
+        expected = model.tokenizer.encode(task.answer + "<|im_end|>")
+        for mode in modes:
+            t0 = time.perf_counter()
+            result = model.locate(
+                sample.scene.image, task.query, task=task.task, mode=mode, max_tokens=max_tokens, **locate_kw
+            )
+            seconds = time.perf_counter() - t0
+            tallies[mode].add(sample, result, expected, seconds)
+            records.append(
+                {
+                    "index": i,
+                    "mode": mode,
+                    "task": task.task,
+                    "query": task.query,
+                    "image_size": list(sample.scene.size),
+                    "expected": task.answer,
+                    "output": result.text,
+                    "objects": [
+                        {"label": o.label, "box": o.box, "point": o.point, "confidence": o.confidence}
+                        for o in result.objects
+                    ],
+                    "targets": [{"label": t.label, "box": list(t.box)} for t in task.targets],
+                    "steps": result.stats["steps"],
+                    "stop_reason": result.stats["stop_reason"],
+                }
+            )
+    return {mode: tally.summary() for mode, tally in tallies.items()}, records
+
+
+def coco_files(records: list[dict], modes: tuple[str, ...]) -> dict[str, dict | list]:
+    """Ground truth and detections (box tasks only) in COCO format; a category per label string."""
+    categories: dict[str, int] = {}
+    images, annotations, detections = [], [], {mode: [] for mode in modes}
+
+    def category(label: str | None) -> int:
+        return categories.setdefault(label or "", len(categories) + 1)
+
+    for r in records:
+        if r["task"] == "point":
+            continue
+        if r["mode"] == modes[0]:
+            w, h = r["image_size"]
+            images.append({"id": r["index"], "width": w, "height": h, "file_name": f"eval_{r['index']:05d}.png"})
+            for t in r["targets"]:
+                x1, y1, x2, y2 = t["box"]
+                annotations.append(
+                    {
+                        "id": len(annotations) + 1,
+                        "image_id": r["index"],
+                        "category_id": category(t["label"]),
+                        "bbox": [x1, y1, x2 - x1, y2 - y1],
+                        "area": (x2 - x1) * (y2 - y1),
+                        "iscrowd": 0,
+                    }
+                )
+        for o in r["objects"]:
+            if o["box"] is None:
+                continue
+            x1, y1, x2, y2 = o["box"]
+            detections[r["mode"]].append(
+                {
+                    "image_id": r["index"],
+                    "category_id": category(o["label"]),
+                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                    "score": o["confidence"] if o["confidence"] is not None else 1.0,
+                }
+            )
+    gt = {
+        "images": images,
+        "annotations": annotations,
+        "categories": [{"id": i, "name": name} for name, i in categories.items()],
+    }
+    return {"gt.json": gt, **{f"dets_{mode}.json": dets for mode, dets in detections.items()}}
+
+
+def table(summary: dict[str, dict]) -> str:
+    columns = (
+        ("F1@.5", "f1@0.5"),
+        ("F1@.5:.95", "f1@0.5:0.95"),
+        ("mIoU", "mean_iou"),
+        ("pointF1", "point_f1"),
+        ("None", "none_rate"),
+        ("pass/box", "passes_per_box"),
+        ("ended", "ended_rate"),
+        ("exact", "exact_rate"),
+        ("s/sample", "seconds_per_sample"),
+    )
+    lines = ["mode    " + "".join(f"{name:>10}" for name, _ in columns)]
+    for mode, s in summary.items():
+        cells = "".join(f"{s[key]:>10.3f}" if s[key] is not None else f"{'-':>10}" for _, key in columns)
+        lines.append(f"{mode:<8}{cells}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlx_locate.eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="checkpoint folder, hub id or 'demo' (default)")
+    p.add_argument("--n", type=int, default=200, help="held-out samples")
+    p.add_argument("--seed", type=int, default=0, help="seed of the held-out stream")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--dtype", default=None, help="cast weights: bfloat16, float16 or float32 (default: as stored)")
+    p.add_argument("--json", default=None, help="write the summary and per-sample records here")
+    p.add_argument("--coco", default=None, help="folder for COCO-format gt.json and dets_<mode>.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.n < 1:
+        print("error: --n must be at least 1", file=sys.stderr)
+        return 2
+    model = load(args.model, dtype=args.dtype)
+    modes = tuple(args.modes)
+    summary, records = evaluate(model, args.n, args.seed, modes, args.max_tokens)
+    print(table(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "records": records}, indent=1))
+    if args.coco:
+        folder = Path(args.coco)
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, content in coco_files(records, modes).items():
+            (folder / name).write_text(json.dumps(content))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

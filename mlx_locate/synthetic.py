@@ -1,0 +1,414 @@
+"""Synthetic shape scenes, grounding tasks in the real prompt grammar, and the demo model's tokenizer.
+
+Everything here is deterministic: `make_sample(seed, index, split)` draws from a numpy generator keyed on
+(split, seed, index), so a sample does not depend on how many were drawn before it or by which process.
+Answers follow MODEL.md §9 and TRAINING.md §4.3-§4.4; `cut_blocks` cuts them as TRAINING.md §1.2 says.
+
+    scene  = 0-4 shapes (circle, square, triangle, diamond, star) x 6 colours on a light background
+    tasks  = detect (1-3 shape categories), refer (all matches), single (one match), point, negatives
+    answer = "<ref>red circle</ref><box><120><340><410><620></box>..." (the tokenizer adds <|im_end|>)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageDraw
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as _Tokenizer
+
+from .masks import BLOCK
+from .tokenizer import QWEN2_SPLIT
+from .tokens import TokenIds
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (215, 40, 40),
+    "green": (40, 160, 60),
+    "blue": (45, 85, 215),
+    "yellow": (230, 200, 30),
+    "purple": (135, 55, 175),
+    "orange": (240, 135, 25),
+}
+SHAPES = ("circle", "square", "triangle", "diamond", "star")
+SIDES = (112, 140, 168, 196, 224)  # image sides: multiples of 28, so preprocessing never resizes
+MAX_OBJECTS = 4
+SIZE_RANGE = (0.18, 0.40)  # object side, as a fraction of the image's shorter side
+COLOR_JITTER = 18
+TASK_SHARES = {"detect": 0.35, "refer": 0.25, "single": 0.10, "point": 0.15, "negative": 0.15}
+SPLITS = {"train": 0, "eval": 1}
+
+# The demo tokenizer: a byte-level BPE over printable ASCII whose merges make every word below one token,
+# in both forms (" red" inside a prompt or label, "red" right after <ref> or </c>).
+BPE_SIZE = 210
+LABEL_WORDS = (*COLORS, *SHAPES, "the", "any")
+EXTRA_WORDS = (" shape", " in", " the", " image", "None", "none", "assistant", "system", "user", "image")
+CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # just below the added-token base S
+# The checkpoint's added tokens from S on (TRAINING.md §4.2, MODEL.md §3).
+ADDED_TOKENS = (
+    "<IMG_CONTEXT>",
+    "<img>",
+    "</img>",
+    "<box>",
+    "</box>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<interval>",
+    "</interval>",
+    "<text_mask>",
+    *(f"<{v}>" for v in range(1001)),
+    "<null>",
+    "<switch>",
+    "</c>",
+)
+_FIXED_TEXTS = (
+    "You are a helpful assistant.\n",
+    "system\n",
+    "user\n<image 1>",
+    "assistant\n",
+    "Locate all the instances that matches the following description: ",
+    "Locate a single instance that matches the following description: ",
+    "Locate all the instances that match the following description: ",
+    "Point to: ",
+)
+
+
+def build_tokenizer() -> _Tokenizer:
+    """The demo model's tokenizer: Qwen2 pre-tokenizer and byte-level BPE, then the control and added tokens.
+
+    Ids: BPE 0..BPE_SIZE-1, `<|endoftext|>` `<|im_start|>` `<|im_end|>`, then S = BPE_SIZE + 3 for
+    `<IMG_CONTEXT>` and the rest of ADDED_TOKENS in the checkpoint's order. Deterministic.
+    """
+    tok = _Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    alphabet = [tok.pre_tokenizer.pre_tokenize_str(chr(c))[0][0] for c in (*range(32, 127), 10)]
+    words = [*(" " + w for w in LABEL_WORDS), *LABEL_WORDS, *EXTRA_WORDS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_SIZE, initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False
+    )
+    tok.train_from_iterator(words * 1000 + list(_FIXED_TEXTS) * 10, trainer)
+    split = [w for w in words if len(tok.encode(w).ids) != 1]
+    if tok.get_vocab_size() != BPE_SIZE or split:
+        raise RuntimeError(f"demo BPE: {tok.get_vocab_size()} tokens (want {BPE_SIZE}); words not single: {split}")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS + ADDED_TOKENS])
+    return tok
+
+
+def added_token_base(tok: _Tokenizer) -> int:
+    """S, the id of `<IMG_CONTEXT>`."""
+    return tok.token_to_id("<IMG_CONTEXT>")
+
+
+# --- Scenes -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Obj:
+    shape: str
+    color: str
+    box: tuple[int, int, int, int]  # x1, y1, x2, y2 in pixels (x2, y2 exclusive): the shape's tight extent
+
+    @property
+    def center(self) -> tuple[float, float]:
+        x1, y1, x2, y2 = self.box
+        return (x1 + x2) / 2, (y1 + y2) / 2
+
+
+@dataclass(frozen=True)
+class Scene:
+    image: Image.Image
+    objects: tuple[Obj, ...]
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.image.size
+
+
+def _polygon(shape: str, box: tuple[int, int, int, int]) -> list[tuple[float, float]] | None:
+    x1, y1, x2, y2 = box
+    r, b = x2 - 1, y2 - 1  # PIL includes the last pixel
+    cx, cy = (x1 + r) / 2, (y1 + b) / 2
+    if shape == "triangle":
+        return [(cx, y1), (r, b), (x1, b)]
+    if shape == "diamond":
+        return [(cx, y1), (r, cy), (cx, b), (x1, cy)]
+    if shape == "star":
+        # Ten vertices scaled so that their extent is exactly the box.
+        angles = [math.pi / 2 + k * math.pi / 5 for k in range(10)]
+        radii = [1.0 if k % 2 == 0 else 0.45 for k in range(10)]
+        xs = [rad * math.cos(a) for rad, a in zip(radii, angles, strict=True)]
+        ys = [-rad * math.sin(a) for rad, a in zip(radii, angles, strict=True)]
+        sx, sy = (r - x1) / (max(xs) - min(xs)), (b - y1) / (max(ys) - min(ys))
+        return [(x1 + (x - min(xs)) * sx, y1 + (y - min(ys)) * sy) for x, y in zip(xs, ys, strict=True)]
+    return None
+
+
+def _draw(draw: ImageDraw.ImageDraw, obj: Obj, fill: tuple[int, int, int]) -> None:
+    x1, y1, x2, y2 = obj.box
+    if obj.shape == "circle":
+        draw.ellipse((x1, y1, x2 - 1, y2 - 1), fill=fill)
+    elif obj.shape == "square":
+        draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=fill)
+    else:
+        draw.polygon(_polygon(obj.shape, obj.box), fill=fill)
+
+
+def _overlaps(a: tuple[int, ...], b: tuple[int, ...], margin: int = 3) -> bool:
+    return a[0] < b[2] + margin and b[0] < a[2] + margin and a[1] < b[3] + margin and b[1] < a[3] + margin
+
+
+def make_scene(rng: np.random.Generator, n_objects: int | None = None) -> Scene:
+    """A W x H image (sides from SIDES) with `n_objects` (default 1-4, evenly) non-overlapping shapes."""
+    width, height = (int(rng.choice(SIDES)) for _ in range(2))
+    if n_objects is None:
+        n_objects = int(rng.integers(1, MAX_OBJECTS + 1))
+    # A small palette per scene, so that colours and shapes repeat and "all the red circles" means several.
+    palette_colors = rng.choice(list(COLORS), size=int(rng.integers(1, 4)), replace=False).tolist()
+    palette_shapes = rng.choice(SHAPES, size=int(rng.integers(1, 4)), replace=False).tolist()
+    short = min(width, height)
+    objects: list[Obj] = []
+    for _ in range(n_objects):
+        for _attempt in range(60):
+            side = int(rng.uniform(*SIZE_RANGE) * short)
+            shape = str(rng.choice(palette_shapes))
+            w = side if shape in ("circle", "square") else int(side * rng.uniform(0.8, 1.25))
+            w, h = min(w, width - 2), min(side, height - 2)
+            x1, y1 = int(rng.integers(1, width - w)), int(rng.integers(1, height - h))
+            box = (x1, y1, x1 + w, y1 + h)
+            if not any(_overlaps(box, o.box) for o in objects):
+                objects.append(Obj(shape, str(rng.choice(palette_colors)), box))
+                break
+
+    background = tuple(int(v) for v in rng.integers(200, 250) + rng.integers(-8, 9, size=3))
+    image = Image.new("RGB", (width, height), background)
+    draw = ImageDraw.Draw(image)
+    if rng.random() < 0.5:  # clutter: grey lines and dots, never in a shape colour
+        for _ in range(int(rng.integers(1, 8))):
+            grey = int(rng.integers(90, 190))
+            x, y = int(rng.integers(0, width)), int(rng.integers(0, height))
+            if rng.random() < 0.5:
+                dx, dy = (int(v) for v in rng.integers(-40, 41, size=2))
+                draw.line((x, y, x + dx, y + dy), fill=(grey, grey, grey), width=int(rng.integers(1, 3)))
+            else:
+                r = int(rng.integers(1, 4))
+                draw.ellipse((x - r, y - r, x + r, y + r), fill=(grey, grey, grey))
+    for obj in objects:
+        fill = tuple(int(np.clip(c + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1), 0, 255)) for c in COLORS[obj.color])
+        _draw(draw, obj, fill)
+    return Scene(image, tuple(objects))
+
+
+# --- Tasks and answers ------------------------------------------------------------------------------------
+
+
+def norm_coords(values: tuple[float, ...], size: tuple[int, int]) -> tuple[int, ...]:
+    """Pixels -> 0..1000 (x by width, y by height): `round(v / W * 1000)`, clamped (TRAINING.md §4.3)."""
+    return tuple(min(max(round(v / size[i % 2] * 1000), 0), 1000) for i, v in enumerate(values))
+
+
+def _coords_text(values: tuple[int, ...]) -> str:
+    return "".join(f"<{v}>" for v in values)
+
+
+@dataclass(frozen=True)
+class Phrase:
+    color: str | None
+    shape: str | None
+    text: str
+
+    def matches(self, obj: Obj) -> bool:
+        return (self.color is None or obj.color == self.color) and (self.shape is None or obj.shape == self.shape)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ground-truth item of a sample: a box (or, for pointing, the box whose point is asked for)."""
+
+    label: str | None  # the category or phrase it answers; None for pointing
+    box: tuple[int, int, int, int]  # pixels
+    box_norm: tuple[int, int, int, int]
+    point_norm: tuple[int, int] | None  # pointing only
+
+
+@dataclass(frozen=True)
+class Task:
+    task: str  # prompts.TASK_TEMPLATES key: detect, refer, single, point
+    query: str | list[str]  # a phrase, or the detection categories
+    answer: str  # the answer text without <|im_end|>
+    targets: tuple[Target, ...]
+    negative: bool  # some asked-for phrase or category is absent (its answer is <box>None</box>)
+
+
+@dataclass(frozen=True)
+class Sample:
+    scene: Scene
+    task: Task
+
+
+def _order(objs: list[Obj]) -> list[Obj]:
+    return sorted(objs, key=lambda o: (o.box[0], o.box[1]))  # ascending x1, then y1 (TRAINING.md §4.3)
+
+
+def _phrase(rng: np.random.Generator, color: str | None, shape: str | None, allow_long: bool = True) -> Phrase:
+    if color is None:
+        return Phrase(None, shape, shape)
+    if shape is None:
+        return Phrase(color, None, f"{color} shape")
+    style = rng.random()
+    if allow_long and style < 0.3:  # 7 tokens: trains continuation blocks of long labels
+        return Phrase(color, shape, f"any {color} {shape} in the image")
+    if style < 0.45:
+        return Phrase(color, shape, f"the {color} {shape}")
+    return Phrase(color, shape, f"{color} {shape}")
+
+
+def _present_phrase(rng: np.random.Generator, objects: tuple[Obj, ...]) -> Phrase:
+    anchor = objects[int(rng.integers(len(objects)))]
+    kind = rng.random()
+    if kind < 0.7:
+        return _phrase(rng, anchor.color, anchor.shape)
+    if kind < 0.85:
+        return _phrase(rng, None, anchor.shape)
+    return _phrase(rng, anchor.color, None)
+
+
+def _absent_phrase(rng: np.random.Generator, objects: tuple[Obj, ...]) -> Phrase:
+    """A colour-shape pair that no object has; half of the time a hard negative (its colour or shape is there)."""
+    pairs = {(o.color, o.shape) for o in objects}
+    absent = [(c, s) for c in COLORS for s in SHAPES if (c, s) not in pairs]
+    colors, shapes = {o.color for o in objects}, {o.shape for o in objects}
+    hard = [(c, s) for c, s in absent if c in colors or s in shapes]
+    pool = hard if hard and rng.random() < 0.5 else absent
+    color, shape = pool[int(rng.integers(len(pool)))]
+    kind = rng.random()
+    if kind < 0.8 or not objects:
+        return _phrase(rng, color, shape)
+    if shape not in shapes:
+        return _phrase(rng, None, shape)
+    if color not in colors:
+        return _phrase(rng, color, None)
+    return _phrase(rng, color, shape)
+
+
+def _target(label: str | None, obj: Obj, size: tuple[int, int], point: bool = False) -> Target:
+    return Target(
+        label,
+        obj.box,
+        norm_coords(obj.box, size),
+        norm_coords(obj.center, size) if point else None,
+    )
+
+
+def _grounding(task: str, phrase: Phrase, scene: Scene) -> Task:
+    size = scene.size
+    matched = _order([o for o in scene.objects if phrase.matches(o)])
+    if task == "point":
+        targets = [_target(None, o, size, point=True) for o in matched]
+        targets.sort(key=lambda t: t.point_norm)  # points in ascending x, then y
+        body = "".join(f"<box>{_coords_text(t.point_norm)}</box>" for t in targets) or "<box>None</box>"
+        return Task("point", phrase.text, body, tuple(targets), not matched)
+    targets = [_target(phrase.text, o, size) for o in matched]
+    boxes = "".join(f"<box>{_coords_text(t.box_norm)}</box>" for t in targets) or "<box>None</box>"
+    return Task(task, phrase.text, f"<ref>{phrase.text}</ref>{boxes}", tuple(targets), not matched)
+
+
+def _detection(rng: np.random.Generator, scene: Scene, negative: bool) -> Task:
+    present = sorted({o.shape for o in scene.objects}, key=SHAPES.index)
+    absent = [s for s in SHAPES if s not in present]
+    n = int(rng.choice([1, 2, 3], p=[0.5, 0.35, 0.15]))
+    if negative or not present:
+        chosen = rng.choice(absent, size=min(n, len(absent)), replace=False).tolist()
+    else:
+        k = min(n, len(present))
+        chosen = rng.choice(present, size=k, replace=False).tolist()
+        extra = [s for s in absent if rng.random() < 0.15][: n - k]  # an absent category keeps its place
+        chosen += extra
+        rng.shuffle(chosen)
+    parts, targets = [], []
+    for category in chosen:
+        matched = _order([o for o in scene.objects if o.shape == category])
+        for o in matched:
+            t = _target(category, o, scene.size)
+            targets.append(t)
+            parts.append(f"<ref>{category}</ref><box>{_coords_text(t.box_norm)}</box>")
+        if not matched:
+            parts.append(f"<ref>{category}</ref><box>None</box>")
+    negative = any(not any(o.shape == c for o in scene.objects) for c in chosen)
+    return Task("detect", chosen, "".join(parts), tuple(targets), negative)
+
+
+def make_task(rng: np.random.Generator, scene: Scene) -> Task:
+    kind = str(rng.choice(list(TASK_SHARES), p=list(TASK_SHARES.values())))
+    if kind == "detect":
+        return _detection(rng, scene, negative=False)
+    if kind == "negative" or not scene.objects:
+        which = rng.random()
+        if which < 0.25:
+            return _detection(rng, scene, negative=True)
+        task = "point" if which < 0.5 else ("single" if which < 0.6 else "refer")
+        return _grounding(task, _absent_phrase(rng, scene.objects), scene)
+    if kind == "single":
+        counts: dict[tuple[str, str], int] = {}
+        for o in scene.objects:
+            counts[(o.color, o.shape)] = counts.get((o.color, o.shape), 0) + 1
+        unique = [pair for pair, c in counts.items() if c == 1]
+        if unique:
+            color, shape = unique[int(rng.integers(len(unique)))]
+            return _grounding("single", _phrase(rng, color, shape), scene)
+        kind = "refer"
+    return _grounding(kind, _present_phrase(rng, scene.objects), scene)
+
+
+def make_sample(seed: int, index: int, split: str = "train") -> Sample:
+    """Sample `index` of the stream `(split, seed)`; the same arguments always give the same sample."""
+    rng = np.random.default_rng([SPLITS[split], seed, index])
+    n_objects = 0 if rng.random() < 0.04 else None
+    scene = make_scene(rng, n_objects)
+    return Sample(scene, make_task(rng, scene))
+
+
+# --- Blocks -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    anchor: int  # index of the clean token the block is anchored on (slot 0 copies it)
+    targets: tuple[int, ...]  # BLOCK ids: the block's tokens, then <null>s
+
+
+def cut_blocks(seq: list[int], start: int, ids: TokenIds) -> list[Block]:
+    """Cut the answer `seq[start:]` (through its `<|im_end|>`) into blocks, TRAINING.md §1.2.
+
+    Block 0 is anchored on `seq[start - 1]` (the `\\n` after `assistant`); each block is cut after the first
+    `</ref>` or `</box>` and before `<|im_end|>`, and the answer ends with exactly one end block.
+    Raises `ValueError` if the answer has no `<|im_end|>`.
+    """
+    if ids.im_end not in seq[start:]:
+        raise ValueError("the answer must end with <|im_end|>")
+    blocks, begin = [], start
+    while True:
+        window = seq[begin : begin + BLOCK]
+        if window[0] == ids.im_end:
+            blocks.append(Block(begin - 1, (ids.im_end,) + (ids.null,) * (BLOCK - 1)))
+            return blocks
+        length = BLOCK
+        for j, t in enumerate(window):
+            if t in (ids.ref_end, ids.box_end):
+                length = min(length, j + 1)
+                break
+            if t == ids.im_end:
+                length = min(length, j)
+                break
+        blocks.append(Block(begin - 1, tuple(window[:length]) + (ids.null,) * (BLOCK - length)))
+        begin += length

@@ -1,0 +1,634 @@
+"""Train a tiny LocateAnything (same architecture, small sizes) from scratch on synthetic shapes.
+
+TRAINING.md §1-§4: every sample is ONE sequence `[x_0 .. x_{L-1}] ++ [block 0] ++ ... ++ [block K-1]` (the NTP
+stream, then 6 rows per block: the clean anchor copy and 5 `<text_mask>`), under the §2.2 mask; one float32
+cross-entropy (token mean) over the supervised rows of both streams; AdamW with warmup and cosine decay.
+The checkpoint is written in the original Hugging Face layout, so `mlx_locate.load(out)` runs it.
+
+    python -m mlx_locate.train --out runs/demo --steps 20000 --batch-size 64 --workers 12
+
+Fixed shapes: the vision tower runs batched over images padded to the largest patch grid (a key mask keeps
+each image to itself), the LM over sequences padded to a length bucket, and the mask is built on the device
+from three ints per row, so one compiled step serves each bucket. The same code runs on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+from tokenizers import Tokenizer as _Tokenizer
+
+from .config import ModelConfig
+from .language import rope_tables
+from .masks import BLOCK
+from .model import LocateAnything
+from .preprocess import PATCH_SIZE
+from .projector import run_connector
+from .prompts import prompt_ids, task_text
+from .random_checkpoint import Preset
+from .synthetic import SIDES, Sample, build_tokenizer, cut_blocks, make_sample
+from .tokenizer import Tokenizer
+from .tokens import TokenIds
+from .vision import apply_rope2d, bicubic_matrix, rope2d_tables
+
+# TRAINING.md §4.1 (about 4.5 M parameters with the demo vocabulary).
+SIZES: dict[str, Preset] = {
+    "demo": Preset(128, 4, 4, 512, 256, 4, 4, 2, 768, pos_emb=16),
+    "small": Preset(64, 2, 4, 256, 128, 2, 4, 2, 384, pos_emb=16),  # CPU smoke runs
+    "micro": Preset(32, 1, 2, 64, 64, 2, 4, 2, 128, pos_emb=16),  # tests
+}
+IN_TOKEN_LIMIT = 256  # patches: larger images are scaled down to about the training sizes (224 x 224)
+MODEL_MAX_LENGTH = 2048
+LENGTH_BUCKET = 64
+IGNORE = -1
+# Row kinds: 0 ignored, 1 NTP, 2 + j block slot j.
+KIND_NTP = 1
+NUM_KINDS = 2 + BLOCK
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+
+
+# --- Checkpoint files -------------------------------------------------------------------------------------
+
+
+def demo_config(tok: _Tokenizer, sizes: Preset, dtype: str = "float32") -> dict:
+    """config.json with the release's field names, these sizes and every special id of this tokenizer."""
+    tid = tok.token_to_id
+    config = dataclasses.replace(sizes, vocab_size=tok.get_vocab_size()).config(dtype)
+    config.update(
+        image_token_index=tid("<IMG_CONTEXT>"),
+        box_start_token_id=tid("<box>"),
+        box_end_token_id=tid("</box>"),
+        ref_start_token_id=tid("<ref>"),
+        ref_end_token_id=tid("</ref>"),
+        coord_start_token_id=tid("<0>"),
+        coord_end_token_id=tid("<1000>"),
+        none_token_id=tid("None"),
+        eos_token_id=tid("<|im_end|>"),
+    )
+    config["text_config"].update(
+        bos_token_id=tid("<|endoftext|>"),
+        eos_token_id=tid("<|im_end|>"),
+        text_mask_token_id=tid("<text_mask>"),
+        null_token_id=tid("<null>"),
+        switch_token_id=tid("<switch>"),
+        max_position_embeddings=MODEL_MAX_LENGTH,
+        sliding_window=MODEL_MAX_LENGTH,
+    )
+    config["text_config"].pop("_name_or_path", None)
+    config["vision_config"].pop("_name_or_path", None)
+    config["vision_config"].pop("auto_map", None)
+    return config
+
+
+def side_files(tok: _Tokenizer) -> dict[str, dict]:
+    """The tokenizer/processor JSON files of a checkpoint folder, besides tokenizer.json."""
+    tid = tok.token_to_id
+    return {
+        "tokenizer_config.json": {
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "bos_token": None,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>",
+            "errors": "replace",
+            "model_max_length": MODEL_MAX_LENGTH,
+            "pad_token": "<|endoftext|>",
+            "processor_class": "LocateAnythingProcessor",
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
+        },
+        "preprocessor_config.json": {
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_processor_type": "LocateAnythingImageProcessor",
+            "image_std": [0.5, 0.5, 0.5],
+            "in_token_limit": IN_TOKEN_LIMIT,
+            "merge_kernel_size": [2, 2],
+            "patch_size": PATCH_SIZE,
+            "processor_class": "LocateAnythingProcessor",
+        },
+        "processor_config.json": {
+            "image_end_token": "</img>",
+            "image_placeholder": "image",
+            "image_start_token": "<img>",
+            "image_token": "<IMG_CONTEXT>",
+            "merge_kernel_size": [2, 2],
+            "processor_class": "LocateAnythingProcessor",
+        },
+        "generation_config.json": {
+            "bos_token_id": tid("<|endoftext|>"),
+            "eos_token_id": [tid("<|im_end|>"), tid("<|endoftext|>")],
+            "generation_mode": "hybrid",
+            "max_new_tokens": 512,
+            "n_future_tokens": BLOCK,
+            "pad_token_id": tid("<|endoftext|>"),
+        },
+    }
+
+
+def hf_weights(model: LocateAnything, dtype: mx.Dtype) -> dict[str, mx.array]:
+    """Parameters under the checkpoint's names and layouts (the patch embedding as an OIHW conv)."""
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name == "vision_model.patch_embed.proj.weight":
+            value = value.reshape(value.shape[0], 3, PATCH_SIZE, PATCH_SIZE)
+        weights[name] = value.astype(dtype)
+    return weights
+
+
+def save_checkpoint(model: LocateAnything, tok: _Tokenizer, out: Path, dtype: str = "float32") -> None:
+    """Write config.json, model.safetensors, tokenizer.json and the processor files to `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = model_sizes(model.config)
+    (out / "config.json").write_text(json.dumps(demo_config(tok, sizes, dtype), indent=2) + "\n")
+    for name, content in side_files(tok).items():
+        (out / name).write_text(json.dumps(content, indent=2) + "\n")
+    tok.save(str(out / "tokenizer.json"))
+    mx.save_safetensors(str(out / "model.safetensors"), hf_weights(model, DTYPES[dtype]), metadata={"format": "pt"})
+
+
+def model_sizes(config: ModelConfig) -> Preset:
+    v, t = config.vision, config.text
+    return Preset(
+        v.hidden_size,
+        v.num_hidden_layers,
+        v.num_attention_heads,
+        v.intermediate_size,
+        t.hidden_size,
+        t.num_hidden_layers,
+        t.num_attention_heads,
+        t.num_key_value_heads,
+        t.intermediate_size,
+        vocab_size=t.vocab_size,
+        pos_emb=v.init_pos_emb_height,
+    )
+
+
+def init_model(tok: _Tokenizer, sizes: Preset, seed: int, std: float = 0.02) -> LocateAnything:
+    """A fresh model: N(0, std) weights, zero biases, unit norm weights (TRAINING.md §4.1)."""
+    raw = demo_config(tok, sizes)
+    config = ModelConfig.from_dict(raw)
+    model = LocateAnything(config, Tokenizer(tok).token_ids(raw))
+    flat = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(flat))
+    params = []
+    for i, (name, value) in enumerate(flat):
+        if name.endswith(".bias"):
+            value = mx.zeros_like(value)
+        elif value.ndim == 1:  # LayerNorm / RMSNorm weights
+            value = mx.ones_like(value)
+        else:
+            value = std * mx.random.normal(value.shape, key=keys[i])
+        params.append((name, value))
+    model.load_weights(params)
+    mx.eval(model.parameters())
+    return model
+
+
+# --- Encoding samples (host, numpy) -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GridTables:
+    """Per patch grid (h, w) of the training sizes, padded to the largest grid: pos-emb resize, 2D RoPE,
+    the valid patches and the 2 x 2 merge gather. Indexed on the device by a grid id per image."""
+
+    grids: tuple[tuple[int, int], ...]
+    patches: int  # padded patch count N
+    merged: int  # padded merged-token count M = N / 4
+
+    @staticmethod
+    def for_sides(sides: tuple[int, ...] = SIDES, patch: int = PATCH_SIZE) -> GridTables:
+        grids = tuple((h // patch, w // patch) for h in sides for w in sides)
+        n = max(h * w for h, w in grids)
+        return GridTables(grids, n, n // 4)
+
+    def index(self, grid: tuple[int, int]) -> int:
+        if grid not in self.grids:
+            raise ValueError(f"patch grid {grid} is not one of the training grids {self.grids}")
+        return self.grids.index(grid)
+
+    def arrays(self, table: int, head_dim: int, theta: float) -> dict[str, mx.array]:
+        n, m = self.patches, self.merged
+        count = len(self.grids)
+        pos = np.zeros((count, n, table * table), np.float32)
+        cos = np.ones((count, n, head_dim // 2), np.float32)
+        sin = np.zeros((count, n, head_dim // 2), np.float32)
+        valid = np.zeros((count, n), bool)
+        merge = np.zeros((count, 4 * m), np.int32)
+        for g, (h, w) in enumerate(self.grids):
+            pos[g, : h * w] = np.kron(bicubic_matrix(table, h), bicubic_matrix(table, w))
+            c, s = rope2d_tables(h, w, head_dim, theta)
+            cos[g, : h * w], sin[g, : h * w] = np.array(c), np.array(s)
+            valid[g, : h * w] = True
+            i, j = np.meshgrid(np.arange(h // 2), np.arange(w // 2), indexing="ij")
+            top = (2 * i * w + 2 * j).reshape(-1, 1)
+            quad = np.concatenate([top, top + 1, top + w, top + w + 1], axis=1)  # merge_2x2's order
+            merge[g, : h * w] = quad.reshape(-1)
+        return {k: mx.array(v) for k, v in dict(pos=pos, cos=cos, sin=sin, valid=valid, merge=merge).items()}
+
+
+@dataclass
+class Encoded:
+    """One training sample as rows: NTP rows 0..L-1, then 6 rows per block."""
+
+    ids: np.ndarray  # (R,) int32 input ids
+    positions: np.ndarray  # (R,) int32
+    targets: np.ndarray  # (R,) int32, IGNORE where unsupervised
+    kinds: np.ndarray  # (R,) int32: 0 ignored, 1 NTP, 2 + j block slot j
+    clean_lim: np.ndarray  # (R,) row r attends keys t < clean_lim[r] ...
+    own_lo: np.ndarray  # ... and own_lo[r] <= t < own_hi[r] (TRAINING.md §2.2)
+    own_hi: np.ndarray
+    image_slot: np.ndarray  # (R,) merged image row spliced at this row, or -1
+    pixels: np.ndarray  # (h*w, 3*p*p) uint8 patches in raster order (the preprocess layout)
+    grid: tuple[int, int]
+    length: int  # L
+
+
+def patchify(image, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int]]:
+    """uint8 patches (h*w, 3*p*p) in `preprocess`'s layout; the image sides must be multiples of 2 * patch."""
+    pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    H, W, _ = pixels.shape
+    if H % (2 * patch) or W % (2 * patch):
+        raise ValueError(f"image {W}x{H} must have sides that are multiples of {2 * patch}")
+    gh, gw = H // patch, W // patch
+    grid = pixels.reshape(gh, patch, gw, patch, 3).transpose(0, 2, 4, 1, 3)
+    return np.ascontiguousarray(grid.reshape(gh * gw, 3 * patch * patch)), (gh, gw)
+
+
+def encode(sample: Sample, tokenizer: Tokenizer, ids: TokenIds) -> Encoded:
+    pixels, grid = patchify(sample.scene.image)
+    prompt = prompt_ids(tokenizer, task_text(sample.task.task, sample.task.query), [grid])
+    x = prompt + tokenizer.encode(sample.task.answer + "<|im_end|>\n")
+    s = len(prompt) - 1  # the "\n" after "assistant": anchors block 0
+    e = x.index(ids.im_end, s)  # the answer's <|im_end|>
+    L = len(x)
+    blocks = cut_blocks(x, s + 1, ids)
+    R = L + BLOCK * len(blocks)
+
+    rows = np.arange(R, dtype=np.int32)
+    out = Encoded(
+        ids=np.empty(R, np.int32),
+        positions=np.empty(R, np.int32),
+        targets=np.full(R, IGNORE, np.int32),
+        kinds=np.zeros(R, np.int32),
+        clean_lim=np.empty(R, np.int32),
+        own_lo=np.zeros(R, np.int32),
+        own_hi=np.zeros(R, np.int32),
+        image_slot=np.full(R, -1, np.int32),
+        pixels=pixels,
+        grid=grid,
+        length=L,
+    )
+    out.ids[:L] = x
+    out.positions[:L] = rows[:L]
+    out.clean_lim[:L] = rows[:L] + 1  # causal
+    out.targets[s:e] = x[s + 1 : e + 1]  # rows s..e-1 predict the answer through <|im_end|>
+    out.kinds[s:e] = KIND_NTP
+    image_rows = np.flatnonzero(np.array(x) == ids.image)
+    out.image_slot[image_rows] = np.arange(len(image_rows), dtype=np.int32)
+    for k, block in enumerate(blocks):
+        r = L + BLOCK * k
+        out.ids[r : r + BLOCK] = [x[block.anchor]] + [ids.text_mask] * (BLOCK - 1)
+        out.positions[r : r + BLOCK] = block.anchor + np.arange(BLOCK)
+        out.targets[r : r + BLOCK] = block.targets
+        out.kinds[r : r + BLOCK] = 2 + np.arange(BLOCK)
+        out.clean_lim[r : r + BLOCK] = block.anchor  # clean keys strictly before the anchor
+        out.own_lo[r : r + BLOCK] = r
+        out.own_hi[r : r + BLOCK] = r + BLOCK
+    return out
+
+
+def collate(samples: list[Encoded], tables: GridTables, pad_id: int) -> dict[str, np.ndarray]:
+    """Pad rows to a LENGTH_BUCKET multiple and patches to the largest grid; padding rows see only themselves."""
+    B = len(samples)
+    T = -(-max(len(s.ids) for s in samples) // LENGTH_BUCKET) * LENGTH_BUCKET
+    batch = {
+        "ids": np.full((B, T), pad_id, np.int32),
+        "positions": np.zeros((B, T), np.int32),
+        "targets": np.full((B, T), IGNORE, np.int32),
+        "kinds": np.zeros((B, T), np.int32),
+        "clean_lim": np.zeros((B, T), np.int32),
+        "own_lo": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
+        "own_hi": np.tile(np.arange(1, T + 1, dtype=np.int32), (B, 1)),
+        "image_slot": np.full((B, T), -1, np.int32),
+        "pixels": np.zeros((B, tables.patches, samples[0].pixels.shape[1]), np.uint8),
+        "grid": np.array([tables.index(s.grid) for s in samples], np.int32),
+    }
+    for b, s in enumerate(samples):
+        R = len(s.ids)
+        for name in ("ids", "positions", "targets", "kinds", "clean_lim", "own_lo", "own_hi", "image_slot"):
+            batch[name][b, :R] = getattr(s, name)
+        batch["pixels"][b, : len(s.pixels)] = s.pixels
+    return batch
+
+
+class BatchMaker:
+    """Batch `step` of the stream: samples step*B .. step*B+B-1 of `make_sample(seed, i)`. Picklable."""
+
+    def __init__(self, tokenizer_json: str, seed: int, batch_size: int, split: str = "train"):
+        self.tokenizer_json = tokenizer_json
+        self.seed, self.batch_size, self.split = seed, batch_size, split
+        self._state = None
+
+    def _setup(self):
+        if self._state is None:
+            tok = _Tokenizer.from_str(self.tokenizer_json)
+            tokenizer = Tokenizer(tok)
+            raw = demo_config(tok, SIZES["micro"])
+            self._state = (
+                tokenizer,
+                tokenizer.token_ids(raw),
+                GridTables.for_sides(),
+                tok.token_to_id("<|endoftext|>"),
+            )
+        return self._state
+
+    def __call__(self, step: int) -> dict[str, np.ndarray]:
+        tokenizer, ids, tables, pad = self._setup()
+        first = step * self.batch_size
+        samples = [make_sample(self.seed, i, self.split) for i in range(first, first + self.batch_size)]
+        return collate([encode(s, tokenizer, ids) for s in samples], tables, pad)
+
+
+def batches(maker: BatchMaker, start: int, steps: int, workers: int):
+    """Yield batches start..steps-1 in order; with workers > 0 a process pool keeps 2 per worker in flight."""
+    if workers <= 0:
+        for step in range(start, steps):
+            yield maker(step)
+        return
+    ctx = multiprocessing.get_context("spawn")  # no fork after MLX started its threads
+    with ctx.Pool(workers) as pool:
+        pending = []
+        next_step = start
+        for _ in range(start, steps):
+            while next_step < steps and len(pending) < 2 * workers:
+                pending.append(pool.apply_async(maker, (next_step,)))
+                next_step += 1
+            yield pending.pop(0).get()
+
+
+# --- Device forward and loss ------------------------------------------------------------------------------
+
+
+def vision_features(model: LocateAnything, pixels: mx.array, grid: mx.array, tables: dict) -> mx.array:
+    """(B, N, 3*p*p) uint8 patches of padded images -> (B, M, D) connector rows (merged raster order)."""
+    tower = model.vision_model
+    B, N, _ = pixels.shape
+    x = (pixels.astype(mx.float32) / 255.0 - 0.5) / 0.5  # the preprocess normalisation
+    x = tower.patch_embed.proj(x.astype(tower.patch_embed.proj.weight.dtype))
+    C = x.shape[-1]
+    table = tower.patch_embed.pos_emb.weight.astype(mx.float32).reshape(-1, C)
+    x = x + (tables["pos"][grid] @ table).astype(x.dtype)
+    cos, sin = tables["cos"][grid].reshape(B * N, -1), tables["sin"][grid].reshape(B * N, -1)
+    mask = tables["valid"][grid][:, None, None, :]  # keys of the image's own patches only
+    for blk in tower.encoder.blocks:
+        H = blk.num_heads
+        qkv = blk.wqkv(blk.norm0(x)).reshape(B * N, 3, H, C // H)
+        q = apply_rope2d(qkv[:, 0], cos, sin).reshape(B, N, H, -1).transpose(0, 2, 1, 3)
+        k = apply_rope2d(qkv[:, 1], cos, sin).reshape(B, N, H, -1).transpose(0, 2, 1, 3)
+        v = qkv[:, 2].reshape(B, N, H, -1).transpose(0, 2, 1, 3)
+        attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=(C // H) ** -0.5, mask=mask)
+        x = x + blk.wo(attn.transpose(0, 2, 1, 3).reshape(B, N, C))
+        x = x + blk.mlp(blk.norm1(x))
+    x = tower.encoder.final_layernorm(x)
+    merge = tables["merge"][grid]  # (B, 4M)
+    merged = mx.take_along_axis(x, merge[..., None], axis=1).reshape(B, merge.shape[1] // 4, 4 * C)
+    return run_connector(model.mlp1, merged)
+
+
+def training_mask_rows(clean_lim: mx.array, own_lo: mx.array, own_hi: mx.array) -> mx.array:
+    """(B, 1, T, T) bool from per-row limits: t < clean_lim[r] or own_lo[r] <= t < own_hi[r]."""
+    t = mx.arange(clean_lim.shape[1], dtype=mx.int32)[None, None, :]
+    lim, lo, hi = clean_lim[..., None], own_lo[..., None], own_hi[..., None]
+    return ((t < lim) | ((t >= lo) & (t < hi)))[:, None]
+
+
+def forward_hidden(model: LocateAnything, batch: dict, tables: dict) -> mx.array:
+    """Final hidden states (B, T, D), before the final norm, of a collated batch."""
+    lm = model.language_model
+    features = vision_features(model, batch["pixels"], batch["grid"], tables)
+    embeds = lm.model.embed_tokens(batch["ids"])
+    slot = batch["image_slot"]
+    image = mx.take_along_axis(features, mx.maximum(slot, 0)[..., None], axis=1)
+    x = mx.where((slot >= 0)[..., None], image.astype(embeds.dtype), embeds)
+    B, T = slot.shape
+    cfg = lm.config
+    cos, sin = rope_tables(batch["positions"].reshape(-1), cfg.head_dim, cfg.rope_theta, x.dtype)
+    cos, sin = cos.reshape(B, 1, T, -1), sin.reshape(B, 1, T, -1)
+    mask = training_mask_rows(batch["clean_lim"], batch["own_lo"], batch["own_hi"])
+    for layer in lm.model.layers:
+        x, _ = layer(x, cos, sin, mask)
+    return x
+
+
+def loss_and_stats(model: LocateAnything, batch: dict, tables: dict) -> tuple[mx.array, mx.array]:
+    """Token-mean float32 cross-entropy over supervised rows; stats (3, NUM_KINDS): CE sum, count, correct."""
+    logits = model.language_model.logits(forward_hidden(model, batch, tables))  # (B, T, V) float32
+    targets = batch["targets"]
+    valid = targets >= 0
+    picked = mx.take_along_axis(logits, mx.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    ce = (mx.logsumexp(logits, axis=-1) - picked) * valid
+    loss = ce.sum() / mx.maximum(valid.sum(), 1)
+    onehot = (batch["kinds"][..., None] == mx.arange(NUM_KINDS)).astype(mx.float32)  # (B, T, K)
+    correct = ((mx.argmax(logits, axis=-1) == targets) & valid).astype(mx.float32)
+    stats = mx.stack(
+        [
+            (ce[..., None] * onehot).sum(axis=(0, 1)),
+            onehot.sum(axis=(0, 1)),
+            (correct[..., None] * onehot).sum(axis=(0, 1)),
+        ]
+    )
+    return loss, mx.stop_gradient(stats)
+
+
+def learning_rate(step: int, total: int, lr: float, warmup: int, final_ratio: float = 0.1) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to `final_ratio * lr` at step `total`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (final_ratio + (1 - final_ratio) * 0.5 * (1 + np.cos(np.pi * progress)))
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    clip: float = 1.0
+    compute_dtype: str = "float32"  # bfloat16: forward/backward in bf16 on float32 master weights
+    compile: bool = True
+
+
+class Trainer:
+    """One compiled AdamW step per call; the learning rate is an input, so the schedule is plain Python."""
+
+    def __init__(self, model: LocateAnything, options: TrainOptions):
+        self.model = model
+        v = model.config.vision
+        self.tables = GridTables.for_sides().arrays(v.init_pos_emb_height, v.head_dim, v.rope_theta)
+        self.optimizer = optim.AdamW(learning_rate=options.lr, betas=[0.9, 0.999], weight_decay=options.weight_decay)
+        self.optimizer.init(model.trainable_parameters())
+        compute = DTYPES[options.compute_dtype]
+
+        def loss_fn(params, batch, tables):
+            if compute != mx.float32:
+                params = tree_map(lambda p: p.astype(compute), params)
+            model.update(params)
+            return loss_and_stats(model, batch, tables)
+
+        grad_fn = mx.value_and_grad(loss_fn)
+
+        def step(batch, tables):
+            params = model.trainable_parameters()
+            (loss, stats), grads = grad_fn(params, batch, tables)
+            model.update(params)
+            grads, norm = optim.clip_grad_norm(grads, options.clip)
+            self.optimizer.update(model, grads)
+            return loss, stats, norm
+
+        state = [model.state, self.optimizer.state]
+        self.step_fn = partial(mx.compile, inputs=state, outputs=state)(step) if options.compile else step
+
+    def step(self, batch: dict[str, np.ndarray], lr: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """Queue one step; returns (loss, stats, grad norm) without waiting for them."""
+        if lr is not None:
+            self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
+        arrays = {k: mx.array(v) for k, v in batch.items()}
+        out = self.step_fn(arrays, self.tables)
+        mx.async_eval(out, self.model.state, self.optimizer.state)
+        return out
+
+
+def describe(stats: np.ndarray) -> dict:
+    """Per-stream losses and accuracies from summed stats (3, NUM_KINDS)."""
+    ce, n, ok = stats
+    blk = slice(2, NUM_KINDS)
+
+    def ratio(a, b):
+        return float(a / b) if b else float("nan")
+
+    return {
+        "ntp_loss": ratio(ce[KIND_NTP], n[KIND_NTP]),
+        "block_loss": ratio(ce[blk].sum(), n[blk].sum()),
+        "ntp_acc": ratio(ok[KIND_NTP], n[KIND_NTP]),
+        "block_acc": ratio(ok[blk].sum(), n[blk].sum()),
+        "slot_loss": [round(ratio(ce[2 + j], n[2 + j]), 4) for j in range(BLOCK)],
+    }
+
+
+def train(args: argparse.Namespace) -> Path:
+    out = Path(args.out)
+    tok = build_tokenizer()
+    model = init_model(tok, SIZES[args.sizes], args.seed)
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    options = TrainOptions(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        clip=args.clip,
+        compute_dtype=args.compute_dtype,
+        compile=not args.no_compile,
+    )
+    trainer = Trainer(model, options)
+    maker = BatchMaker(tok.to_str(), args.seed, args.batch_size)
+    total, warmup = args.steps, max(1, min(args.warmup, args.steps // 2))
+    print(
+        f"device {mx.default_device()} | sizes {args.sizes}: {n_params / 1e6:.2f} M parameters, vocab "
+        f"{tok.get_vocab_size()} | {total} steps x {args.batch_size} samples | workers {args.workers}",
+        flush=True,
+    )
+    log = open(args.log, "a") if args.log else None  # noqa: SIM115
+    acc, loss_sum, seen = mx.zeros((3, NUM_KINDS)), mx.zeros(()), 0
+    t_start = t_last = time.perf_counter()
+    t_probe = None
+    step = 0
+    for batch in batches(maker, 0, args.steps, args.workers):
+        if step >= total:
+            break
+        lr = learning_rate(step, total, args.lr, warmup)
+        loss, stats, norm = trainer.step(batch, lr)
+        step += 1
+        acc, loss_sum, seen = acc + stats, loss_sum + loss, seen + 1
+        if args.minutes and step == 20:
+            mx.eval(loss)
+            t_probe = time.perf_counter()
+        if args.minutes and step == warmup and t_probe is not None:
+            # Fit the rest of the run into the time budget; the cosine starts only now, so nothing changes.
+            mx.eval(loss)
+            rate = (step - 20) / (time.perf_counter() - t_probe)
+            left = args.minutes * 60 - (time.perf_counter() - t_start)
+            total = max(step + 1, min(total, step + int(left * rate)))
+            print(f"time budget {args.minutes} min at {rate:.1f} steps/s: {total} steps", flush=True)
+        if step % args.log_every == 0 or step == total:
+            entry = {"step": step, "loss": round(loss_sum.item() / seen, 4)}
+            entry.update({k: (round(v, 4) if isinstance(v, float) else v) for k, v in describe(np.array(acc)).items()})
+            now = time.perf_counter()
+            entry.update(
+                grad_norm=round(norm.item(), 3),
+                lr=round(lr, 7),
+                samples_per_s=round(seen * args.batch_size / (now - t_last), 1),
+                elapsed_s=round(now - t_start, 1),
+            )
+            print(json.dumps(entry), flush=True)
+            if log:
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+            acc, loss_sum, seen, t_last = mx.zeros((3, NUM_KINDS)), mx.zeros(()), 0, now
+        if args.save_every and step % args.save_every == 0 and step < total:
+            save_checkpoint(model, tok, out, args.save_dtype)
+    save_checkpoint(model, tok, out, args.save_dtype)
+    if log:
+        log.close()
+    elapsed = time.perf_counter() - t_start
+    print(
+        f"saved {out}: {step} steps, {step * args.batch_size / elapsed:.1f} samples/s over {elapsed:.0f} s", flush=True
+    )
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlx_locate.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="checkpoint folder to write (original HF layout)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--warmup", type=int, default=500, help="warmup steps (at most half of --steps; at least 21 with --minutes)"
+    )
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="initialisation and training-data seed")
+    p.add_argument("--sizes", choices=list(SIZES), default="demo")
+    p.add_argument("--compute-dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--save-dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--workers", type=int, default=0, help="data-generation processes (0: in this process)")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
+    p.add_argument("--log", default=None, help="append JSON log lines to this file")
+    p.add_argument("--minutes", type=float, default=0, help="fit the run into this many minutes (0: no limit)")
+    p.add_argument("--no-compile", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1:
+        print("error: --steps and --batch-size must be at least 1", file=sys.stderr)
+        return 2
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
