@@ -117,6 +117,13 @@ def step_costs(model: LocateModel, context: int, iters: int) -> dict:
     return out
 
 
+def request_ms(stats: dict, key: str) -> float | None:
+    """From the request's start (preprocessing) to `key` (seconds after the per-query prefill began)."""
+    if stats[key] is None:
+        return None
+    return 1e3 * (stats["preprocess_s"] + stats["vision_s"] + stats["prefix_prefill_s"] + stats[key])
+
+
 def run_modes(model: LocateModel, image: Path, modes: list[str], max_tokens: int, repeat: int) -> dict:
     results = {}
     for mode in modes:
@@ -127,20 +134,22 @@ def run_modes(model: LocateModel, image: Path, modes: list[str], max_tokens: int
         for _ in range(repeat):
             model.features.clear()
             runs.append(model.locate(image, QUERY, mode=mode, max_tokens=max_tokens))
-        r = min(runs, key=lambda x: x.stats["decode_s"])
+        r = sorted(runs, key=lambda x: x.stats["decode_s"])[len(runs) // 2]  # the median run
         s = r.stats
         boxes = len(r.objects)
+        decode_steps = max(s["steps"] - 1, 1)  # after the first step, as the peer counts
+        decode_s = s["decode_s"] - (s["first_step_s"] - s["prefill_s"])
         results[mode] = {
             "preprocess_ms": 1e3 * s["preprocess_s"],
             "vision_ms": 1e3 * s["vision_s"],
             "prefill_ms": 1e3 * (s["prefix_prefill_s"] + s["prefill_s"]),
-            "first_box_ms": None if s["first_box_s"] is None else 1e3 * (s["prefix_prefill_s"] + s["first_box_s"]),
-            "decode_ms": 1e3 * s["decode_s"],
+            "first_step_ms": request_ms(s, "first_step_s"),
+            "first_box_ms": request_ms(s, "first_box_s"),
             "tokens": s["tokens"],
             "steps": s["steps"],
             "block_steps": s["block_steps"],
             "ar_steps": s["ar_steps"],
-            "ms_per_step": 1e3 * s["decode_s"] / max(s["steps"], 1),
+            "ms_per_step": 1e3 * decode_s / decode_steps,
             "tokens_per_s": s["tokens"] / s["decode_s"],
             "blocks_per_s": s["block_steps"] / s["decode_s"] if s["block_steps"] else None,
             "boxes": boxes,
@@ -150,22 +159,48 @@ def run_modes(model: LocateModel, image: Path, modes: list[str], max_tokens: int
             "compilations_after": model.compilations - warm,
             "peak_memory_mb": mx.get_peak_memory() / 2**20,
             "stop_reason": s["stop_reason"],
+            "prompt_ids": r.prompt_ids,
             "token_ids": r.token_ids,
         }
     return results
 
 
-def run_peer(python: str, model_dir: Path, image: Path, modes: list[str], max_tokens: int, repeat: int) -> dict:
+def run_peer(python: str, model_dir: Path, image: Path, ours: dict, dtype: str, max_tokens: int, repeat: int) -> dict:
+    """The same prompt ids through mlx-vlm 0.7.10, normalised to our columns."""
     script = ROOT / "benchmarks" / "peer_mlxvlm.py"
     out = {}
-    for mode in modes:
-        cmd = [python, str(script), "--model", str(model_dir), "--image", str(image), "--query", QUERY]
-        cmd += ["--mode", mode, "--max-tokens", str(max_tokens), "--repeat", str(repeat)]
+    for mode, mine in ours.items():
+        ids_file = Path(os.environ.get("TMPDIR", "/tmp")) / "mlx_locate_bench_prompt.json"
+        ids_file.write_text(json.dumps(mine["prompt_ids"]))
+        cmd = [python, str(script), "--model", str(model_dir), "--image", str(image), "--prompt-ids", str(ids_file)]
+        cmd += ["--mode", mode, "--max-tokens", str(max_tokens), "--repeat", str(repeat), "--dtype", dtype]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if proc.returncode != 0:
-            out[mode] = {"error": proc.stderr.strip().splitlines()[-1:] or ["failed"]}
+            out[mode] = {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
             continue
-        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        peer = json.loads(proc.stdout.strip().splitlines()[-1])
+        t = peer["timings_s"]
+        forwards = peer["forwards"]
+        out[mode] = {
+            "preprocess_ms": 1e3 * t["preprocess"],
+            "vision_ms": 1e3 * t["vision"],
+            "prefill_ms": None,  # mlx-vlm times its prefill together with the first step
+            "first_step_ms": 1e3 * (t["preprocess"] + t["vision"] + t["prefill"]),
+            "first_box_ms": None if t["first_box"] is None else 1e3 * t["first_box"],
+            "tokens": peer["num_generated"],
+            "steps": forwards["total"],
+            "block_steps": forwards["block"],
+            "ar_steps": forwards["ar"],
+            "ms_per_step": 1e3 / peer["forwards_per_s"] if peer["forwards_per_s"] else None,
+            "tokens_per_s": peer["tokens_per_s"],
+            "blocks_per_s": peer["blocks_per_s"] if forwards["block"] else None,
+            "boxes": peer["boxes"],
+            "boxes_per_s": peer["boxes_per_s"],
+            "peak_memory_mb": peer["peak_memory_bytes"] / 2**20,
+            "stop_reason": peer["stop"],
+            "blas": peer["blas"]["effective"],
+            "token_ids": peer["generated_ids"],
+        }
     return out
 
 
@@ -221,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         ours = run_modes(model, path, args.modes, args.max_tokens, args.repeat)
         entry = {"ours": ours}
         if args.peer and model_dir is not None:
-            entry["mlx_vlm"] = run_peer(args.peer, model_dir, path, args.modes, args.max_tokens, args.repeat)
+            entry["mlx_vlm"] = run_peer(args.peer, model_dir, path, ours, args.dtype, args.max_tokens, args.repeat)
+            entry["ratios"] = ratios(ours, entry["mlx_vlm"])
         report["images"][name] = entry
 
     out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"{args.preset}.json"
@@ -230,6 +266,30 @@ def main(argv: list[str] | None = None) -> int:
     print_table(report)
     print(f"\nwrote {out}")
     return 0
+
+
+def ratios(ours: dict, peer: dict) -> dict:
+    """Ours relative to mlx-vlm, per mode: speed-ups (> 1 is faster) and time/memory ratios (< 1 is better)."""
+    out = {}
+    for mode, mine in ours.items():
+        other = peer.get(mode, {})
+        if "error" in other:
+            continue
+
+        def div(a, b):
+            return None if a is None or b is None or b == 0 else a / b
+
+        out[mode] = {
+            "step_speedup": div(other.get("ms_per_step"), mine["ms_per_step"]),
+            "tokens_per_s_speedup": div(mine["tokens_per_s"], other.get("tokens_per_s")),
+            "blocks_per_s_speedup": div(mine["blocks_per_s"], other.get("blocks_per_s")),
+            "first_step_ratio": div(mine["first_step_ms"], other.get("first_step_ms")),
+            "first_box_ratio": div(mine["first_box_ms"], other.get("first_box_ms")),
+            "vision_ratio": div(mine["vision_ms"], other.get("vision_ms")),
+            "peak_memory_ratio": div(mine["peak_memory_mb"], other.get("peak_memory_mb")),
+            "same_tokens": mine["token_ids"] == other.get("token_ids"),
+        }
+    return out
 
 
 def fmt(v, digits=1) -> str:
@@ -252,6 +312,7 @@ def print_table(report: dict) -> None:
     cols = [
         "vision_ms",
         "prefill_ms",
+        "first_step_ms",
         "first_box_ms",
         "ms_per_step",
         "tokens_per_s",
@@ -263,12 +324,14 @@ def print_table(report: dict) -> None:
     for name, entry in report["images"].items():
         print(f"\nimage {name}")
         print(f"{'side':8} {'mode':7} " + " ".join(f"{c:>14}" for c in cols))
-        for side, modes in entry.items():
-            for mode, r in modes.items():
+        for side in ("ours", "mlx_vlm"):
+            for mode, r in entry.get(side, {}).items():
                 if "error" in r:
                     print(f"{side:8} {mode:7} error: {r['error']}")
                     continue
                 print(f"{side:8} {mode:7} " + " ".join(f"{fmt(r.get(c)):>14}" for c in cols))
+        for mode, q in entry.get("ratios", {}).items():
+            print(f"ratio    {mode:7} " + ", ".join(f"{k} {fmt(v, 2)}" for k, v in q.items()))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ class DecodeStats:
     label_redecodes: int = 0  # hybrid text fix: labels handed to AR
     host_reads: int = 0
     stop_reason: StopReason = StopReason.LENGTH_CAP
+    first_step_s: float | None = None  # from the loop's start to the first commit
     first_box_s: float | None = None  # from the loop's start to the first committed box end
     decode_s: float = 0.0
     sources: dict[str, int] = field(default_factory=dict)  # block decisions by source
@@ -144,6 +145,8 @@ def decode(
             stop_reason = StopReason.IM_END if new[0] == ids.im_end else StopReason.HYBRID_AR_STOP
         seq += new
         probs += new_probs
+        if stats.first_step_s is None:
+            stats.first_step_s = time.perf_counter() - start
         if penalize:
             seen = mark_seen(seen, new)
         box = completed_box(seq, ids) if new and new[-1] == ids.box_end else None

@@ -180,6 +180,7 @@ class Session:
             "vision_cached": self.vision_cached,
             "prefill_s": prefill_s,
             "decode_s": s.decode_s,
+            "first_step_s": None if s.first_step_s is None else prefill_s + s.first_step_s,
             "first_box_s": None if s.first_box_s is None else prefill_s + s.first_box_s,
             "tokens": len(out.tokens),
             "steps": s.steps,
