@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import in_memory_model  # noqa: E402
 
+from mlx_locate import language  # noqa: E402
 from mlx_locate.compiled import StepRunner  # noqa: E402
 
 
@@ -33,6 +34,25 @@ def timed(fn, iters: int = 30) -> float:
     for _ in range(iters):
         mx.eval(fn())
     return 1e3 * (time.perf_counter() - t0) / iters
+
+
+language_attend = language.attend
+
+
+def measure_steps(model, out: dict, suffix: str) -> None:
+    d = model.network.config.text.hidden_size
+    for context in (512, 2048):
+        runner = StepRunner(model.steps, model.new_cache())
+        mx.eval(runner.prefill(mx.zeros((1, context, d), mx.bfloat16)))
+        base = runner.cache.offset
+
+        def step(ids, block, runner=runner, base=base):
+            logits = runner.step(ids, block)
+            runner.cache.offset = base
+            return logits
+
+        out[f"ar_step_{context}{suffix}_ms"] = timed(lambda: step([1], False))
+        out[f"block_step_{context}{suffix}_ms"] = timed(lambda: step([1] * 12, True))
 
 
 def main() -> int:
@@ -70,6 +90,23 @@ def main() -> int:
             x = x + (mx.sigmoid(x @ g.T) * (x @ u.T)) @ dn.T
         return x @ head.T
 
+    fused = [
+        (mx.concatenate([q, k, v]), o, mx.concatenate([g, u]), dn) for q, k, v, o, g, u, dn in ws
+    ]  # q|k|v and gate|up as one matrix each
+    mx.eval(fused)
+
+    def chain_fused(x):
+        for qkv, o, gu, dn in fused:
+            h = x @ qkv.T
+            x = x + h[..., :d] @ o.T
+            gate_up = x @ gu.T
+            x = x + (mx.sigmoid(gate_up[..., :f]) * gate_up[..., f:]) @ dn.T
+        return x @ head.T
+
+    compiled_fused = mx.compile(chain_fused)
+    for rows in (1, 12):
+        x = (mx.random.normal((1, rows, d)) * 0.1).astype(mx.bfloat16)
+        out[f"gemv_chain_fused_compiled_{rows}_ms"] = timed(lambda x=x: compiled_fused(x))
     for rows in (1, 12):
         x = (mx.random.normal((1, rows, d)) * 0.1).astype(mx.bfloat16)
         out[f"gemv_chain_eager_{rows}_ms"] = timed(lambda x=x: chain(x))
@@ -80,19 +117,45 @@ def main() -> int:
     out["single_gemv_gb_s"] = w.nbytes / timed(lambda: x @ w.T, 200) / 1e6
     out["head_gemv_ms"] = timed(lambda: x @ head.T, 50)
 
+    # One layer's attention at a bucketed cache view: fused SDPA with a boolean mask (ours), without a mask,
+    # and by hand with GQA as a reshape (no repeated K/V).
+    H, KV, hd = 16, 2, 128
+    for U in (768, 2304):
+        q = mx.random.normal((1, H, 1, hd)).astype(mx.bfloat16)
+        k = mx.random.normal((1, KV, U, hd)).astype(mx.bfloat16)
+        v = mx.random.normal((1, KV, U, hd)).astype(mx.bfloat16)
+        mask = mx.arange(U)[None, :] < U - 100
+
+        def fused(q=q, k=k, v=v, mask=mask):
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=hd**-0.5, mask=mask)
+
+        def unmasked(q=q, k=k, v=v):
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=hd**-0.5)
+
+        def by_hand(q=q, k=k, v=v, mask=mask):
+            g = q.reshape(1, KV, H // KV, hd) * hd**-0.5
+            scores = mx.where(mask, g @ k.swapaxes(-1, -2), -mx.inf)
+            return (mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype) @ v).reshape(1, H, 1, hd)
+
+        for name, fn in (("sdpa_mask", fused), ("sdpa_nomask", unmasked), ("by_hand", by_hand)):
+            out[f"attn_{name}_{U}_x36_ms"] = 36 * timed(mx.compile(fn), 50)
+
     model = in_memory_model("3b", "bfloat16")
-    for context in (512, 2048):
-        runner = StepRunner(model.steps, model.new_cache())
-        mx.eval(runner.prefill(mx.zeros((1, context, d), mx.bfloat16)))
-        base = runner.cache.offset
+    measure_steps(model, out, "")
 
-        def step(ids, block, runner=runner, base=base):
-            logits = runner.step(ids, block)
-            runner.cache.offset = base
-            return logits
+    def grouped_attend(q, k, v, scale, mask):
+        B, H, T, D = q.shape
+        KV = k.shape[1]
+        g = q.reshape(B, KV, H // KV * T, D) * scale
+        scores = g @ k.swapaxes(-1, -2)  # (B, KV, H/KV*T, K)
+        scores = mx.where(mx.tile(mask, (H // KV, 1)), scores, -mx.inf)
+        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
+        return (probs @ v).reshape(B, H, T, D)
 
-        out[f"ar_step_{context}_ms"] = timed(lambda: step([1], False))
-        out[f"block_step_{context}_ms"] = timed(lambda: step([1] * 12, True))
+    language.attend = grouped_attend
+    model.steps.functions.clear()
+    measure_steps(model, out, "_grouped")
+    language.attend = language_attend
     model.steps.compile = False
     model.steps.functions.clear()
     runner = StepRunner(model.steps, model.new_cache())

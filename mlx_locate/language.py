@@ -29,6 +29,11 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return x * cos + rotated * sin
 
 
+def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """q (B, H, T, D), k/v (B, KV, K, D), mask (T, K) bool -> (B, H, T, D)."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
 class Attention(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()
@@ -50,7 +55,7 @@ class Attention(nn.Module):
             start = mx.concatenate([mx.zeros((2,), mx.int32), c.reshape(1), mx.zeros((1,), mx.int32)])
             k = mx.slice_update(kv[0], k.astype(kv[0].dtype), start, axes=(0, 1, 2, 3))
             v = mx.slice_update(kv[1], v.astype(kv[1].dtype), start, axes=(0, 1, 2, 3))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attend(q, k, v, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), (k, v)
 
 
