@@ -8,6 +8,8 @@ ground truth greedily by IoU (per category for detection), F1 at IoU 0.5 and the
 the mean IoU of the boxes matched at 0.5. Points count when they fall inside an unmatched ground-truth box.
 Each absent phrase or category should be answered `<box>None</box>`. Passes per box are decode forward steps
 (prefill excluded) per predicted box or point; "ended" means the stream stopped by itself, not at the cap.
+Seconds per sample cover the query's prefill and decoding; the image's vision and prefix run once per sample.
+Decoding is deterministic: greedy after top-p 0.9 by default (`--sampling`, see SAMPLINGS).
 """
 
 from __future__ import annotations
@@ -22,10 +24,19 @@ from pathlib import Path
 import numpy as np
 
 from .locate import LocateModel, Result, load
+from .sampling import Sampling
 from .synthetic import Sample, make_sample
 
 IOU_THRESHOLDS = tuple(round(0.5 + 0.05 * i, 2) for i in range(10))
 MODES = ("slow", "fast", "hybrid")
+# Deterministic decoding. "nucleus" is greedy after top-p 0.9: a block's coordinate and label candidates must
+# lie in the nucleus, as under the official sampling (MODEL.md §14 Q6). Plain greedy also offers candidates of
+# tiny probability to D_box, which then reads boxes into label and point frames.
+SAMPLINGS = {
+    "nucleus": Sampling(top_p=0.9),
+    "greedy": Sampling(),
+    "official": Sampling.OFFICIAL,
+}
 
 
 def iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
@@ -161,19 +172,28 @@ def absent_labels(sample: Sample) -> list[str | None]:
 
 
 def evaluate(
-    model: LocateModel, n: int, seed: int = 0, modes: tuple[str, ...] = MODES, max_tokens: int = 256, **locate_kw
+    model: LocateModel,
+    n: int,
+    seed: int = 0,
+    modes: tuple[str, ...] = MODES,
+    max_tokens: int = 256,
+    sampling: Sampling = SAMPLINGS["nucleus"],
+    **locate_kw,
 ) -> tuple[dict[str, dict], list[dict]]:
-    """Run `n` held-out samples in each mode. Returns the summary per mode and one record per sample and mode."""
+    """Run `n` held-out samples in each mode. Returns the summary per mode and one record per sample and mode.
+
+    `locate_kw` goes to `Session.locate` (guards, strict, ...)."""
     tallies = {mode: Tally() for mode in modes}
     records = []
     for i in range(n):
         sample = make_sample(seed, i, "eval")
         task = sample.task
         expected = model.tokenizer.encode(task.answer + "<|im_end|>")
+        session = model.session(sample.scene.image)  # vision and the image prefix once for every mode
         for mode in modes:
             t0 = time.perf_counter()
-            result = model.locate(
-                sample.scene.image, task.query, task=task.task, mode=mode, max_tokens=max_tokens, **locate_kw
+            result = session.locate(
+                task.query, task=task.task, mode=mode, max_tokens=max_tokens, sampling=sampling, **locate_kw
             )
             seconds = time.perf_counter() - t0
             tallies[mode].add(sample, result, expected, seconds)
@@ -270,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out stream")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--sampling", choices=list(SAMPLINGS), default="nucleus", help="decoding (see SAMPLINGS)")
     p.add_argument("--dtype", default=None, help="cast weights: bfloat16, float16 or float32 (default: as stored)")
     p.add_argument("--json", default=None, help="write the summary and per-sample records here")
     p.add_argument("--coco", default=None, help="folder for COCO-format gt.json and dets_<mode>.json")
@@ -283,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = load(args.model, dtype=args.dtype)
     modes = tuple(args.modes)
-    summary, records = evaluate(model, args.n, args.seed, modes, args.max_tokens)
+    summary, records = evaluate(model, args.n, args.seed, modes, args.max_tokens, sampling=SAMPLINGS[args.sampling])
     print(table(summary))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "records": records}, indent=1))

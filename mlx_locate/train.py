@@ -32,6 +32,7 @@ from tokenizers import Tokenizer as _Tokenizer
 
 from .config import ModelConfig
 from .language import rope_tables
+from .loader import read_weights, sanitize
 from .masks import BLOCK
 from .model import LocateAnything
 from .preprocess import PATCH_SIZE
@@ -56,6 +57,7 @@ IGNORE = -1
 # Row kinds: 0 ignored, 1 NTP, 2 + j block slot j.
 KIND_NTP = 1
 NUM_KINDS = 2 + BLOCK
+STAT_COLUMNS = NUM_KINDS + 2  # the kinds, then coordinate targets of the NTP and of the block stream
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
@@ -176,8 +178,24 @@ def model_sizes(config: ModelConfig) -> Preset:
     )
 
 
-def init_model(tok: _Tokenizer, sizes: Preset, seed: int, std: float = 0.02) -> LocateAnything:
-    """A fresh model: N(0, std) weights, zero biases, unit norm weights (TRAINING.md §4.1)."""
+def coordinate_embeddings(dim: int, std: float) -> np.ndarray:
+    """(1001, dim) sin/cos features of v = 0..1000 at frequencies from pi/1000 to pi/2 per unit, scaled to `std`.
+
+    Through the tied head, neighbouring coordinates start with similar logits, so a near miss is rewarded
+    from the first steps instead of only after every coordinate token has been learnt on its own.
+    """
+    freqs = np.pi / 1000 * np.geomspace(1, 500, dim // 2)
+    angles = np.arange(1001)[:, None] * freqs[None, :]
+    table = np.zeros((1001, dim), np.float32)
+    table[:, : dim // 2], table[:, dim // 2 : 2 * (dim // 2)] = np.sin(angles), np.cos(angles)
+    return table * np.float32(std * np.sqrt(2))
+
+
+def init_model(
+    tok: _Tokenizer, sizes: Preset, seed: int, std: float = 0.02, coord_init: str = "sincos"
+) -> LocateAnything:
+    """A fresh model: N(0, std) weights, zero biases, unit norm weights (TRAINING.md §4.1); with
+    `coord_init="sincos"` the <0>..<1000> embedding rows start from `coordinate_embeddings`."""
     raw = demo_config(tok, sizes)
     config = ModelConfig.from_dict(raw)
     model = LocateAnything(config, Tokenizer(tok).token_ids(raw))
@@ -191,6 +209,9 @@ def init_model(tok: _Tokenizer, sizes: Preset, seed: int, std: float = 0.02) -> 
             value = mx.ones_like(value)
         else:
             value = std * mx.random.normal(value.shape, key=keys[i])
+        if name == "language_model.model.embed_tokens.weight" and coord_init == "sincos":
+            start = model.token_ids.coord_start
+            value[start : start + 1001] = mx.array(coordinate_embeddings(value.shape[1], std))
         params.append((name, value))
     model.load_weights(params)
     mx.eval(model.parameters())
@@ -435,14 +456,24 @@ def forward_hidden(model: LocateAnything, batch: dict, tables: dict) -> mx.array
 
 
 def loss_and_stats(model: LocateAnything, batch: dict, tables: dict) -> tuple[mx.array, mx.array]:
-    """Token-mean float32 cross-entropy over supervised rows; stats (3, NUM_KINDS): CE sum, count, correct."""
+    """Token-mean float32 cross-entropy over supervised rows.
+
+    Stats (3, STAT_COLUMNS): CE sum, count and correct argmax per row kind, then for coordinate targets of
+    the NTP and the block stream (TRAINING.md §5: block coordinates should stay above NTP ones).
+    """
     logits = model.language_model.logits(forward_hidden(model, batch, tables))  # (B, T, V) float32
     targets = batch["targets"]
     valid = targets >= 0
     picked = mx.take_along_axis(logits, mx.maximum(targets, 0)[..., None], axis=-1)[..., 0]
     ce = (mx.logsumexp(logits, axis=-1) - picked) * valid
     loss = ce.sum() / mx.maximum(valid.sum(), 1)
-    onehot = (batch["kinds"][..., None] == mx.arange(NUM_KINDS)).astype(mx.float32)  # (B, T, K)
+    kinds = batch["kinds"][..., None]
+    ids = model.token_ids
+    coord = ((targets >= ids.coord_start) & (targets <= ids.coord_end))[..., None]
+    columns = mx.concatenate(
+        [kinds == mx.arange(NUM_KINDS), coord & (kinds == KIND_NTP), coord & (kinds > KIND_NTP)], axis=-1
+    )
+    onehot = columns.astype(mx.float32)  # (B, T, STAT_COLUMNS)
     correct = ((mx.argmax(logits, axis=-1) == targets) & valid).astype(mx.float32)
     stats = mx.stack(
         [
@@ -512,7 +543,7 @@ class Trainer:
 
 
 def describe(stats: np.ndarray) -> dict:
-    """Per-stream losses and accuracies from summed stats (3, NUM_KINDS)."""
+    """Per-stream losses and accuracies from summed stats (3, STAT_COLUMNS)."""
     ce, n, ok = stats
     blk = slice(2, NUM_KINDS)
 
@@ -524,6 +555,8 @@ def describe(stats: np.ndarray) -> dict:
         "block_loss": ratio(ce[blk].sum(), n[blk].sum()),
         "ntp_acc": ratio(ok[KIND_NTP], n[KIND_NTP]),
         "block_acc": ratio(ok[blk].sum(), n[blk].sum()),
+        "ntp_coord_loss": ratio(ce[NUM_KINDS], n[NUM_KINDS]),
+        "block_coord_loss": ratio(ce[NUM_KINDS + 1], n[NUM_KINDS + 1]),
         "slot_loss": [round(ratio(ce[2 + j], n[2 + j]), 4) for j in range(BLOCK)],
     }
 
@@ -531,7 +564,11 @@ def describe(stats: np.ndarray) -> dict:
 def train(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     tok = build_tokenizer()
-    model = init_model(tok, SIZES[args.sizes], args.seed)
+    model = init_model(tok, SIZES[args.sizes], args.seed, coord_init=args.coord_init)
+    if args.init:
+        # Continue from a checkpoint this script wrote (weights only; the optimizer starts afresh).
+        weights = sanitize(read_weights(Path(args.init)), model.config.vision.patch_size)
+        model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()], strict=True)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     options = TrainOptions(
         lr=args.lr,
@@ -549,15 +586,18 @@ def train(args: argparse.Namespace) -> Path:
         flush=True,
     )
     log = open(args.log, "a") if args.log else None  # noqa: SIM115
-    acc, loss_sum, seen = mx.zeros((3, NUM_KINDS)), mx.zeros(()), 0
+    acc, loss_sum, seen = mx.zeros((3, STAT_COLUMNS)), mx.zeros(()), 0
     t_start = t_last = time.perf_counter()
-    t_probe = None
+    t_probe = previous = None
     step = 0
     for batch in batches(maker, 0, args.steps, args.workers):
         if step >= total:
             break
         lr = learning_rate(step, total, args.lr, warmup)
         loss, stats, norm = trainer.step(batch, lr)
+        if previous is not None:
+            mx.eval(previous)  # at most two steps queued on the device
+        previous = loss
         step += 1
         acc, loss_sum, seen = acc + stats, loss_sum + loss, seen + 1
         if args.minutes and step == 20:
@@ -584,7 +624,7 @@ def train(args: argparse.Namespace) -> Path:
             if log:
                 log.write(json.dumps(entry) + "\n")
                 log.flush()
-            acc, loss_sum, seen, t_last = mx.zeros((3, NUM_KINDS)), mx.zeros(()), 0, now
+            acc, loss_sum, seen, t_last = mx.zeros((3, STAT_COLUMNS)), mx.zeros(()), 0, now
         if args.save_every and step % args.save_every == 0 and step < total:
             save_checkpoint(model, tok, out, args.save_dtype)
     save_checkpoint(model, tok, out, args.save_dtype)
@@ -610,6 +650,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="initialisation and training-data seed")
     p.add_argument("--sizes", choices=list(SIZES), default="demo")
+    p.add_argument("--init", default=None, help="start from this checkpoint's weights (same --sizes)")
+    p.add_argument("--coord-init", choices=("sincos", "normal"), default="sincos", help="<0>..<1000> embeddings")
     p.add_argument("--compute-dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--save-dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--workers", type=int, default=0, help="data-generation processes (0: in this process)")
