@@ -105,18 +105,26 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
     return weights
 
 
+def rename(key: str) -> str | None:
+    """Our name for a HF or mlx-vlm tensor name; None for a tensor we drop (head copy, rotary buffers)."""
+    if key in DROPPED or "rotary_emb" in key or key.endswith("inv_freq"):
+        return None
+    for old, new in MLX_VLM_RENAMES:
+        if key.startswith(old):
+            key = new + key[len(old) :]
+            break
+    if key.startswith("vision_model.encoder.blocks.") and ".attn." in key:
+        key = key.replace(".attn.", ".")
+    return key
+
+
 def sanitize(weights: dict[str, mx.array], patch_size: int) -> dict[str, mx.array]:
     """Map the HF or mlx-vlm names and layouts onto ours; drop the head copy and rotary buffers."""
     out = {}
     for key, value in weights.items():
-        if key in DROPPED or "rotary_emb" in key or key.endswith("inv_freq"):
+        key = rename(key)
+        if key is None:
             continue
-        for old, new in MLX_VLM_RENAMES:
-            if key.startswith(old):
-                key = new + key[len(old) :]
-                break
-        if key.startswith("vision_model.encoder.blocks.") and ".attn." in key:
-            key = key.replace(".attn.", ".")
         if key == "vision_model.patch_embed.proj.weight":
             if value.ndim == 4 and value.shape[-1] == 3 and value.shape[1] == patch_size:
                 value = value.transpose(0, 3, 1, 2)  # OHWI (mlx-vlm) -> OIHW
@@ -125,7 +133,7 @@ def sanitize(weights: dict[str, mx.array], patch_size: int) -> dict[str, mx.arra
     return out
 
 
-def check_names_and_shapes(model: nn.Module, weights: dict[str, mx.array], folder: Path) -> None:
+def check_names_and_shapes(model: nn.Module, weights: dict[str, mx.array], folder: Path | str) -> None:
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(expected.keys() - weights.keys())
     unexpected = sorted(weights.keys() - expected.keys())
@@ -144,22 +152,32 @@ def check_names_and_shapes(model: nn.Module, weights: dict[str, mx.array], folde
 
 
 def build_model(folder: Path, config: ModelConfig, token_ids, dtype: str | None = None) -> LocateAnything:
+    weights = sanitize(read_weights(folder), config.vision.patch_size)
+    return assemble_model(weights, config, token_ids, dtype, folder)
+
+
+def assemble_model(
+    weights: dict[str, mx.array], config: ModelConfig, token_ids, dtype: str | None = None, where: Path | str = ""
+) -> LocateAnything:
+    """The model from sanitized `weights`, quantized as `config.raw["quantization"]` says; strict."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     model = LocateAnything(config, token_ids)
-    weights = sanitize(read_weights(folder), config.vision.patch_size)
     quant = config.raw.get("quantization")
     if quant:
         nn.quantize(
             model,
             group_size=quant["group_size"],
             bits=quant["bits"],
+            mode=quant.get("mode", "affine"),
             # Per-module settings (mixed presets) override the defaults, as in mlx-lm.
             class_predicate=lambda path, module: f"{path}.scales" in weights and quant.get(path, True),
         )
     if dtype is not None:
         weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    check_names_and_shapes(model, weights, folder)
+    check_names_and_shapes(model, weights, where)
     model.load_weights(list(weights.items()), strict=True)
+    # Materialise once here: a lazy weight captured by several compiled steps would be loaded by each.
+    mx.eval(model.parameters())
     model.eval()
     return model
