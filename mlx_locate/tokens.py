@@ -49,7 +49,9 @@ def token_ids_from_config(config: dict, added_tokens: dict[str, int], vocab: dic
     def field(source: dict, name: str, where: str) -> int:
         if name not in source:
             raise ValueError(f"config.json: missing field {where}{name}")
-        return int(source[name])
+        value = source[name]
+        # mlx-vlm's converter copies generation_config.json's eos list ([<|im_end|>, <|endoftext|>]) here.
+        return int(value[0] if isinstance(value, list) and value else value)
 
     def token(name: str, table: dict[str, int], what: str) -> int:
         if name not in table:
