@@ -273,3 +273,12 @@ def test_load_end_to_end(golden_dir):
     model = load(golden_dir("tiny_random"))
     assert model.network.language_model.model.norm.weight.dtype == mx.bfloat16
     assert model.in_token_limit == 25600 and model.token_ids.image == 151665
+
+
+def test_eos_list_in_config_reads_its_first_id(tmp_path, weights, raw_config):
+    """mlx-vlm's converter writes generation_config.json's eos list into config.json."""
+    config = {**raw_config, "eos_token_id": [151645, 151643]}
+    folder = write_checkpoint(tmp_path / "ck", weights, config)
+    for name in ("added_tokens.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, folder / name)
+    assert load(folder).token_ids.im_end == raw_config["eos_token_id"] == 151645
