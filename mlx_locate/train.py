@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as _Tokenizer
 
 from .config import ModelConfig
 from .language import rope_tables
-from .loader import read_weights, sanitize
+from .loader import DEMO_DIR, read_weights, sanitize
 from .masks import BLOCK
 from .model import LocateAnything
 from .preprocess import PATCH_SIZE
@@ -62,6 +62,12 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
 # --- Checkpoint files -------------------------------------------------------------------------------------
+
+
+def demo_tokenizer() -> _Tokenizer:
+    """The bundled demo tokenizer (so a model trained anywhere gets the same ids), else a fresh build."""
+    path = DEMO_DIR / "tokenizer.json"
+    return _Tokenizer.from_file(str(path)) if path.is_file() else build_tokenizer()
 
 
 def demo_config(tok: _Tokenizer, sizes: Preset, dtype: str = "float32") -> dict:
@@ -563,7 +569,7 @@ def describe(stats: np.ndarray) -> dict:
 
 def train(args: argparse.Namespace) -> Path:
     out = Path(args.out)
-    tok = build_tokenizer()
+    tok = demo_tokenizer()
     model = init_model(tok, SIZES[args.sizes], args.seed, coord_init=args.coord_init)
     if args.init:
         # Continue from a checkpoint this script wrote (weights only; the optimizer starts afresh).

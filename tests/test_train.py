@@ -20,6 +20,7 @@ from mlx_locate.train import (
     TrainOptions,
     collate,
     demo_config,
+    demo_tokenizer,
     encode,
     forward_hidden,
     init_model,
@@ -66,6 +67,14 @@ def test_demo_tokenizer_ids(tok, tokenizer, ids):
     for word in ("red", " red", " circle", "triangle", "None", "assistant"):
         assert len(tokenizer.encode(word)) == 1, word
     assert tok.to_str() == build_tokenizer().to_str()
+
+
+def test_bundled_tokenizer_is_the_built_one(tok):
+    import json
+
+    bundled = json.loads(demo_tokenizer().to_str())
+    built = json.loads(tok.to_str())
+    assert bundled["model"] == built["model"] and bundled["added_tokens"] == built["added_tokens"]
 
 
 def test_cut_blocks_worked_example(tokenizer, ids):
