@@ -165,11 +165,14 @@ class Guards:
     end_guard: bool = True  # stop before D_box when argmax p0 is <|im_end|> or <null>
     loop_guard: bool = True  # stop when a box repeats the previous one or is a sliver sharing its edges
     box_start_guard: bool = False  # D_box fails unless argmax p0 is <box>
+    # D_box and D_ref take candidates only from each row's top-p nucleus (§14 Q6), as the official top-p 0.9
+    # does, so greedy decoding cannot read faint coordinates into label or end frames. None = off.
+    nucleus: float | None = 0.9
 
     STRICT: ClassVar[Guards]
 
 
-Guards.STRICT = Guards(end_guard=False, loop_guard=False, box_start_guard=False)
+Guards.STRICT = Guards(end_guard=False, loop_guard=False, box_start_guard=False, nucleus=None)
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,19 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
+def _candidates(row: RowSummary, k: int, guards: Guards) -> list[tuple[int, float]]:
+    """The row's top-k (id, p) that can be decoder candidates: never a zero probability (sampling's top-p
+    removed it), and with the nucleus guard only tokens inside the row's top-p nucleus (kept while the mass
+    of the tokens ranked above them is at most `guards.nucleus`, as top-p keeps the token that crosses)."""
+    out, mass = [], np.float32(0)
+    for tok, p in row.top[:k]:
+        if p <= 0 or (guards.nucleus is not None and mass > np.float32(guards.nucleus)):
+            break
+        out.append((tok, p))
+        mass += np.float32(p)
+    return out
+
+
 def _d_box(
     rows: list[RowSummary], mode: Mode, ids: TokenIds, t: Thresholds, guards: Guards
 ) -> tuple[list[int], Source] | None:
@@ -214,8 +230,7 @@ def _d_box(
         return None
     coords = []
     for row in rows[1:5]:
-        # A zero probability is no candidate: top-p removed it (only ties of zeros would fill the top-k).
-        cands = [(tok, p) for tok, p in row.top[: t.box_candidates] if p > 0 and ids.is_coord(tok)]
+        cands = [(tok, p) for tok, p in _candidates(row, t.box_candidates, guards) if ids.is_coord(tok)]
         if not cands:
             return None
         first, p_first = cands[0]
@@ -225,12 +240,12 @@ def _d_box(
     return [ids.box_start, *coords, ids.box_end], Source.D_BOX
 
 
-def _d_ref(rows: list[RowSummary], ids: TokenIds, t: Thresholds) -> list[int] | None:
+def _d_ref(rows: list[RowSummary], ids: TokenIds, t: Thresholds, guards: Guards) -> list[int] | None:
     if rows[0].special[ids.ref_start] < _f32(t.ref_start):
         return None
     words = []
     for row in rows[1:]:
-        cands = [tok for tok, p in row.top[: t.ref_candidates] if p > 0 and not ids.is_coord(tok)]
+        cands = [tok for tok, _ in _candidates(row, t.ref_candidates, guards) if not ids.is_coord(tok)]
         if not cands:
             return None
         words.append(cands[0])
@@ -309,7 +324,7 @@ def decide_block(
     box = _d_box(rows, mode, ids, thresholds, guards)
     if box is not None:
         s, source = box
-    elif (ref := _d_ref(rows, ids, thresholds)) is not None:
+    elif (ref := _d_ref(rows, ids, thresholds, guards)) is not None:
         s, source = ref, Source.D_REF
     else:
         s, source = [r.x0 for r in rows], Source.X0

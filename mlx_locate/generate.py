@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-loop-guard", action="store_true", help="do not stop when a box repeats the previous one")
     d.add_argument("--box-start-guard", action="store_true", help="block decoding fails unless <box> leads")
     d.add_argument(
+        "--no-nucleus-guard",
+        action="store_true",
+        help="let block decoders take candidates outside each row's top-p 0.9 nucleus (the reference's greedy)",
+    )
+    d.add_argument(
         "--redecode-labels",
         action=argparse.BooleanOptionalAction,
         help="re-decode uncertain label tokens one by one in hybrid mode (default: on for --task ocr)",
@@ -145,7 +150,10 @@ def sampling_of(args: argparse.Namespace) -> Sampling:
 
 def guards_of(args: argparse.Namespace) -> Guards:
     return Guards(
-        end_guard=not args.no_end_guard, loop_guard=not args.no_loop_guard, box_start_guard=args.box_start_guard
+        end_guard=not args.no_end_guard,
+        loop_guard=not args.no_loop_guard,
+        box_start_guard=args.box_start_guard,
+        nucleus=None if args.no_nucleus_guard else Guards().nucleus,
     )
 
 

@@ -191,7 +191,7 @@ def test_end_guard_on_null_first_and_not_on_box(mode):
 
 
 def test_box_start_guard():
-    guard = Guards(end_guard=False, loop_guard=False, box_start_guard=True)
+    guard = Guards(end_guard=False, loop_guard=False, box_start_guard=True, nucleus=None)
     d = decide_block(golden_summary("box_row0_ref"), Mode.HYBRID, IDS, guards=guard)
     assert d.source is Source.D_REF
     assert d.tokens == [REF, 1000, 1000, 1000, 1000, EBOX]
@@ -202,6 +202,48 @@ def test_box_start_guard():
         assert decide_block(golden_summary(name), Mode.HYBRID, IDS, guards=guard) == decide_block(
             golden_summary(name), Mode.HYBRID, IDS, guards=Guards.STRICT
         )
+
+
+NUCLEUS_ONLY = Guards(end_guard=False, loop_guard=False, nucleus=0.9)
+
+
+def label_block_with_faint_coordinates(p_word: float) -> np.ndarray:
+    """A label frame (<ref> red ... </ref> <null>) whose rows 1-4 hold a coordinate at rank 2 with 0.02, and
+    whose row 5 passes the end check: strict greedy D_box reads it as a box (the greedy trap)."""
+    return block(
+        {REF: 0.95},
+        {RED: p_word, c(100): 0.02},
+        {WORD: p_word, c(200): 0.02},
+        {EREF: p_word, c(300): 0.02},
+        {NULL: p_word, c(400): 0.02},
+        {NULL: 0.95},
+    )
+
+
+@pytest.mark.parametrize(("p_word", "outside"), [(0.89, False), (0.91, True), (0.95, True)])
+def test_nucleus_guard_keeps_faint_coordinates_out_of_label_frames(p_word, outside):
+    summary = label_block_with_faint_coordinates(p_word)
+    strict = decide_block(summary, Mode.FAST, IDS, guards=Guards.STRICT)
+    assert strict.source is Source.D_BOX and strict.tokens == [BOX, c(100), c(200), c(300), c(400), EBOX]
+    guarded = decide_block(summary, Mode.FAST, IDS, guards=NUCLEUS_ONLY)
+    if outside:  # the coordinate ranks below a word holding more than 0.9: no candidate, so D_ref decides
+        assert guarded.source is Source.D_REF
+        assert guarded.tokens == [REF, RED, WORD, EREF]
+    else:  # the word holds under 0.9: top-p keeps the next token, so the coordinate stays a candidate
+        assert guarded.tokens == strict.tokens
+
+
+def test_nucleus_guard_is_on_by_default_and_off_when_strict():
+    assert Guards().nucleus == 0.9 and Guards.STRICT.nucleus is None
+    summary = label_block_with_faint_coordinates(0.95)
+    assert decide_block(summary, Mode.HYBRID, IDS).source is Source.D_REF
+
+
+def test_nucleus_guard_leaves_confident_boxes_alone():
+    box = block({BOX: 0.9}, {c(10): 0.95}, {c(20): 0.5, c(25): 0.3}, {c(30): 0.95}, {c(40): 0.95}, {EBOX: 0.95})
+    assert decide_block(box, Mode.HYBRID, IDS, guards=NUCLEUS_ONLY) == decide_block(
+        box, Mode.HYBRID, IDS, guards=Guards.STRICT
+    )
 
 
 @pytest.mark.parametrize(
