@@ -24,7 +24,7 @@ from .preprocess import load_image
 from .prompts import RENDERINGS, TASKS, task_text
 from .sampling import Sampling
 
-DEFAULT_MODEL = None  # a checkpoint folder or hub id; None: --model is required
+DEFAULT_MODEL = "demo"  # the bundled demo model (synthetic shapes); pass a folder or hub id for real images
 DEFAULT_TASK = "detect"
 DEFAULT_MODE = Mode.HYBRID.value
 DEFAULT_MAX_TOKENS = 512
@@ -48,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mlx-locate",
         description="Locate objects, text or GUI elements in an image with LocateAnything on MLX.",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder or Hugging Face hub id (required)")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint folder, Hugging Face hub id (e.g. nvidia/LocateAnything-3B) or 'demo' (default: demo, "
+        "the bundled tiny model trained on synthetic shapes)",
+    )
     p.add_argument("--image", required=True, help="image file (PNG, JPEG, ...)")
     p.add_argument("--task", choices=TASKS, help=f"prompt template (default: {DEFAULT_TASK})")
     p.add_argument(
@@ -115,8 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express; each exits with status 2 through `parser.error`."""
-    if args.model is None:
-        parser.error("--model is required: a checkpoint folder or a Hugging Face hub id")
     categories = args.categories is not None or args.category
     if args.prompt is not None and (args.task is not None or args.query or categories):
         parser.error("--prompt is the whole user text; it cannot be combined with --task, --query or --categories")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,10 +199,12 @@ def test_argument_errors(cli, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_model_is_required(capsys):
-    with pytest.raises(SystemExit) as exc:
-        generate.main(["--image", str(IMAGE), "--query", "x"])
-    assert exc.value.code == 2 and "--model is required" in capsys.readouterr().err
+def test_default_model_is_the_bundled_demo(capsys):
+    demo = Path(generate.__file__).parent / "demo"
+    code = generate.main(["--image", str(demo / "example.png"), "--query", "square", "--max-tokens", "24", "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["prompt_ids"] and data["mode"] == "hybrid"
 
 
 def test_module_help():
