@@ -1,4 +1,4 @@
-"""`mlx_locate.batch` over a small folder on the tiny_peaky golden checkpoint: JSONL lines, resume, COCO, drawings."""
+"""`mlx_locate.batch` over a small folder with the bundled demo model: JSONL lines, resume, COCO, drawings."""
 
 from __future__ import annotations
 
@@ -8,21 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import GOLDEN
 from PIL import Image
 
 from mlx_locate import batch
+from mlx_locate.loader import DEMO_DIR
 from mlx_locate.locate import load
 
-IMAGE = GOLDEN / "images" / "shapes_448x448.png"
-QUERIES = ["red box", "car"]  # in fast mode each commits one box on IMAGE
+IMAGE = DEMO_DIR / "example.png"
+QUERIES = ["square", "circle"]  # the demo model finds both on IMAGE
 RUN = ["--query", QUERIES[0], "--query", QUERIES[1], "--mode", "fast", "--max-tokens", "16"]
 GOOD = ["a.png", "b.png", "c.png"]
 
 
 @pytest.fixture(scope="module")
-def model(golden_dir):
-    return load(golden_dir("tiny_peaky"))
+def model():
+    return load("demo")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ class Runner:
     def __call__(self, *args: str) -> tuple[int, str]:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(batch, "load", self.load)
-            code = batch.main(["--model", "tiny_peaky", *RUN, *args])
+            code = batch.main(["--model", "demo", *RUN, *args])
         return code, self.capfd.readouterr().err if self.capfd else ""
 
 
@@ -92,10 +92,10 @@ def test_lines_errors_and_lean_output(run, folder, finished, tmp_path):
     bad = lines[2]
     assert set(bad) == {"image", "error"} and "not a readable image" in bad["error"]
     for line in lines[:2] + lines[3:]:
-        assert line["size"] == [448, 448]
+        assert line["size"] == list(Image.open(IMAGE).size)
         assert [r["query"] for r in line["results"]] == QUERIES
         assert all("prompt_ids" not in r and "token_probs" not in r and r["mode"] == "fast" for r in line["results"])
-    assert lines[0]["results"][0]["objects"], "the standard query should find a box on the golden image"
+    assert lines[0]["results"][0]["objects"], "the demo model should find a square on its example image"
     assert lines[3]["results"] == lines[0]["results"]  # same content: same answers
 
     full = tmp_path / "full.jsonl"
@@ -158,7 +158,7 @@ def test_coco_results_format(run, folder, finished):
     out, coco, _ = finished
     detections = json.loads(coco.read_text())
     tables = json.loads(coco.with_name("coco.images.json").read_text())
-    assert tables["categories"] == [{"id": 1, "name": "red box"}, {"id": 2, "name": "car"}]
+    assert tables["categories"] == [{"id": i + 1, "name": q} for i, q in enumerate(QUERIES)]
     images = {entry["id"]: entry for entry in tables["images"]}
     # Image ids are positions in the sorted file list; the unreadable bad.png (id 3) has no entry.
     assert {i: e["file_name"] for i, e in images.items()} == {
@@ -166,7 +166,10 @@ def test_coco_results_format(run, folder, finished):
         2: str(folder / "b.png"),
         4: str(folder / "c.png"),
     }
-    assert all(set(e) == {"id", "file_name", "width", "height"} and e["width"] == 448 for e in images.values())
+    assert all(
+        set(e) == {"id", "file_name", "width", "height"} and e["width"] == Image.open(IMAGE).width
+        for e in images.values()
+    )
 
     assert isinstance(detections, list) and detections
     expected = []
