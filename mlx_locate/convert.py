@@ -40,7 +40,19 @@ from .compiled import StepRunner
 from .config import ModelConfig
 from .decide import Mode
 from .decode import DecodeOptions, decode
-from .loader import DTYPES, assemble_model, read_json, read_weights, rename, resolve, sanitize, weight_files
+from .loader import (
+    DTYPES,
+    assemble_model,
+    plan_shards,
+    read_json,
+    read_weights,
+    rename,
+    resolve,
+    sanitize,
+    shard_names,
+    weight_files,
+    write_index,
+)
 from .locate import LocateModel, load
 from .model import LocateAnything
 from .parse import LocatedObject, parse_tokens
@@ -49,7 +61,6 @@ from .prompts import prompt_ids, task_text
 from .tokenizer import Tokenizer
 
 DEFAULT_DTYPE = "bfloat16"
-MAX_SHARD_BYTES = 5 * 10**9  # as mlx-lm and transformers shard
 # Copied as they are when the source has them; tokenizer.json is written, not copied.
 COPIED_FILES = (
     "tokenizer_config.json",
@@ -201,27 +212,11 @@ def compare_head(raw: dict[str, mx.array]) -> str:
     return f"WARNING: stored head copy differs from embed_tokens (max |diff| {diff:.3g}); using the tied head"
 
 
-def _plan_shards(params: dict[str, mx.array]) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name in sorted(params):
-        size = params[name].nbytes
-        if shards[-1] and used + size > MAX_SHARD_BYTES:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
 def _write_weights(out: Path, params: dict[str, mx.array]) -> list[str]:
     """Materialize and save the tensors shard by shard under a progress bar; returns the file names."""
-    plan = _plan_shards(params)
-    names = (
-        ["model.safetensors"]
-        if len(plan) == 1
-        else [f"model-{k:05d}-of-{len(plan):05d}.safetensors" for k in range(1, len(plan) + 1)]
-    )
+    keys = sorted(params)
+    plan = [[keys[i] for i in shard] for shard in plan_shards([params[k].nbytes for k in keys])]
+    names = shard_names(len(plan))
     total = sum(v.nbytes for v in params.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="converting") as bar:
         for name, keys in zip(names, plan, strict=True):
@@ -233,8 +228,7 @@ def _write_weights(out: Path, params: dict[str, mx.array]) -> list[str]:
             mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
     if len(plan) > 1:
         weight_map = {key: name for name, keys in zip(names, plan, strict=True) for key in keys}
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_index(out, weight_map, total)
     return names
 
 

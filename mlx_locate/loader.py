@@ -83,7 +83,7 @@ def check_safetensors(path: Path) -> None:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX_NAME
     if index.is_file():
         weight_map = read_json(folder, index.name).get("weight_map", {})
         files = sorted({folder / name for name in weight_map.values()})
@@ -95,6 +95,35 @@ def weight_files(folder: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors weights found")
     return files
+
+
+MAX_SHARD_BYTES = 5 * 10**9  # as transformers and mlx-lm shard
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def plan_shards(sizes: list[int]) -> list[list[int]]:
+    """Group tensor positions, in order, into shards of at most MAX_SHARD_BYTES (a larger tensor goes alone)."""
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, size in enumerate(sizes):
+        if shards[-1] and used + size > MAX_SHARD_BYTES:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += size
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+
+
+def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """The shards' index, as the hub's sharded checkpoints have it."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def read_weights(folder: Path) -> dict[str, mx.array]:

@@ -25,6 +25,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .loader import plan_shards, shard_names, write_index
+
 # config.json of the release (through the golden checkpoints); the sizes are replaced by a preset's.
 RELEASE_CONFIG: dict = {
     "_attn_implementation": "magi",
@@ -114,8 +116,6 @@ TOKENIZER_FILES = (
 OPTIONAL_TOKENIZER_FILES = ("tokenizer.json",)
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden" / "tokenizer"
 DTYPES = {"bfloat16": mx.bfloat16, "float32": mx.float32}
-# Like transformers' default max_shard_size: only the 3b preset is split (model-0000k-of-0000n + index).
-MAX_SHARD_BYTES = 5 * 10**9
 
 
 @dataclass(frozen=True)
@@ -283,29 +283,16 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
             shutil.copyfile(src / name, out / name)
 
 
-def _plan_shards(specs: list[TensorSpec], itemsize: int) -> list[list[TensorSpec]]:
-    sizes = [int(np.prod(s.shape)) * itemsize for s in specs]
-    if sum(sizes) <= MAX_SHARD_BYTES:
-        return [specs]
-    shards: list[list[TensorSpec]] = [[]]
-    used = 0
-    for spec, size in zip(specs, sizes, strict=True):
-        if shards[-1] and used + size > MAX_SHARD_BYTES:
-            shards.append([])
-            used = 0
-        shards[-1].append(spec)
-        used += size
-    return shards
-
-
 def _write_weights(out: Path, specs: list[TensorSpec], p: Preset, seed: int, dtype: str) -> None:
     """Draw the tensors in `specs` order and write them shard by shard (one shard in memory at a time)."""
     rng = np.random.default_rng(seed)
     itemsize = 2 if dtype == "bfloat16" else 4
-    plan = _plan_shards(specs, itemsize)
+    sizes = [int(np.prod(s.shape)) * itemsize for s in specs]
+    plan = [[specs[i] for i in shard] for shard in plan_shards(sizes)]
+    names = shard_names(len(plan))
     embed = None
     weight_map: dict[str, str] = {}
-    for k, shard_specs in enumerate(plan, 1):
+    for name, shard_specs in zip(names, plan, strict=True):
         shard: dict[str, mx.array] = {}
         for s in shard_specs:
             if s.init == "head_copy":
@@ -319,13 +306,10 @@ def _write_weights(out: Path, specs: list[TensorSpec], p: Preset, seed: int, dty
             mx.eval(shard[s.name])
             if s.name == "language_model.model.embed_tokens.weight":
                 embed = shard[s.name]
-        name = "model.safetensors" if len(plan) == 1 else f"model-{k:05d}-of-{len(plan):05d}.safetensors"
         mx.save_safetensors(str(out / name), shard, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     if len(plan) > 1:
-        total = sum(int(np.prod(s.shape)) * itemsize for s in specs)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        write_index(out, weight_map, sum(sizes))
 
 
 def make_random_checkpoint(

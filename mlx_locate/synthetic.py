@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, models, trainers
 from tokenizers import Tokenizer as _Tokenizer
 
 from .masks import BLOCK
-from .tokenizer import QWEN2_SPLIT
+from .tokenizer import qwen2_byte_level
 from .tokens import TokenIds
 
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -82,16 +82,7 @@ def build_tokenizer() -> _Tokenizer:
     Ids: BPE 0..BPE_SIZE-1, `<|endoftext|>` `<|im_start|>` `<|im_end|>`, then S = BPE_SIZE + 3 for
     `<IMG_CONTEXT>` and the rest of ADDED_TOKENS in the checkpoint's order. Deterministic.
     """
-    tok = _Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok = qwen2_byte_level(_Tokenizer(models.BPE()))
     alphabet = [tok.pre_tokenizer.pre_tokenize_str(chr(c))[0][0] for c in (*range(32, 127), 10)]
     words = [*(" " + w for w in LABEL_WORDS), *LABEL_WORDS, *EXTRA_WORDS]
     trainer = trainers.BpeTrainer(

@@ -34,16 +34,8 @@ def _added_tokens(folder: Path) -> dict[int, AddedToken]:
     return {i: AddedToken(token, special=special, normalized=False) for i, (token, special) in found.items()}
 
 
-def _build_bpe(folder: Path) -> _Tokenizer:
-    bpe = models.BPE.from_file(
-        str(folder / "vocab.json"),
-        str(folder / "merges.txt"),
-        continuing_subword_prefix="",
-        end_of_word_suffix="",
-        fuse_unk=False,
-        byte_fallback=False,
-    )
-    tok = _Tokenizer(bpe)
+def qwen2_byte_level(tok: _Tokenizer) -> _Tokenizer:
+    """Give `tok` Qwen2's normalizer, pre-tokenizer (split regex, then bytes), decoder and post-processor."""
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -53,6 +45,19 @@ def _build_bpe(folder: Path) -> _Tokenizer:
     )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    return tok
+
+
+def _build_bpe(folder: Path) -> _Tokenizer:
+    bpe = models.BPE.from_file(
+        str(folder / "vocab.json"),
+        str(folder / "merges.txt"),
+        continuing_subword_prefix="",
+        end_of_word_suffix="",
+        fuse_unk=False,
+        byte_fallback=False,
+    )
+    tok = qwen2_byte_level(_Tokenizer(bpe))
     # `add_tokens` numbers new tokens from the vocabulary size on, so the ids must follow it without gaps.
     added = _added_tokens(folder)
     tok.add_tokens([added[i] for i in sorted(added)])

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 
 import pytest
+
+from mlx_locate.tokens import TokenIds, token_ids_from_config
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "golden"
@@ -38,3 +41,12 @@ def golden_case(name: str) -> dict:
 
 def golden_cases() -> list[str]:
     return sorted(p.stem for p in (GOLDEN / "cases").glob("*.json"))
+
+
+@cache
+def golden_token_ids() -> TokenIds:
+    """The release's special ids, from the golden config and tokenizer files."""
+    config = json.loads((GOLDEN / "checkpoints" / "tiny_random" / "config.json").read_text())
+    added = json.loads((TOKENIZER_DIR / "added_tokens.json").read_text())
+    vocab = json.loads((TOKENIZER_DIR / "vocab.json").read_text())
+    return token_ids_from_config(config, added, vocab)

@@ -9,7 +9,7 @@ from functools import cache, partial
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import GOLDEN, TOKENIZER_DIR
+from conftest import GOLDEN, golden_token_ids
 
 from mlx_locate.decide import (
     AMBIGUOUS,
@@ -27,7 +27,6 @@ from mlx_locate.decide import (
     read_summary,
 )
 from mlx_locate.sampling import Sampling, ar_summary, block_summary
-from mlx_locate.tokens import token_ids_from_config
 
 DECISIONS = json.loads((GOLDEN / "decisions.json").read_text())
 V = DECISIONS["vocab_size"]
@@ -44,14 +43,7 @@ EVENTS = {
 }
 
 
-def _ids():
-    config = json.loads((GOLDEN / "checkpoints" / "tiny_random" / "config.json").read_text())
-    added = json.loads((TOKENIZER_DIR / "added_tokens.json").read_text())
-    vocab = json.loads((TOKENIZER_DIR / "vocab.json").read_text())
-    return token_ids_from_config(config, added, vocab)
-
-
-IDS = _ids()
+IDS = golden_token_ids()
 SEEN = mx.zeros((V,), dtype=mx.bool_)
 KEY = mx.random.key(0)
 _summarize = mx.compile(partial(block_summary, s=Sampling(), ids=IDS))

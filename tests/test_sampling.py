@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from functools import partial
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import GOLDEN, TOKENIZER_DIR
+from conftest import golden_token_ids
 
 from mlx_locate.decide import (
     COL_P_X0,
@@ -26,17 +25,8 @@ from mlx_locate.decide import (
     special_ids,
 )
 from mlx_locate.sampling import F32_MIN, Sampling, ar_summary, block_summary, mark_seen, softmax, transform_logits
-from mlx_locate.tokens import token_ids_from_config
 
-
-def _ids():
-    config = json.loads((GOLDEN / "checkpoints" / "tiny_random" / "config.json").read_text())
-    added = json.loads((TOKENIZER_DIR / "added_tokens.json").read_text())
-    vocab = json.loads((TOKENIZER_DIR / "vocab.json").read_text())
-    return token_ids_from_config(config, added, vocab)
-
-
-IDS = _ids()
+IDS = golden_token_ids()
 V = IDS.vocab_size
 KEY = mx.random.key(7)
 

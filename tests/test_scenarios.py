@@ -11,11 +11,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from conftest import GOLDEN, golden_token_ids
 
 from mlx_locate.decide import Mode
 from mlx_locate.decode import DecodeOptions, decode
-from mlx_locate.tokens import token_ids_from_config
 
 DECISIONS = json.loads((GOLDEN / "decisions.json").read_text())
 SCENARIOS = {s["name"]: s for s in DECISIONS["scenarios"]}
@@ -23,11 +22,7 @@ SCENARIOS = {s["name"]: s for s in DECISIONS["scenarios"]}
 
 @pytest.fixture(scope="module")
 def ids():
-    tok = GOLDEN / "tokenizer"
-    config = json.loads((GOLDEN / "checkpoints" / "tiny_random" / "config.json").read_text())
-    return token_ids_from_config(
-        config, json.loads((tok / "added_tokens.json").read_text()), json.loads((tok / "vocab.json").read_text())
-    )
+    return golden_token_ids()
 
 
 def rows_to_logits(rows: list[dict]) -> mx.array:
