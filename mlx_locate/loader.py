@@ -48,7 +48,13 @@ def resolve(path_or_id: str | Path) -> Path:
         raise FileNotFoundError(f"model folder {name!r} does not exist (expected a folder or a hub id 'org/name')")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo_id=name, allow_patterns=HF_WEIGHT_PATTERNS))
+    try:
+        return Path(snapshot_download(repo_id=name, allow_patterns=HF_WEIGHT_PATTERNS))
+    except Exception as e:  # the hub's errors (offline, unknown repo, gated) have no common base class
+        raise FileNotFoundError(
+            f"model {name!r} is not a local folder and could not be downloaded from the Hugging Face hub "
+            f"({type(e).__name__}: {e})"
+        ) from e
 
 
 def read_json(folder: Path, name: str) -> dict:
@@ -70,7 +76,9 @@ def check_safetensors(path: Path) -> None:
             raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
         (header_len,) = struct.unpack("<Q", head)
         if 8 + header_len > size:
-            raise ValueError(f"{path}: truncated safetensors file (header of {header_len} bytes, file {size} bytes)")
+            raise ValueError(
+                f"{path}: not a safetensors file, or truncated (header of {header_len} bytes, file {size} bytes)"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):

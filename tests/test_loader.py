@@ -121,7 +121,7 @@ def test_truncated_safetensors(tmp_path, weights, token_ids):
     with pytest.raises(ValueError, match=re.escape(str(path)) + r": truncated safetensors file \(tensors need"):
         build(folder, token_ids)
     path.write_bytes(data[:100])  # inside the header
-    with pytest.raises(ValueError, match=re.escape(str(path)) + r": truncated safetensors file \(header of"):
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": not a safetensors file, or truncated \(header of"):
         build(folder, token_ids)
     path.write_bytes(data[:5])
     with pytest.raises(ValueError, match=re.escape(str(path)) + r": truncated safetensors file .*no header"):
@@ -134,10 +134,9 @@ def test_not_a_safetensors_file(tmp_path, token_ids):
     path.write_bytes((20).to_bytes(8, "little") + b"this is not json at all, sorry")
     with pytest.raises(ValueError, match=re.escape(str(path)) + r": not a safetensors file"):
         build(folder, token_ids)
-    # A file of another kind (here a PNG) reads as a huge header length. The message names the file and the
-    # format, but calls it truncated (see the report: "not a safetensors file or truncated" would be clearer).
+    # A file of another kind (here a PNG) reads as a huge header length.
     shutil.copy(GOLDEN / "images" / "shapes_448x448.png", path)
-    with pytest.raises(ValueError, match=re.escape(str(path)) + r": .*safetensors"):
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": not a safetensors file, or truncated"):
         build(folder, token_ids)
 
 
@@ -282,3 +281,14 @@ def test_eos_list_in_config_reads_its_first_id(tmp_path, weights, raw_config):
     for name in ("added_tokens.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / name, folder / name)
     assert load(folder).token_ids.im_end == raw_config["eos_token_id"] == 151645
+
+
+def test_unknown_hub_id_is_a_clear_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(**kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(FileNotFoundError, match=r"'someone/missing' is not a local folder .*no network"):
+        load("someone/missing")
