@@ -95,3 +95,21 @@ def test_greedy_tokens(models, name, mode):
     assert result.stats["stop_reason"] == gold["stop"]
     assert result.stats["steps"] == gold["n_forward"]
     assert result.stats["host_reads"] == result.stats["steps"]
+
+
+CAPPED = [
+    n for n in CASES if n.startswith("tiny_peaky") and golden_case(n)["generation"]["fast"]["stop"] == "length_cap"
+]
+
+
+@pytest.mark.parametrize("name", CAPPED)
+def test_guards_end_greedy_decoding_that_strict_runs_to_the_cap(models, name):
+    """Where the reference's greedy fast mode fabricates tokens to the cap (MODEL.md §10.7), the default guards
+    stop it early, by the guards' own rules."""
+    case = golden_case(name)
+    result = models["tiny_peaky"].locate(
+        image_path(name), prompt=case["prompt"], task="raw", mode="fast", max_tokens=64
+    )
+    assert len(CAPPED) >= 5
+    assert result.stats["stop_reason"] in ("end_guard", "loop_guard")
+    assert len(result.token_ids) < len(case["generation"]["fast"]["generated_ids"])
