@@ -27,79 +27,8 @@ import numpy as np
 
 from .loader import plan_shards, shard_names, write_index
 
-# config.json of the release (through the golden checkpoints); the sizes are replaced by a preset's.
-RELEASE_CONFIG: dict = {
-    "_attn_implementation": "magi",
-    "architectures": ["LocateAnythingForConditionalGeneration"],
-    "auto_map": {
-        "AutoConfig": "configuration_locateanything.LocateAnythingConfig",
-        "AutoModel": "modeling_locateanything.LocateAnythingForConditionalGeneration",
-        "AutoModelForCausalLM": "modeling_locateanything.LocateAnythingForConditionalGeneration",
-    },
-    "box_end_token_id": 151669,
-    "box_start_token_id": 151668,
-    "coord_end_token_id": 152677,
-    "coord_start_token_id": 151677,
-    "eos_token_id": 151645,
-    "image_token_index": 151665,
-    "mlp_connector_layers": 2,
-    "model_type": "locateanything",
-    "none_token_id": 4064,
-    "ref_end_token_id": 151673,
-    "ref_start_token_id": 151672,
-    "text_config": {
-        "_attn_implementation_autoset": True,
-        "_name_or_path": "Qwen/Qwen2.5-3B-Instruct",
-        "architectures": ["Qwen2ForCausalLM"],
-        "attention_dropout": 0.0,
-        "block_size": 6,
-        "bos_token_id": 151643,
-        "causal_attn": False,
-        "eos_token_id": 151645,
-        "hidden_act": "silu",
-        "hidden_size": 2048,
-        "initializer_range": 0.02,
-        "intermediate_size": 11008,
-        "max_position_embeddings": 32768,
-        "max_window_layers": 70,
-        "model_type": "qwen2",
-        "null_token_id": 152678,
-        "num_attention_heads": 16,
-        "num_hidden_layers": 36,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
-        "rope_theta": 1000000.0,
-        "sliding_window": 32768,
-        "switch_token_id": 152679,
-        "text_mask_token_id": 151676,
-        "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16",
-        "use_cache": False,
-        "use_sliding_window": False,
-        "vocab_size": 152681,
-    },
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.51.3",
-    "vision_config": {
-        "_attn_implementation_autoset": True,
-        "_name_or_path": "moonshotai/MoonViT-SO-400M",
-        "auto_map": {
-            "AutoConfig": "moonshotai/MoonViT-SO-400M--configuration_moonvit.MoonViTConfig",
-            "AutoModel": "moonshotai/MoonViT-SO-400M--modeling_moonvit.MoonVitPretrainedModel",
-        },
-        "hidden_size": 1152,
-        "init_pos_emb_height": 64,
-        "init_pos_emb_width": 64,
-        "intermediate_size": 4304,
-        "merge_kernel_size": [2, 2],
-        "model_type": "moonvit",
-        "num_attention_heads": 16,
-        "num_hidden_layers": 27,
-        "patch_size": 14,
-        "torch_dtype": "bfloat16",
-    },
-}
+# config.json of the release (as the golden checkpoints have it); the sizes are replaced by a preset's.
+RELEASE_CONFIG: dict = json.loads((Path(__file__).parent / "release_config.json").read_text())
 
 # Files of a checkpoint folder that come from the tokenizer folder; tokenizer.json is copied when present.
 TOKENIZER_FILES = (
@@ -129,7 +58,7 @@ class Preset:
     text_heads: int
     text_kv_heads: int
     text_mlp: int
-    vocab_size: int = 152681
+    vocab_size: int = RELEASE_CONFIG["text_config"]["vocab_size"]
     pos_emb: int = 64  # init_pos_emb_height = width
     patch_size: int = 14
     std: float = 0.02
