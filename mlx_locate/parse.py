@@ -53,6 +53,11 @@ def _geometric_mean(probs: Sequence[float]) -> float:
     return math.exp(sum(math.log(p) for p in probs) / len(probs))
 
 
+def _first_of(ids: Sequence[int], start: int, stops: set[int]) -> int:
+    """The position of the first id in `stops` at or after `start`; len(ids) if there is none."""
+    return next((j for j in range(start, len(ids)) if ids[j] in stops), len(ids))
+
+
 def parse_tokens(
     ids: Sequence[int],
     token_ids: TokenIds,
@@ -95,9 +100,7 @@ def parse_tokens(
         if token == tk.im_end:
             return result(ended=True)
         if token == tk.ref_start:
-            j = i + 1
-            while j < n and ids[j] not in ref_stops:
-                j += 1
+            j = _first_of(ids, i + 1, ref_stops)
             if j == n:
                 return result(truncated=True)
             text_ids = [t for t in ids[i + 1 : j] if 0 <= t < tk.vocab_size and t not in skipped]
@@ -106,9 +109,7 @@ def parse_tokens(
             i = j + 1 if ids[j] == tk.ref_end else j
             continue
         if token == tk.box_start:
-            j = i + 1
-            while j < n and ids[j] not in box_stops:
-                j += 1
+            j = _first_of(ids, i + 1, box_stops)
             if j == n:
                 return result(truncated=True)
             if ids[j] != tk.box_end:
