@@ -108,36 +108,34 @@ def decode(
     if penalize:
         seen = mark_seen(seen, seq)
     key = mx.random.key(options.seed)
+    sampled = s.temperature > 0
     stats = DecodeStats()
     boxes: list[tuple[int, ...]] = []
     state = Next.AR if mode is Mode.SLOW else Next.BLOCK
     label_redecode = False
-    logits = first_logits if mode is Mode.SLOW else None
+    pending = first_logits if mode is Mode.SLOW else None  # slow mode's first token comes from the prefill
     start = time.perf_counter()
 
     while len(seq) < cap:
-        key, sub = mx.random.split(key)
+        key, sub = mx.random.split(key) if sampled else (key, key)
         if state is Next.BLOCK:
-            logits = step(seq[cached:] + [seq[-1]] + [ids.text_mask] * (BLOCK - 1), True)
+            rows = step(seq[cached:] + [seq[-1]] + [ids.text_mask] * (BLOCK - 1), True)
             cached = len(seq)
             decision = decide_block(
-                np.array(block_fn(logits, seen, sub)), mode, ids, options.thresholds, guards, options.redecode_labels
+                np.array(block_fn(rows, seen, sub)), mode, ids, options.thresholds, guards, options.redecode_labels
             )
             stats.host_reads += 1
             stats.block_steps += 1
             stats.sources[decision.source.value] = stats.sources.get(decision.source.value, 0) + 1
             new, new_probs, nxt = decision.tokens, decision.probs, decision.next
-            logits = None
             label_redecode = decision.label_redecode
             stats.label_redecodes += label_redecode
             stats.fallbacks += nxt is Next.AR and not label_redecode
             stop_reason = decision.stop_reason
         else:
-            if logits is None:
-                logits = step(seq[cached:], False)
-                cached = len(seq)
-            token, p = np.array(ar_fn(logits, seen, sub)).tolist()
-            logits = None
+            row = pending if pending is not None else step(seq[cached:], False)
+            pending, cached = None, len(seq)
+            token, p = np.array(ar_fn(row, seen, sub)).tolist()
             stats.host_reads += 1
             stats.ar_steps += 1
             new, new_probs = [int(token)], [p]

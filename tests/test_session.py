@@ -7,6 +7,7 @@ from conftest import GOLDEN
 from PIL import Image
 
 import mlx_locate
+from mlx_locate.loader import DEMO_DIR
 
 IMAGE = GOLDEN / "images" / "shapes_448x448.png"
 QUERIES = ["red box", "green circle", "the blue square"]
@@ -46,3 +47,15 @@ def test_vision_cache_hits_on_the_same_image_and_misses_on_a_changed_one(model, 
     assert not model.session(changed).vision_cached
     same_size_other = Image.new("RGB", changed.size, (255, 255, 255))
     assert not model.session(same_size_other).vision_cached
+
+
+def test_official_sampling_is_reproducible_by_seed():
+    model = mlx_locate.load("demo")
+    image = DEMO_DIR / "example.png"
+    runs = [
+        model.locate(image, "square", sampling=mlx_locate.Sampling.OFFICIAL, seed=seed, max_tokens=48)
+        for seed in (1, 1, 2)
+    ]
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].stats["host_reads"] == runs[0].stats["steps"]
+    assert all(r.stats["stop_reason"] != "length_cap" for r in runs)  # top-p makes decoding end by itself
