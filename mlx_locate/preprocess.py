@@ -94,6 +94,14 @@ def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int
     return TargetSize(scaled, final)
 
 
+def patchify(pixels: np.ndarray, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int]]:
+    """(H, W, 3) pixels -> (h*w, 3, patch, patch) patches in raster order (same dtype) and the grid (h, w)."""
+    H, W, _ = pixels.shape
+    gh, gw = H // patch, W // patch
+    grid = pixels.reshape(gh, patch, gw, patch, 3).transpose(0, 2, 4, 1, 3)  # (gh, gw, 3, p, p)
+    return grid.reshape(gh * gw, 3, patch, patch), (gh, gw)
+
+
 def preprocess(
     image: str | Path | Image.Image, in_token_limit: int = IN_TOKEN_LIMIT, patch_size: int = PATCH_SIZE
 ) -> Preprocessed:
@@ -107,13 +115,10 @@ def preprocess(
     if sizes.final != rgb.size:
         rgb = rgb.resize(sizes.final, Image.Resampling.BICUBIC)
 
-    width, height = sizes.final
-    gh, gw = height // patch_size, width // patch_size
-    pixels = np.asarray(rgb, dtype=np.uint8)  # (H, W, 3)
-    grid = pixels.reshape(gh, patch_size, gw, patch_size, 3).transpose(0, 2, 4, 1, 3)  # (gh, gw, 3, p, p)
-    patches = grid.reshape(gh * gw, 3, patch_size, patch_size).astype(np.float32)
+    patches, grid = patchify(np.asarray(rgb, dtype=np.uint8), patch_size)
+    patches = patches.astype(np.float32)
     # Same float32 operations as the reference's ToTensor + Normalize(0.5, 0.5): x / 255, then (x - 0.5) / 0.5.
     patches /= np.float32(255.0)
     patches -= np.float32(0.5)
     patches /= np.float32(0.5)
-    return Preprocessed(patches, (gh, gw), (width, height), original_size)
+    return Preprocessed(patches, grid, sizes.final, original_size)

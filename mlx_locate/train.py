@@ -36,6 +36,7 @@ from .loader import DEMO_DIR, read_weights, sanitize
 from .masks import BLOCK
 from .model import LocateAnything
 from .preprocess import PATCH_SIZE
+from .preprocess import patchify as cut_patches
 from .projector import run_connector
 from .prompts import prompt_ids, task_text
 from .random_checkpoint import Preset
@@ -290,9 +291,8 @@ def patchify(image, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int
     H, W, _ = pixels.shape
     if H % (2 * patch) or W % (2 * patch):
         raise ValueError(f"image {W}x{H} must have sides that are multiples of {2 * patch}")
-    gh, gw = H // patch, W // patch
-    grid = pixels.reshape(gh, patch, gw, patch, 3).transpose(0, 2, 4, 1, 3)
-    return np.ascontiguousarray(grid.reshape(gh * gw, 3 * patch * patch)), (gh, gw)
+    patches, grid = cut_patches(pixels, patch)
+    return np.ascontiguousarray(patches.reshape(len(patches), -1)), grid
 
 
 def encode(sample: Sample, tokenizer: Tokenizer, ids: TokenIds) -> Encoded:
