@@ -15,9 +15,10 @@ from .config import TextConfig
 
 
 def rope_tables(positions: mx.array, head_dim: int, theta: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """Rotate-half RoPE: cos, sin of shape (T, head_dim), built in float32, cast to the activation dtype."""
+    """Rotate-half RoPE: cos, sin of shape (..., T, head_dim) for positions (..., T), built in float32, cast to
+    the activation dtype."""
     inv_freq = mx.array((theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float32))
-    angles = positions.astype(mx.float32)[:, None] * inv_freq[None, :]
+    angles = positions.astype(mx.float32)[..., None] * inv_freq
     angles = mx.concatenate([angles, angles], axis=-1)
     return mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)
 
@@ -104,14 +105,15 @@ class LanguageModel(nn.Module):
 
     def __call__(
         self,
-        embeds: mx.array,  # (1, T, D)
-        positions: mx.array,  # (T,) int32
-        mask: mx.array,  # (T, K) bool, True = attend
+        embeds: mx.array,  # (B, T, D)
+        positions: mx.array,  # (T,) or (B, T) int32
+        mask: mx.array,  # (T, K) or (B, 1, T, K) bool, True = attend
         kv: list[tuple[mx.array, mx.array]] | None = None,
         c: mx.array | None = None,  # (1,) int32: cache slot of the first row
     ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
-        """Returns the hidden states before the final norm (1, T, D) and the updated K/V buffers."""
+        """Returns the hidden states before the final norm (B, T, D) and the updated K/V buffers."""
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, embeds.dtype)
+        cos, sin = cos[..., None, :, :], sin[..., None, :, :]  # broadcast over the heads of (B, H, T, D)
         x, new_kv = embeds, []
         for i, layer in enumerate(self.model.layers):
             x, layer_kv = layer(x, cos, sin, mask, None if kv is None else kv[i], c)

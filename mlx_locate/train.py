@@ -31,7 +31,6 @@ from mlx.utils import tree_flatten, tree_map
 from tokenizers import Tokenizer as _Tokenizer
 
 from .config import ModelConfig
-from .language import rope_tables
 from .loader import DEMO_DIR, read_weights, sanitize
 from .masks import BLOCK
 from .model import LocateAnything
@@ -43,7 +42,7 @@ from .random_checkpoint import Preset
 from .synthetic import SIDES, Sample, build_tokenizer, cut_blocks, make_sample
 from .tokenizer import Tokenizer
 from .tokens import TokenIds
-from .vision import apply_rope2d, bicubic_matrix, rope2d_tables
+from .vision import bicubic_matrix, rope2d_tables
 
 # TRAINING.md §4.1 (about 4.5 M parameters with the demo vocabulary).
 SIZES: dict[str, Preset] = {
@@ -419,17 +418,10 @@ def vision_features(model: LocateAnything, pixels: mx.array, grid: mx.array, tab
     C = x.shape[-1]
     table = tower.patch_embed.pos_emb.weight.astype(mx.float32).reshape(-1, C)
     x = x + (tables["pos"][grid] @ table).astype(x.dtype)
-    cos, sin = tables["cos"][grid].reshape(B * N, -1), tables["sin"][grid].reshape(B * N, -1)
+    cos, sin = tables["cos"][grid], tables["sin"][grid]  # (B, N, D/2)
     mask = tables["valid"][grid][:, None, None, :]  # keys of the image's own patches only
-    for blk in tower.encoder.blocks:
-        H = blk.num_heads
-        qkv = blk.wqkv(blk.norm0(x)).reshape(B * N, 3, H, C // H)
-        q = apply_rope2d(qkv[:, 0], cos, sin).reshape(B, N, H, -1).transpose(0, 2, 1, 3)
-        k = apply_rope2d(qkv[:, 1], cos, sin).reshape(B, N, H, -1).transpose(0, 2, 1, 3)
-        v = qkv[:, 2].reshape(B, N, H, -1).transpose(0, 2, 1, 3)
-        attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=(C // H) ** -0.5, mask=mask)
-        x = x + blk.wo(attn.transpose(0, 2, 1, 3).reshape(B, N, C))
-        x = x + blk.mlp(blk.norm1(x))
+    for block in tower.encoder.blocks:
+        x = block(x, cos, sin, mask)
     x = tower.encoder.final_layernorm(x)
     merge = tables["merge"][grid]  # (B, 4M)
     merged = mx.take_along_axis(x, merge[..., None], axis=1).reshape(B, merge.shape[1] // 4, 4 * C)
@@ -451,14 +443,9 @@ def forward_hidden(model: LocateAnything, batch: dict, tables: dict) -> mx.array
     slot = batch["image_slot"]
     image = mx.take_along_axis(features, mx.maximum(slot, 0)[..., None], axis=1)
     x = mx.where((slot >= 0)[..., None], image.astype(embeds.dtype), embeds)
-    B, T = slot.shape
-    cfg = lm.config
-    cos, sin = rope_tables(batch["positions"].reshape(-1), cfg.head_dim, cfg.rope_theta, x.dtype)
-    cos, sin = cos.reshape(B, 1, T, -1), sin.reshape(B, 1, T, -1)
     mask = training_mask_rows(batch["clean_lim"], batch["own_lo"], batch["own_hi"])
-    for layer in lm.model.layers:
-        x, _ = layer(x, cos, sin, mask)
-    return x
+    hidden, _ = lm(x, batch["positions"], mask)
+    return hidden
 
 
 def loss_and_stats(model: LocateAnything, batch: dict, tables: dict) -> tuple[mx.array, mx.array]:

@@ -59,13 +59,12 @@ def rope2d_tables(h: int, w: int, head_dim: int, theta: float) -> tuple[mx.array
 
 
 def apply_rope2d(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """x: (L, H, D); rotates pairs (2j, 2j+1) as complex numbers, in float32."""
-    L, H, D = x.shape
-    pairs = x.astype(mx.float32).reshape(L, H, D // 2, 2)
+    """x: (..., L, H, D), cos/sin (..., L, D/2); rotates pairs (2j, 2j+1) as complex numbers, in float32."""
+    pairs = x.astype(mx.float32).reshape(*x.shape[:-1], -1, 2)
     re, im = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos[..., None, :], sin[..., None, :]
     out = mx.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
-    return out.reshape(L, H, D).astype(x.dtype)
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 class PosEmb(nn.Module):
@@ -114,16 +113,17 @@ class Block(nn.Module):
         self.wo = nn.Linear(dim, dim)
         self.mlp = MLP(dim, config.intermediate_size)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-        L, dim = x.shape
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None = None) -> mx.array:
+        """x (B, L, C), cos/sin (B or 1, L, D/2); `mask` keeps each padded image's keys to its own patches."""
+        B, L, dim = x.shape
         head_dim = dim // self.num_heads
-        qkv = self.wqkv(self.norm0(x)).reshape(L, 3, self.num_heads, head_dim)
-        q = apply_rope2d(qkv[:, 0], cos, sin)
-        k = apply_rope2d(qkv[:, 1], cos, sin)
-        v = qkv[:, 2]
-        q, k, v = (t.transpose(1, 0, 2)[None] for t in (q, k, v))  # (1, H, L, D)
-        attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5)
-        x = x + self.wo(attn[0].transpose(1, 0, 2).reshape(L, dim))
+        qkv = self.wqkv(self.norm0(x)).reshape(B, L, 3, self.num_heads, head_dim)
+        q = apply_rope2d(qkv[:, :, 0], cos, sin)
+        k = apply_rope2d(qkv[:, :, 1], cos, sin)
+        v = qkv[:, :, 2]
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, H, L, D)
+        attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask=mask)
+        x = x + self.wo(attn.transpose(0, 2, 1, 3).reshape(B, L, dim))
         return x + self.mlp(self.norm1(x))
 
 
@@ -146,8 +146,8 @@ class VisionTower(nn.Module):
     def __call__(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
         """patches (h*w, 3, p, p) of one image -> (h*w, C) after the final LayerNorm."""
         h, w = grid
-        x = self.patch_embed(patches, grid)
+        x = self.patch_embed(patches, grid)[None]
         cos, sin = rope2d_tables(h, w, self.config.head_dim, self.config.rope_theta)
         for block in self.encoder.blocks:
-            x = block(x, cos, sin)
-        return self.encoder.final_layernorm(x)
+            x = block(x, cos[None], sin[None])
+        return self.encoder.final_layernorm(x[0])

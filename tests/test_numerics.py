@@ -280,8 +280,32 @@ def test_vision_block():
     block = Block(VISION)
     W = randomize(block, seed=1)
     x = np.random.default_rng(2).normal(size=(h * w, VISION.hidden_size))
-    got = block(mx.array(x.astype(np.float32)), *rope2d_tables(h, w, VISION.head_dim, VISION.rope_theta))
+    cos, sin = rope2d_tables(h, w, VISION.head_dim, VISION.rope_theta)
+    got = block(mx.array(x.astype(np.float32))[None], cos[None], sin[None])[0]
     np.testing.assert_allclose(to_np(got), np_vision_block(x, W, "", h, w, VISION.num_attention_heads), atol=1e-4)
+
+
+def test_vision_block_padded_batch_equals_each_image_alone():
+    """Training runs images of several grids as one padded batch; a key mask keeps each to its own patches."""
+    block = Block(VISION)
+    W = randomize(block, seed=5)
+    rng = np.random.default_rng(6)
+    grids, N = [(3, 4), (2, 2)], 12
+    xs, coss, sins, valid = [], [], [], []
+    for h, w in grids:
+        cos, sin = (np.array(t) for t in rope2d_tables(h, w, VISION.head_dim, VISION.rope_theta))
+        pad = N - h * w
+        xs.append(np.pad(rng.normal(size=(h * w, VISION.hidden_size)), ((0, pad), (0, 0))))
+        coss.append(np.pad(cos, ((0, pad), (0, 0)), constant_values=1.0))
+        sins.append(np.pad(sin, ((0, pad), (0, 0))))
+        valid.append(np.arange(N) < h * w)
+    mask = mx.array(np.stack(valid))[:, None, None, :]
+    got = to_np(
+        block(mx.array(np.stack(xs).astype(np.float32)), mx.array(np.stack(coss)), mx.array(np.stack(sins)), mask)
+    )
+    for i, (h, w) in enumerate(grids):
+        alone = np_vision_block(xs[i][: h * w], W, "", h, w, VISION.num_attention_heads)
+        np.testing.assert_allclose(got[i, : h * w], alone, atol=1e-4)
 
 
 def test_vision_tower_merge_and_connector():
