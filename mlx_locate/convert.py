@@ -40,6 +40,7 @@ from .compiled import StepRunner
 from .config import ModelConfig
 from .decide import Mode
 from .decode import DecodeOptions, decode
+from .eval import iou
 from .loader import (
     DTYPES,
     assemble_model,
@@ -447,14 +448,6 @@ def compare_rows(a: mx.array, b: mx.array) -> tuple[np.ndarray, np.ndarray]:
     return np.array(agree), np.array(kl)
 
 
-def _iou(a: tuple[int, ...], b: tuple[int, ...]) -> float:
-    w = min(a[2], b[2]) - max(a[0], b[0])
-    h = min(a[3], b[3]) - max(a[1], b[1])
-    inter = max(w, 0) * max(h, 0)
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else float(a == b)
-
-
 def object_ious(ref: list[LocatedObject], other: list[LocatedObject]) -> list[float]:
     """IoU of the k-th object of each list (normalized boxes; points count 1 when equal); a missing one is 0."""
     out = []
@@ -462,7 +455,8 @@ def object_ious(ref: list[LocatedObject], other: list[LocatedObject]) -> list[fl
         if k >= len(ref) or k >= len(other):
             out.append(0.0)
         elif ref[k].box_norm is not None and other[k].box_norm is not None:
-            out.append(_iou(ref[k].box_norm, other[k].box_norm))
+            a, b = ref[k].box_norm, other[k].box_norm
+            out.append(1.0 if a == b else iou(a, b))  # equal boxes match even when degenerate
         else:
             out.append(float(ref[k].point_norm == other[k].point_norm and ref[k].box_norm == other[k].box_norm))
     return out
