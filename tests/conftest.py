@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mlx_locate.tokenizer import Tokenizer
 from mlx_locate.tokens import TokenIds, token_ids_from_config
 
 DATA = Path(__file__).parent / "data"
@@ -21,6 +22,12 @@ def assemble_checkpoint(name: str, dest: Path) -> Path:
     for src in [*TOKENIZER_DIR.iterdir(), *(GOLDEN / "checkpoints" / name).iterdir()]:
         (dest / src.name).symlink_to(src.resolve())
     return dest
+
+
+@pytest.fixture(scope="session")
+def tok() -> Tokenizer:
+    """The release's tokenizer (real Qwen2 vocabulary and LocateAnything's added tokens)."""
+    return Tokenizer.from_folder(TOKENIZER_DIR)
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TOKENIZER_DIR, golden_case, golden_cases
+from conftest import golden_case, golden_cases
 
 from mlx_locate.prompts import TASKS, chat_text, image_token_counts, prompt_ids, prompt_string, task_text
-from mlx_locate.tokenizer import Tokenizer
 
 # The queries behind the golden cases' task texts (tests/data/golden/README.md, "Prompts").
 GOLDEN_QUERIES = {
@@ -21,11 +20,6 @@ SYSTEM_A = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 624, 151645, 198]
 SYSTEM_B = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198]
 USER_IMAGE_1 = [151644, 872, 198, 27, 1805, 220, 16, 29, 151666]  # <|im_start|>user\n<image 1><img>
 TAIL = [151645, 198, 151644, 77091, 198]  # <|im_end|>\n<|im_start|>assistant\n
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(TOKENIZER_DIR)
 
 
 @pytest.mark.parametrize("name", golden_cases())

@@ -46,11 +46,6 @@ def random_texts(n: int, seed: int = 0) -> list[str]:
     return ["".join(rng.choice(pool) for _ in range(rng.randint(1, 40))) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_folder(TOKENIZER_DIR)
-
-
 @pytest.mark.parametrize("name", golden_cases())
 def test_golden_prompt_string_encodes_to_input_ids(tok, name):
     case = golden_case(name)
