@@ -1,9 +1,13 @@
 """Where a 3B decode step's time goes on the GPU: bandwidth, GEMV efficiency, launch overhead.
 
     python benchmarks/profile_gpu.py [--json out.json]
+    python benchmarks/profile_gpu.py --ablate [--preset 3b] [--json out.json]
 
 Compares our compiled AR/block step with bare chains of the same matrix-vector products, so a step's
-distance from the weight-bandwidth floor splits into kernel efficiency and everything else.
+distance from the weight-bandwidth floor splits into kernel efficiency and everything else. `--ablate`
+instead times the step with one piece at a time replaced by a no-op (attention, its mask, RoPE, the K/V
+write, the MLP): what each piece costs inside the compiled step. Ablated steps compute wrong values; only
+their time means something.
 """
 
 from __future__ import annotations
@@ -39,11 +43,12 @@ def timed(fn, iters: int = 30) -> float:
 language_attend = language.attend
 
 
-def measure_steps(model, out: dict, suffix: str) -> None:
+def measure_steps(model, out: dict, suffix: str, contexts=(512, 2048)) -> None:
     d = model.network.config.text.hidden_size
-    for context in (512, 2048):
+    dtype = model.network.language_model.model.norm.weight.dtype
+    for context in contexts:
         runner = StepRunner(model.steps, model.new_cache())
-        mx.eval(runner.prefill(mx.zeros((1, context, d), mx.bfloat16)))
+        mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
         base = runner.cache.offset
 
         def step(ids, block, runner=runner, base=base):
@@ -55,11 +60,93 @@ def measure_steps(model, out: dict, suffix: str) -> None:
         out[f"block_step_{context}{suffix}_ms"] = timed(lambda: step([1] * 12, True))
 
 
+def fuse_projections(model) -> None:
+    """q|k|v and gate|up as one matrix each (a preview: memory for both copies is spent)."""
+    for layer in model.network.language_model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.qkv = (
+            mx.concatenate([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            mx.concatenate([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
+        )
+        m.gate_up = mx.concatenate([m.gate_proj.weight, m.up_proj.weight])
+        mx.eval(a.qkv, m.gate_up)
+
+    def attention(self, x, cos, sin, mask, kv=None, c=None):
+        B, T, _ = x.shape
+        hd = self.q_proj.weight.shape[0] // self.n_heads
+        qkv = mx.addmm(self.qkv[1], x, self.qkv[0].T)
+        q, k, v = mx.split(qkv, [self.n_heads * hd, (self.n_heads + self.n_kv_heads) * hd], axis=-1)
+        q = q.reshape(B, T, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = k.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = v.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k = language.apply_rope(q, cos, sin), language.apply_rope(k, cos, sin)
+        start = mx.concatenate([mx.zeros((2,), mx.int32), c.reshape(1), mx.zeros((1,), mx.int32)])
+        k = mx.slice_update(kv[0], k.astype(kv[0].dtype), start, axes=(0, 1, 2, 3))
+        v = mx.slice_update(kv[1], v.astype(kv[1].dtype), start, axes=(0, 1, 2, 3))
+        out = language.attend(q, k, v, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), (k, v)
+
+    def mlp(self, x):
+        gate, up = mx.split(x @ self.gate_up.T, 2, axis=-1)
+        return self.down_proj(language.nn.silu(gate) * up)
+
+    language.Attention.__call__, language.MLP.__call__ = attention, mlp
+
+
+def scatter_update(buf, update, start, axes):
+    """The K/V write as a scatter at slots c.. (instead of a dynamic slice update)."""
+    buf[:, :, start[2] + mx.arange(update.shape[2]), :] = update
+    return buf
+
+
+def where_update(buf, update, start, axes):
+    """The K/V write as one elementwise select over the whole buffer."""
+    slot = mx.arange(buf.shape[2]) - start[2]
+    inside = (slot >= 0) & (slot < update.shape[2])
+    return mx.where(inside[:, None], mx.take(update, mx.clip(slot, 0, update.shape[2] - 1), axis=2), buf)
+
+
+def ablations(model, out: dict) -> None:
+    """AR and block step times with one piece of every decoder layer replaced by a no-op."""
+    slice_update, apply_rope, mlp = mx.slice_update, language.apply_rope, language.MLP.__call__
+    attention_call = language.Attention.__call__
+    variants = {
+        "": lambda: None,
+        "_no_attention": lambda: setattr(language, "attend", lambda q, k, v, scale, mask: q),
+        "_no_mask": lambda: setattr(
+            language, "attend", lambda q, k, v, scale, mask: language_attend(q, k, v, scale, None)
+        ),
+        "_no_rope": lambda: setattr(language, "apply_rope", lambda x, cos, sin: x),
+        "_no_kv_write": lambda: setattr(mx, "slice_update", lambda buf, update, start, axes: buf),
+        "_no_mlp": lambda: setattr(language.MLP, "__call__", lambda self, x: x),
+        "_kv_scatter": lambda: setattr(mx, "slice_update", scatter_update),
+        "_kv_where": lambda: setattr(mx, "slice_update", where_update),
+    }
+    variants["_fused_projections"] = lambda: fuse_projections(model)
+    for suffix, patch in variants.items():
+        patch()
+        model.steps.functions.clear()
+        measure_steps(model, out, suffix)
+        language.attend, language.apply_rope, language.MLP.__call__ = language_attend, apply_rope, mlp
+        mx.slice_update = slice_update
+        language.Attention.__call__, language.MLP.__call__ = attention_call, mlp
+        print(suffix or "_base", {k: round(v, 3) for k, v in out.items() if k.endswith(f"{suffix}_ms")}, flush=True)
+    model.steps.functions.clear()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
+    parser.add_argument("--ablate", action="store_true", help="only the per-piece ablation of the step")
+    parser.add_argument("--preset", default="3b", help="random_checkpoint preset for --ablate")
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     out = {}
+    if args.ablate:
+        ablations(in_memory_model(args.preset, args.dtype), out)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        return 0
     big = mx.random.normal((512 * 1024 * 1024,)).astype(mx.bfloat16)  # 1 GiB
     mx.eval(big)
     out["copy_gb_s"] = 2 * big.nbytes / timed(lambda: big * 1.0001, 10) / 1e6

@@ -15,19 +15,22 @@ from .config import TextConfig
 
 
 def rope_tables(positions: mx.array, head_dim: int, theta: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-    """Rotate-half RoPE: cos, sin of shape (..., T, head_dim) for positions (..., T), built in float32, cast to
-    the activation dtype."""
+    """Rotate-half RoPE: cos, sin of shape (..., T, 1, head_dim / 2) for positions (..., T), built in float32
+    as the reference does, cast to the activation dtype. Both halves of a head share these angles."""
     inv_freq = mx.array((theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float32))
-    angles = positions.astype(mx.float32)[..., None] * inv_freq
-    angles = mx.concatenate([angles, angles], axis=-1)
+    angles = (positions.astype(mx.float32)[..., None] * inv_freq)[..., None, :]
     return mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)
 
 
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """x: (B, H, T, D)."""
-    half = x.shape[-1] // 2
-    rotated = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    """x (B, H, T, D) -> x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+
+    Written on views of x's two halves (no concatenate), so compiled code runs it as one elementwise kernel.
+    """
+    *lead, D = x.shape
+    halves = x.reshape(*lead, 2, D // 2)
+    rotated = halves[..., ::-1, :] * mx.array([[-1], [1]], dtype=x.dtype)  # (-x2, x1)
+    return (halves * cos + rotated * sin).reshape(*lead, D)
 
 
 def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
@@ -113,7 +116,7 @@ class LanguageModel(nn.Module):
     ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
         """Returns the hidden states before the final norm (B, T, D) and the updated K/V buffers."""
         cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, embeds.dtype)
-        cos, sin = cos[..., None, :, :], sin[..., None, :, :]  # broadcast over the heads of (B, H, T, D)
+        cos, sin = mx.expand_dims(cos, -4), mx.expand_dims(sin, -4)  # broadcast over the heads of (B, H, T, D)
         x, new_kv = embeds, []
         for i, layer in enumerate(self.model.layers):
             x, layer_kv = layer(x, cos, sin, mask, None if kv is None else kv[i], c)
