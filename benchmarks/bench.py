@@ -1,11 +1,14 @@
-"""Benchmarks of mlx_locate on random checkpoints: per-phase timings, step costs, compilations, memory.
+"""Benchmarks of mlx_locate: per-phase timings, step costs, boxes, compilations, memory.
 
     python benchmarks/bench.py --preset medium [--peer .bench/venv/bin/python] [--json out.json]
     python benchmarks/bench.py --preset 3b --in-memory            # the GPU machine: no 7 GB file written
+    python benchmarks/bench.py --model demo --images mlx_locate/demo/example.png --query square --peer ...
 
-Prints a table last and writes full results as JSON. Random weights make meaningless boxes: block and AR
-step costs, prefill and vision times are what matter; decisions still run the real rules. With --peer,
-the same inputs go through mlx-vlm (benchmarks/peer_mlxvlm.py) in that interpreter, in the same run.
+Prints a table last and writes full results as JSON. Random weights (a preset) make meaningless boxes: block
+and AR step costs, prefill and vision times are what matter; decisions still run the real rules. A trained
+checkpoint (`--model`, e.g. the bundled demo) writes real boxes, so time to first box and boxes/s mean
+something. With --peer, the same inputs go through mlx-vlm (benchmarks/peer_mlxvlm.py) in that interpreter,
+in the same run.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import mlx_locate  # noqa: E402
 from mlx_locate.compiled import StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
+from mlx_locate.loader import resolve  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
@@ -124,16 +128,16 @@ def request_ms(stats: dict, key: str) -> float | None:
     return 1e3 * (stats["preprocess_s"] + stats["vision_s"] + stats["prefix_prefill_s"] + stats[key])
 
 
-def run_modes(model: LocateModel, image: Path, modes: list[str], max_tokens: int, repeat: int) -> dict:
+def run_modes(model: LocateModel, image: Path, query: str, modes: list[str], max_tokens: int, repeat: int) -> dict:
     results = {}
     for mode in modes:
-        model.locate(image, QUERY, mode=mode, max_tokens=max_tokens)  # warm-up: compiles every bucket
+        model.locate(image, query, mode=mode, max_tokens=max_tokens)  # warm-up: compiles every bucket
         warm = model.compilations
         mx.reset_peak_memory()
         runs = []
         for _ in range(repeat):
             model.features.clear()
-            runs.append(model.locate(image, QUERY, mode=mode, max_tokens=max_tokens))
+            runs.append(model.locate(image, query, mode=mode, max_tokens=max_tokens))
         r = sorted(runs, key=lambda x: x.stats["decode_s"])[len(runs) // 2]  # the median run
         s = r.stats
         boxes = len(r.objects)
@@ -207,10 +211,14 @@ def run_peer(python: str, model_dir: Path, image: Path, ours: dict, dtype: str, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="medium", choices=sorted(PRESETS))
+    parser.add_argument("--model", help="a checkpoint folder or 'demo' instead of a random --preset checkpoint")
+    parser.add_argument("--query", default=QUERY)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--in-memory", action="store_true", help="random weights on the device, no checkpoint")
     parser.add_argument("--modes", nargs="+", default=["slow", "fast", "hybrid"])
-    parser.add_argument("--images", nargs="+", default=["640x480"], help="golden 640x480 or WxH generated")
+    parser.add_argument(
+        "--images", nargs="+", default=["640x480"], help="golden 640x480, WxH (generated) or an image file"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512], help="cached lengths for step costs")
@@ -222,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.workdir)
     t0 = time.perf_counter()
-    if args.in_memory:
+    if args.model:
+        model_dir = resolve(args.model)
+        model = mlx_locate.load(model_dir, dtype=args.dtype)
+    elif args.in_memory:
         model, model_dir = in_memory_model(args.preset, args.dtype), None
     else:
         model_dir = work / f"{args.preset}-{args.dtype}"
@@ -233,10 +244,14 @@ def main(argv: list[str] | None = None) -> int:
 
     images = {}
     for name in args.images:
-        images[name] = IMAGES.get(name) or make_image(tuple(int(v) for v in name.split("x")), work / f"{name}.png")
+        if name in IMAGES or Path(name).is_file():
+            images[name] = IMAGES.get(name) or Path(name)
+        else:
+            images[name] = make_image(tuple(int(v) for v in name.split("x")), work / f"{name}.png")
 
     report = {
-        "preset": args.preset,
+        "preset": args.model or args.preset,
+        "query": args.query,
         "dtype": args.dtype,
         "device": str(mx.default_device()),
         "machine": platform.machine(),
@@ -253,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         report["steps"][context] = step_costs(model, context, args.iters)
     for name, path in images.items():
-        ours = run_modes(model, path, args.modes, args.max_tokens, args.repeat)
+        ours = run_modes(model, path, args.query, args.modes, args.max_tokens, args.repeat)
         entry = {"ours": ours}
         if args.peer and model_dir is not None:
             entry["mlx_vlm"] = run_peer(args.peer, model_dir, path, ours, args.dtype, args.max_tokens, args.repeat)
             entry["ratios"] = ratios(ours, entry["mlx_vlm"])
         report["images"][name] = entry
 
-    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"{args.preset}.json"
+    out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"{Path(report['preset']).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import in_memory_model  # noqa: E402
 
 from mlx_locate import language  # noqa: E402
-from mlx_locate.compiled import StepRunner  # noqa: E402
+from mlx_locate.compiled import CompiledSteps, StepRunner  # noqa: E402
 
 
 def timed(fn, iters: int = 30) -> float:
@@ -106,8 +106,32 @@ def where_update(buf, update, start, axes):
     return mx.where(inside[:, None], mx.take(update, mx.clip(slot, 0, update.shape[2] - 1), axis=2), buf)
 
 
-def ablations(model, out: dict) -> None:
-    """AR and block step times with one piece of every decoder layer replaced by a no-op."""
+def prepared_runners(model, contexts) -> dict:
+    """Fresh compiled steps traced now (under whatever patch is active) with a prefilled cache per context."""
+    steps = CompiledSteps(model.network)
+    d = model.network.config.text.hidden_size
+    dtype = model.network.language_model.model.norm.weight.dtype
+    runners = {}
+    for context in contexts:
+        runner = StepRunner(steps, model.new_cache())
+        mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
+        base = runner.cache.offset
+
+        def step(ids, block, runner=runner, base=base):
+            logits = runner.step(ids, block)
+            runner.cache.offset = base
+            return logits
+
+        mx.eval(step([1], False), step([1] * 12, True))  # trace both while the patch is active
+        runners[context] = step
+    return runners
+
+
+def ablations(model, out: dict, contexts=(512, 2048), rounds: int = 5, iters: int = 20) -> None:
+    """AR and block step times with one piece of every decoder layer replaced by a no-op.
+
+    Every variant is traced first; then the variants are timed in interleaved rounds and each keeps its best
+    round, so a machine that slows down for a while penalises all of them alike."""
     slice_update, apply_rope, mlp = mx.slice_update, language.apply_rope, language.MLP.__call__
     attention_call = language.Attention.__call__
     variants = {
@@ -121,17 +145,29 @@ def ablations(model, out: dict) -> None:
         "_no_mlp": lambda: setattr(language.MLP, "__call__", lambda self, x: x),
         "_kv_scatter": lambda: setattr(mx, "slice_update", scatter_update),
         "_kv_where": lambda: setattr(mx, "slice_update", where_update),
+        "_fused_projections": lambda: fuse_projections(model),
     }
-    variants["_fused_projections"] = lambda: fuse_projections(model)
+    prepared = {}
     for suffix, patch in variants.items():
         patch()
-        model.steps.functions.clear()
-        measure_steps(model, out, suffix)
-        language.attend, language.apply_rope, language.MLP.__call__ = language_attend, apply_rope, mlp
-        mx.slice_update = slice_update
-        language.Attention.__call__, language.MLP.__call__ = attention_call, mlp
-        print(suffix or "_base", {k: round(v, 3) for k, v in out.items() if k.endswith(f"{suffix}_ms")}, flush=True)
-    model.steps.functions.clear()
+        try:
+            prepared[suffix] = prepared_runners(model, contexts)
+        finally:
+            language.attend, language.apply_rope = language_attend, apply_rope
+            language.Attention.__call__, language.MLP.__call__ = attention_call, mlp
+            mx.slice_update = slice_update
+    for _ in range(rounds):
+        for suffix, runners in prepared.items():
+            for context, step in runners.items():
+                for name, ids, block in (("ar", [1], False), ("block", [1] * 12, True)):
+                    key = f"{name}_step_{context}{suffix}_ms"
+                    ms = timed(lambda step=step, ids=ids, block=block: step(ids, block), iters)
+                    out[key] = min(out.get(key, ms), ms)
+    for suffix in prepared:
+        keys = [f"{name}_step_{context}{suffix}_ms" for context in contexts for name in ("ar", "block")]
+        print(
+            f"{suffix or '_base':20}", "  ".join(f"{k.split('_step')[0]} {k.split('_')[2]}: {out[k]:.2f}" for k in keys)
+        )
 
 
 def main() -> int:
@@ -140,10 +176,12 @@ def main() -> int:
     parser.add_argument("--ablate", action="store_true", help="only the per-piece ablation of the step")
     parser.add_argument("--preset", default="3b", help="random_checkpoint preset for --ablate")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048], help="cached lengths for --ablate")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds for --ablate")
     args = parser.parse_args()
     out = {}
     if args.ablate:
-        ablations(in_memory_model(args.preset, args.dtype), out)
+        ablations(in_memory_model(args.preset, args.dtype), out, args.contexts, args.rounds)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
         return 0
