@@ -44,20 +44,9 @@ language_attend = language.attend
 
 
 def measure_steps(model, out: dict, suffix: str, contexts=(512, 2048)) -> None:
-    d = model.network.config.text.hidden_size
-    dtype = model.network.language_model.model.norm.weight.dtype
-    for context in contexts:
-        runner = StepRunner(model.steps, model.new_cache())
-        mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
-        base = runner.cache.offset
-
-        def step(ids, block, runner=runner, base=base):
-            logits = runner.step(ids, block)
-            runner.cache.offset = base
-            return logits
-
-        out[f"ar_step_{context}{suffix}_ms"] = timed(lambda: step([1], False))
-        out[f"block_step_{context}{suffix}_ms"] = timed(lambda: step([1] * 12, True))
+    for context, step in prepared_runners(model, contexts).items():
+        out[f"ar_step_{context}{suffix}_ms"] = timed(lambda step=step: step([1], False))
+        out[f"block_step_{context}{suffix}_ms"] = timed(lambda step=step: step([1] * 12, True))
 
 
 def fuse_projections(model) -> None:
@@ -106,9 +95,9 @@ def where_update(buf, update, start, axes):
     return mx.where(inside[:, None], mx.take(update, mx.clip(slot, 0, update.shape[2] - 1), axis=2), buf)
 
 
-def prepared_runners(model, contexts) -> dict:
+def prepared_runners(model, contexts, compile: bool = True) -> dict:
     """Fresh compiled steps traced now (under whatever patch is active) with a prefilled cache per context."""
-    steps = CompiledSteps(model.network)
+    steps = CompiledSteps(model.network, compile=compile)
     d = model.network.config.text.hidden_size
     dtype = model.network.language_model.model.norm.weight.dtype
     runners = {}
@@ -278,21 +267,10 @@ def main() -> int:
         return (probs @ v).reshape(B, H, T, D)
 
     language.attend = grouped_attend
-    model.steps.functions.clear()
     measure_steps(model, out, "_grouped")
     language.attend = language_attend
-    model.steps.compile = False
-    model.steps.functions.clear()
-    runner = StepRunner(model.steps, model.new_cache())
-    mx.eval(runner.prefill(mx.zeros((1, 512, d), mx.bfloat16)))
-    base = runner.cache.offset
-
-    def eager_step():
-        logits = runner.step([1], False)
-        runner.cache.offset = base
-        return logits
-
-    out["ar_step_512_eager_ms"] = timed(eager_step)
+    eager_step = prepared_runners(model, [512], compile=False)[512]
+    out["ar_step_512_eager_ms"] = timed(lambda: eager_step([1], False))
     for k, v in out.items():
         print(f"{k:32} {v:10.4g}")
     if args.json:
