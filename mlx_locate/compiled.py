@@ -1,6 +1,7 @@
 """The `mx.compile`d prefill and step functions, cached by (phase, padded rows Q, cache view U).
 
-Every step pads its rows to a fixed Q (prefill: a multiple of PREFILL_BUCKET; AR: 1 or 6; block: 12) and
+Every step pads its rows to a fixed Q (prefill: a power of two from PREFILL_MIN below PREFILL_BUCKET, else a multiple
+of PREFILL_BUCKET; AR: 1 or 6; block: 12) and
 attends over the whole bucket-sized cache view U, so each function traces once. The step offset and the
 real row count are arrays, never part of the key. `traces` counts every (re)trace.
 """
@@ -16,6 +17,7 @@ from .masks import BLOCK, step_mask, step_positions
 from .model import LocateAnything
 
 PREFILL_BUCKET = 128
+PREFILL_MIN = 16  # a short prompt (a query after a cached prefix) pads to a power of two from here
 BLOCK_ROWS = 2 * BLOCK  # a tail of at most 6 committed tokens, then the 6 window rows
 
 
@@ -27,6 +29,8 @@ class Phase(Enum):
 
 def padded_rows(phase: Phase, q: int) -> int:
     if phase is Phase.PREFILL:
+        if q < PREFILL_BUCKET:
+            return min(PREFILL_BUCKET, max(PREFILL_MIN, 1 << (q - 1).bit_length()))
         return -(-q // PREFILL_BUCKET) * PREFILL_BUCKET
     if phase is Phase.BLOCK:
         if not BLOCK <= q <= BLOCK_ROWS:

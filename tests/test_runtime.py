@@ -20,7 +20,7 @@ from mlx_locate import cache as cache_module
 from mlx_locate import compiled as compiled_module
 from mlx_locate import decode as decode_module
 from mlx_locate.cache import KV_BUCKET, KVCache, kv_bucket
-from mlx_locate.compiled import PREFILL_BUCKET, CompiledSteps, StepRunner
+from mlx_locate.compiled import PREFILL_BUCKET, PREFILL_MIN, CompiledSteps, Phase, StepRunner, padded_rows
 from mlx_locate.config import ModelConfig
 from mlx_locate.loader import build_model
 from mlx_locate.locate import load
@@ -227,16 +227,19 @@ def script_reference(net, ids: list[int], embeds: mx.array) -> list[mx.array]:
     return out
 
 
-@pytest.mark.parametrize("prompt_len", [128, 129, 250])
-def test_default_buckets_leave_logits_unchanged(golden, prompt_len):
-    """Prompts around the 128-row prefill bucket and the 256-slot KV bucket (250 + 6 crosses it mid-request)."""
-    assert (PREFILL_BUCKET, KV_BUCKET) == (128, 256)
+@pytest.mark.parametrize(
+    ("prompt_len", "prefill_rows"), [(12, 16), (17, 32), (60, 64), (128, 128), (129, 256), (250, 256)]
+)
+def test_default_buckets_leave_logits_unchanged(golden, prompt_len, prefill_rows):
+    """Short prompts (powers of two from 16), prompts around the 128-row prefill bucket and the 256-slot KV bucket
+    (250 + 6 crosses it mid-request)."""
+    assert (PREFILL_MIN, PREFILL_BUCKET, KV_BUCKET) == (16, 128, 256)
     net = golden.network
     ids, embeds = make_prompt(net, prompt_len, seed=prompt_len)
     run = runner(net)
     for a, b in zip(script(net, run, ids, embeds), script_reference(net, ids, embeds), strict=True):
         close(a, b)
-    prefill_rows = -(-prompt_len // PREFILL_BUCKET) * PREFILL_BUCKET
+    assert padded_rows(Phase.PREFILL, prompt_len) == prefill_rows
     assert run.cache.capacity == kv_bucket(max(prefill_rows, prompt_len + 8 + 12))  # the last block reserves c + 12
 
 
