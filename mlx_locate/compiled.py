@@ -1,9 +1,9 @@
 """The `mx.compile`d prefill and step functions, cached by (phase, padded rows Q, cache view U).
 
-Every step pads its rows to a fixed Q (prefill: a power of two from PREFILL_MIN below PREFILL_BUCKET, else a multiple
-of PREFILL_BUCKET; AR: 1 or 6; block: 12) and
-attends over the whole bucket-sized cache view U, so each function traces once. The step offset and the
-real row count are arrays, never part of the key. `traces` counts every (re)trace.
+Every step pads its rows to a fixed Q (prefill: a power of two from PREFILL_MIN below PREFILL_BUCKET, else a
+multiple of PREFILL_BUCKET; AR: 1 or 6; block: 12) and attends over the whole bucket-sized cache view U, so each
+function traces once. The step offset and the real row count are arrays, never part of the key. `traces` counts
+every (re)trace.
 """
 
 from __future__ import annotations
