@@ -49,50 +49,31 @@ def measure_steps(model, out: dict, suffix: str, contexts=(512, 2048)) -> None:
         out[f"block_step_{context}{suffix}_ms"] = timed(lambda step=step: step([1] * 12, True))
 
 
-def fuse_projections(model) -> None:
-    """q|k|v and gate|up as one matrix each (a preview: memory for both copies is spent)."""
-    for layer in model.network.language_model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        a.qkv = (
-            mx.concatenate([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-            mx.concatenate([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]),
-        )
-        m.gate_up = mx.concatenate([m.gate_proj.weight, m.up_proj.weight])
-        mx.eval(a.qkv, m.gate_up)
-
-    def attention(self, x, cos, sin, mask, kv=None, c=None):
-        B, T, _ = x.shape
-        hd = self.q_proj.weight.shape[0] // self.n_heads
-        qkv = mx.addmm(self.qkv[1], x, self.qkv[0].T)
-        q, k, v = mx.split(qkv, [self.n_heads * hd, (self.n_heads + self.n_kv_heads) * hd], axis=-1)
-        q = q.reshape(B, T, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = k.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = v.reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = language.apply_rope(q, cos, sin), language.apply_rope(k, cos, sin)
-        start = mx.concatenate([mx.zeros((2,), mx.int32), c.reshape(1), mx.zeros((1,), mx.int32)])
-        k = mx.slice_update(kv[0], k.astype(kv[0].dtype), start, axes=(0, 1, 2, 3))
-        v = mx.slice_update(kv[1], v.astype(kv[1].dtype), start, axes=(0, 1, 2, 3))
-        out = language.attend(q, k, v, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), (k, v)
-
-    def mlp(self, x):
-        gate, up = mx.split(x @ self.gate_up.T, 2, axis=-1)
-        return self.down_proj(language.nn.silu(gate) * up)
-
-    language.Attention.__call__, language.MLP.__call__ = attention, mlp
+def grouped_attend(q, k, v, scale, mask):
+    """Attention by hand: GQA as a reshape (no repeated K/V), additive or boolean mask, float32 softmax."""
+    B, H, T, D = q.shape
+    KV = k.shape[1]
+    g = q.reshape(B, KV, H // KV * T, D) * scale
+    scores = (g @ k.swapaxes(-1, -2)).reshape(B, KV, H // KV, T, -1)  # (B, KV, H/KV, T, K)
+    if mask.dtype == mx.bool_:
+        scores = mx.where(mask, scores, -mx.inf)
+    else:
+        scores = scores + mask
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype).reshape(B, KV, H // KV * T, -1)
+    return (probs @ v).reshape(B, H, T, D)
 
 
-def scatter_update(buf, update, start, axes):
-    """The K/V write as a scatter at slots c.. (instead of a dynamic slice update)."""
-    buf[:, :, start[2] + mx.arange(update.shape[2]), :] = update
-    return buf
+def op_overhead_us(ops: int = 400) -> float:
+    """Microseconds per primitive in a compiled chain of small unfusable ops (RMSNorm of one 2048 row)."""
+    x = mx.ones((1, 2048), mx.bfloat16)
 
+    def chain(x):
+        for _ in range(ops):
+            x = mx.fast.rms_norm(x, None, 1e-6)
+        return x
 
-def where_update(buf, update, start, axes):
-    """The K/V write as one elementwise select over the whole buffer."""
-    slot = mx.arange(buf.shape[2]) - start[2]
-    inside = (slot >= 0) & (slot < update.shape[2])
-    return mx.where(inside[:, None], mx.take(update, mx.clip(slot, 0, update.shape[2] - 1), axis=2), buf)
+    compiled = mx.compile(chain)
+    return 1e3 * timed(lambda: compiled(x)) / ops
 
 
 def prepared_runners(model, contexts, compile: bool = True) -> dict:
@@ -122,6 +103,7 @@ def ablations(model, out: dict, contexts=(512, 2048), rounds: int = 5, iters: in
     Every variant is traced first; then the variants are timed in interleaved rounds and each keeps its best
     round, so a machine that slows down for a while penalises all of them alike."""
     slice_update, apply_rope, mlp = mx.slice_update, language.apply_rope, language.MLP.__call__
+    additive_mask = language.additive_mask
     attention_call = language.Attention.__call__
     variants = {
         "": lambda: None,
@@ -129,12 +111,11 @@ def ablations(model, out: dict, contexts=(512, 2048), rounds: int = 5, iters: in
         "_no_mask": lambda: setattr(
             language, "attend", lambda q, k, v, scale, mask: language_attend(q, k, v, scale, None)
         ),
+        "_bool_mask": lambda: setattr(language, "additive_mask", lambda mask, dtype: mask),
+        "_by_hand_attention": lambda: setattr(language, "attend", grouped_attend),
         "_no_rope": lambda: setattr(language, "apply_rope", lambda x, cos, sin: x),
         "_no_kv_write": lambda: setattr(mx, "slice_update", lambda buf, update, start, axes: buf),
         "_no_mlp": lambda: setattr(language.MLP, "__call__", lambda self, x: x),
-        "_kv_scatter": lambda: setattr(mx, "slice_update", scatter_update),
-        "_kv_where": lambda: setattr(mx, "slice_update", where_update),
-        "_fused_projections": lambda: fuse_projections(model),
     }
     prepared = {}
     for suffix, patch in variants.items():
@@ -142,7 +123,7 @@ def ablations(model, out: dict, contexts=(512, 2048), rounds: int = 5, iters: in
         try:
             prepared[suffix] = prepared_runners(model, contexts)
         finally:
-            language.attend, language.apply_rope = language_attend, apply_rope
+            language.attend, language.apply_rope, language.additive_mask = language_attend, apply_rope, additive_mask
             language.Attention.__call__, language.MLP.__call__ = attention_call, mlp
             mx.slice_update = slice_update
     for _ in range(rounds):
@@ -170,6 +151,8 @@ def main() -> int:
     args = parser.parse_args()
     out = {}
     if args.ablate:
+        out["op_overhead_us"] = op_overhead_us()
+        print(f"compiled chain of small ops: {out['op_overhead_us']:.1f} us per op")
         ablations(in_memory_model(args.preset, args.dtype), out, args.contexts, args.rounds)
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
@@ -256,15 +239,6 @@ def main() -> int:
 
     model = in_memory_model("3b", "bfloat16")
     measure_steps(model, out, "")
-
-    def grouped_attend(q, k, v, scale, mask):
-        B, H, T, D = q.shape
-        KV = k.shape[1]
-        g = q.reshape(B, KV, H // KV * T, D) * scale
-        scores = g @ k.swapaxes(-1, -2)  # (B, KV, H/KV*T, K)
-        scores = mx.where(mx.tile(mask, (H // KV, 1)), scores, -mx.inf)
-        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)
-        return (probs @ v).reshape(B, H, T, D)
 
     language.attend = grouped_attend
     measure_steps(model, out, "_grouped")

@@ -1,8 +1,9 @@
-"""Per-layer K/V buffers sized to a bucket of slots, grown by whole buckets.
+"""Per-layer K|V buffers sized to a bucket of slots, grown by whole buckets.
 
-A step writes its rows at slot `offset` and returns new buffers; committing tokens is advancing the
-offset and dropping a block's window is not advancing it, so nothing is ever copied to trim. A fork
-shares the buffers (MLX arrays are values: the first write after a fork copies).
+Each layer keeps one buffer of shape (1, 2, kv_heads, U, head_dim): keys, then values, so a step writes both
+with one update. A step writes its rows at slot `offset` and returns new buffers; committing tokens is
+advancing the offset and dropping a block's window is not advancing it, so nothing is ever copied to trim.
+A fork shares the buffers (MLX arrays are values: the first write after a fork copies).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 KV_BUCKET = 256
+SLOT_AXIS = 3
 
 
 def kv_bucket(slots: int) -> int:
@@ -18,21 +20,22 @@ def kv_bucket(slots: int) -> int:
 
 class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype):
-        self.shape = (1, kv_heads, 0, head_dim)
+        self.shape = (1, 2, kv_heads, 0, head_dim)
         self.dtype = dtype
-        self.kv = [(mx.zeros(self.shape, dtype), mx.zeros(self.shape, dtype)) for _ in range(num_layers)]
+        self.kv = [mx.zeros(self.shape, dtype) for _ in range(num_layers)]
         self.offset = 0  # slots [0, offset) hold committed tokens
 
     @property
     def capacity(self) -> int:
-        return self.kv[0][0].shape[2]
+        return self.kv[0].shape[SLOT_AXIS]
 
     def reserve(self, slots: int) -> int:
         """Grow to the bucket holding `slots` slots; returns the capacity, the attention view length U."""
         if slots > self.capacity:
-            extra = (*self.shape[:2], kv_bucket(slots) - self.capacity, self.shape[3])
+            extra = list(self.shape)
+            extra[SLOT_AXIS] = kv_bucket(slots) - self.capacity
             pad = mx.zeros(extra, self.dtype)
-            self.kv = [(mx.concatenate([k, pad], axis=2), mx.concatenate([v, pad], axis=2)) for k, v in self.kv]
+            self.kv = [mx.concatenate([buffer, pad], axis=SLOT_AXIS) for buffer in self.kv]
         return self.capacity
 
     def fork(self) -> KVCache:
@@ -42,4 +45,4 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv)
+        return sum(buffer.nbytes for buffer in self.kv)

@@ -60,14 +60,13 @@ class CompiledSteps:
         block = phase is Phase.BLOCK
         head_rows = BLOCK if block else 1
 
-        def step(inputs: mx.array, c: mx.array, q: mx.array, *flat_kv: mx.array):
+        def step(inputs: mx.array, c: mx.array, q: mx.array, *kv: mx.array):
             self.traces += 1  # runs only while tracing when compiled
             embeds = inputs if phase is Phase.PREFILL else lm.model.embed_tokens(inputs)[None]
-            kv = list(zip(flat_kv[0::2], flat_kv[1::2], strict=True))
-            hidden, new_kv = lm(embeds, step_positions(c, q, Q, block), step_mask(c, q, Q, U, block), kv, c)
+            hidden, new_kv = lm(embeds, step_positions(c, q, Q, block), step_mask(c, q, Q, U, block), list(kv), c)
             rows = q - head_rows + mx.arange(head_rows, dtype=mx.int32)
             logits = lm.logits(mx.take(hidden[0], rows, axis=0))  # (head_rows, V)
-            return (logits, *(t for pair in new_kv for t in pair))
+            return (logits, *new_kv)
 
         return step
 
@@ -83,9 +82,8 @@ class StepRunner:
         c = self.cache.offset
         U = self.cache.reserve(c + Q)
         fn = self.steps.get(phase, Q, U)
-        flat = [t for pair in self.cache.kv for t in pair]
-        logits, *flat = fn(inputs, mx.array([c], dtype=mx.int32), mx.array([q], dtype=mx.int32), *flat)
-        self.cache.kv = list(zip(flat[0::2], flat[1::2], strict=True))
+        c_array, q_array = mx.array([c], dtype=mx.int32), mx.array([q], dtype=mx.int32)
+        logits, *self.cache.kv = fn(inputs, c_array, q_array, *self.cache.kv)
         return logits
 
     def prefill(self, embeds: mx.array) -> mx.array:

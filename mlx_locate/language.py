@@ -1,17 +1,25 @@
-"""Qwen2.5 decoder (MODEL.md §7) with explicit position ids and an explicit boolean mask.
+"""Qwen2.5 decoder (MODEL.md §7) with explicit position ids and an explicit mask.
 
-`kv` is a list of per-layer (K, V) buffers of shape (1, kv_heads, U, head_dim); a step writes its
-rows at slot `c` and attends over the whole buffer under `mask`. Without `kv` the layer attends over
-its own rows (full recompute, training).
+`kv` is a list of per-layer K|V buffers of shape (1, 2, kv_heads, U, head_dim) (keys, then values); a step
+writes its rows at slot `c` with one update and attends over the whole buffer under `mask`. Without `kv` the
+layer attends over its own rows (full recompute, training).
+
+For inference `fuse_projections` turns q|k|v and gate|up into one matrix each, so a layer runs one product
+for each; q, k and v then get RoPE together in one elementwise kernel (the value heads' tables are the
+identity), which also leaves K and V side by side for the single cache write.
 """
 
 from __future__ import annotations
+
+import copy
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from .config import TextConfig
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def rope_tables(positions: mx.array, head_dim: int, theta: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
@@ -22,8 +30,17 @@ def rope_tables(positions: mx.array, head_dim: int, theta: float, dtype: mx.Dtyp
     return mx.cos(angles).astype(dtype), mx.sin(angles).astype(dtype)
 
 
+def qkv_tables(cos: mx.array, sin: mx.array, rotated: int, plain: int) -> tuple[mx.array, mx.array]:
+    """Tables (..., T, rotated + plain, 1, D / 2) for heads laid out as (..., T, heads, D): the first `rotated`
+    heads (q, k) take `cos`/`sin` of `rope_tables`, the last `plain` heads (v) cos 1 and sin 0, which
+    passes them through exactly."""
+    is_plain = (mx.arange(rotated + plain) >= rotated)[:, None, None]
+    return mx.where(is_plain, 1, mx.expand_dims(cos, -3)), mx.where(is_plain, 0, mx.expand_dims(sin, -3))
+
+
 def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """x (B, H, T, D) -> x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+    """x (..., D) -> x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); cos/sin broadcast against
+    (..., 2, D / 2).
 
     Written on views of x's two halves (no concatenate), so compiled code runs it as one elementwise kernel.
     """
@@ -33,9 +50,44 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return (halves * cos + rotated * sin).reshape(*lead, D)
 
 
+def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A boolean mask (True = attend) as 0 / the lowest finite value of `dtype`, added to the scores: converted
+    once per forward instead of inside every layer's attention. A masked score's weight is exactly 0."""
+    return mx.where(mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+
+
 def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """q (B, H, T, D), k/v (B, KV, K, D), mask (T, K) bool -> (B, H, T, D)."""
+    """q (B, H, T, D), k/v (B, KV, K, D), mask (T, K) boolean or additive -> (B, H, T, D)."""
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One module whose output is the parts' outputs side by side; None unless they are alike (same class,
+    same quantization, same tensors)."""
+
+    def kind(m: nn.Module) -> tuple:
+        return type(m), getattr(m, "bits", None), getattr(m, "group_size", None), getattr(m, "mode", None), sorted(m)
+
+    first = parts[0]
+    if type(first) not in (nn.Linear, nn.QuantizedLinear) or any(kind(m) != kind(first) for m in parts):
+        return None
+    fused = copy.copy(first)
+    for name in first:
+        fused[name] = mx.concatenate([m[name] for m in parts])
+    return fused
+
+
+def fuse_projections(layers: list[DecoderLayer]) -> None:
+    """q|k|v and gate|up as one matrix each, layer by layer (memory grows by one layer's projections at
+    most). Parts that are not alike (say, quantized with different bits) stay separate."""
+    for layer in layers:
+        for module in (layer.self_attn, layer.mlp):
+            for fused_name, names in FUSED.items():
+                if all(n in module for n in names) and (fused := fuse_linears([module[n] for n in names])):
+                    mx.eval(fused.parameters())
+                    for n in names:
+                        del module[n]
+                    module[fused_name] = fused
 
 
 class Attention(nn.Module):
@@ -49,18 +101,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=False)
         self.scale = hd**-0.5
 
+    def project(self, x: mx.array) -> mx.array:
+        """(B, T, dim) -> (B, T, (H + 2 KV) * head_dim): q, k and v side by side."""
+        if "qkv_proj" in self:
+            return self.qkv_proj(x)
+        return mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
+
     def __call__(self, x, cos, sin, mask, kv=None, c=None):
+        """cos/sin from `qkv_tables`; kv (1, 2, KV, U, D) or None; returns the output and the K|V rows
+        (the updated buffer, or this call's own (B, 2, KV, T, D))."""
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, KV = self.n_heads, self.n_kv_heads
+        heads = apply_rope(self.project(x).reshape(B, T, H + 2 * KV, -1), cos, sin)
+        q = heads[:, :, :H].transpose(0, 2, 1, 3)
+        kv_rows = heads[:, :, H:].reshape(B, T, 2, KV, -1).transpose(0, 2, 3, 1, 4)
         if kv is not None:
-            start = mx.concatenate([mx.zeros((2,), mx.int32), c.reshape(1), mx.zeros((1,), mx.int32)])
-            k = mx.slice_update(kv[0], k.astype(kv[0].dtype), start, axes=(0, 1, 2, 3))
-            v = mx.slice_update(kv[1], v.astype(kv[1].dtype), start, axes=(0, 1, 2, 3))
-        out = attend(q, k, v, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), (k, v)
+            start = mx.concatenate([mx.zeros((3,), mx.int32), c.reshape(1), mx.zeros((1,), mx.int32)])
+            kv_rows = mx.slice_update(kv, kv_rows.astype(kv.dtype), start, axes=(0, 1, 2, 3, 4))
+        out = attend(q, kv_rows[:, 0], kv_rows[:, 1], self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), kv_rows
 
 
 class MLP(nn.Module):
@@ -71,7 +130,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -111,12 +174,14 @@ class LanguageModel(nn.Module):
         embeds: mx.array,  # (B, T, D)
         positions: mx.array,  # (T,) or (B, T) int32
         mask: mx.array,  # (T, K) or (B, 1, T, K) bool, True = attend
-        kv: list[tuple[mx.array, mx.array]] | None = None,
+        kv: list[mx.array] | None = None,  # per layer (1, 2, KV, U, D)
         c: mx.array | None = None,  # (1,) int32: cache slot of the first row
-    ) -> tuple[mx.array, list[tuple[mx.array, mx.array]]]:
-        """Returns the hidden states before the final norm (B, T, D) and the updated K/V buffers."""
-        cos, sin = rope_tables(positions, self.config.head_dim, self.config.rope_theta, embeds.dtype)
-        cos, sin = mx.expand_dims(cos, -4), mx.expand_dims(sin, -4)  # broadcast over the heads of (B, H, T, D)
+    ) -> tuple[mx.array, list[mx.array]]:
+        """Returns the hidden states before the final norm (B, T, D) and the updated K|V buffers."""
+        t = self.config
+        cos, sin = rope_tables(positions, t.head_dim, t.rope_theta, embeds.dtype)
+        cos, sin = qkv_tables(cos, sin, t.num_attention_heads + t.num_key_value_heads, t.num_key_value_heads)
+        mask = additive_mask(mask, embeds.dtype)
         x, new_kv = embeds, []
         for i, layer in enumerate(self.model.layers):
             x, layer_kv = layer(x, cos, sin, mask, None if kv is None else kv[i], c)

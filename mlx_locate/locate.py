@@ -19,6 +19,7 @@ from .compiled import CompiledSteps, StepRunner
 from .config import ModelConfig
 from .decide import Guards, Mode
 from .decode import DecodeOptions, decode
+from .language import fuse_projections
 from .loader import build_model, read_json, resolve
 from .model import LocateAnything
 from .parse import LocatedObject, parse_tokens
@@ -52,9 +53,12 @@ FEATURE_CACHE_SIZE = 8  # images whose vision features stay cached, by content
 
 
 class LocateModel:
-    """A loaded checkpoint: network, tokenizer, compiled step functions and a vision-feature cache."""
+    """A loaded checkpoint: network, tokenizer, compiled step functions and a vision-feature cache.
+
+    Takes over `network` for inference: its decoder's projections are fused (`language.fuse_projections`)."""
 
     def __init__(self, network: LocateAnything, tokenizer: Tokenizer, in_token_limit: int = IN_TOKEN_LIMIT):
+        fuse_projections(network.language_model.model.layers)
         self.network = network
         self.tokenizer = tokenizer
         self.token_ids = network.token_ids
@@ -124,7 +128,7 @@ class Session:
         t0 = time.perf_counter()
         self.cache = model.new_cache()
         StepRunner(model.steps, self.cache).prefill(network.embed(self.prefix, features))
-        mx.eval([t for pair in self.cache.kv for t in pair])
+        mx.eval(self.cache.kv)
         self.timings["prefix_prefill_s"] = time.perf_counter() - t0
 
     def locate(

@@ -16,7 +16,17 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_locate.config import TextConfig, VisionConfig
-from mlx_locate.language import Attention, DecoderLayer, LanguageModel, apply_rope, rope_tables
+from mlx_locate.language import (
+    Attention,
+    DecoderLayer,
+    LanguageModel,
+    additive_mask,
+    apply_rope,
+    fuse_linears,
+    fuse_projections,
+    qkv_tables,
+    rope_tables,
+)
 from mlx_locate.masks import BLOCK, step_mask, step_positions, training_mask
 from mlx_locate.projector import make_connector, merge_2x2, run_connector
 from mlx_locate.vision import Block, PosEmb, VisionTower, apply_rope2d, bicubic_matrix, gelu_tanh, rope2d_tables
@@ -375,7 +385,26 @@ def random_mask(rng, T, S):
     return mask
 
 
-def test_attention_gqa_bool_mask():
+def decoder_tables(positions: np.ndarray) -> tuple[mx.array, mx.array]:
+    cos, sin = rope_tables(mx.array(positions, dtype=mx.int32), TEXT.head_dim, TEXT.rope_theta, mx.float32)
+    KV = TEXT.num_key_value_heads
+    return qkv_tables(cos, sin, TEXT.num_attention_heads + KV, KV)
+
+
+def test_qkv_tables_rotate_q_and_k_and_pass_v_exactly():
+    """q|k|v heads in one layout: one RoPE application rotates q and k as `rope_tables` does and leaves v bit-exact."""
+    H, KV, D = TEXT.num_attention_heads, TEXT.num_key_value_heads, TEXT.head_dim
+    positions = np.array([0, 3, 3, 17, 250])
+    x = np.random.default_rng(7).normal(size=(1, len(positions), H + 2 * KV, D)).astype(np.float32)
+    got = to_np(apply_rope(mx.array(x), *decoder_tables(positions)))
+    rotated = np_rope(x[0, :, : H + KV].transpose(1, 0, 2).astype(np.float64), positions, TEXT.rope_theta)
+    np.testing.assert_allclose(got[0, :, : H + KV], rotated.transpose(1, 0, 2), atol=5e-5)
+    np.testing.assert_array_equal(got[0, :, H + KV :], x[0, :, H + KV :])
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_attention_gqa_mask(additive):
+    """A boolean mask and its additive form (0 / lowest float) give the same attention."""
     attn = Attention(TEXT)
     W = randomize(attn, seed=9)
     rng = np.random.default_rng(10)
@@ -383,14 +412,14 @@ def test_attention_gqa_bool_mask():
     x = rng.normal(size=(T, TEXT.hidden_size))
     positions = np.array([4, 5, 6, 6, 7, 8, 9])
     mask = random_mask(rng, T, T)
-    cos, sin = rope_tables(mx.array(positions, dtype=mx.int32), TEXT.head_dim, TEXT.rope_theta, mx.float32)
-    got, _ = attn(mx.array(x[None].astype(np.float32)), cos, sin, mx.array(mask))
+    given = additive_mask(mx.array(mask), mx.float32) if additive else mx.array(mask)
+    got, _ = attn(mx.array(x[None].astype(np.float32)), *decoder_tables(positions), given)
     expected = np_decoder_attention(x, W, "", positions.astype(np.float64), mask, TEXT)
     np.testing.assert_allclose(to_np(got[0]), expected, atol=ATOL)
 
 
 def test_attention_writes_cache_at_slot_c():
-    """With K/V buffers the rows land at slots c..c+T-1 and attention reads the whole (masked) buffer."""
+    """With a K|V buffer the rows land at slots c..c+T-1 and attention reads the whole (masked) buffer."""
     attn = Attention(TEXT)
     W = randomize(attn, seed=11)
     rng = np.random.default_rng(12)
@@ -400,27 +429,49 @@ def test_attention_writes_cache_at_slot_c():
     x = rng.normal(size=(T, TEXT.hidden_size))
     positions = np.arange(c, c + T)
     mask = random_mask(rng, T, U)
-    cos, sin = rope_tables(mx.array(positions, dtype=mx.int32), D, TEXT.rope_theta, mx.float32)
-    kv = tuple(mx.array(b[None].astype(np.float32)) for b in past)
-    got, (k, v) = attn(mx.array(x[None].astype(np.float32)), cos, sin, mx.array(mask), kv, mx.array([c]))
+    kv = mx.array(np.stack(past)[None].astype(np.float32))  # (1, 2, KV, U, D)
+    got, buffer = attn(
+        mx.array(x[None].astype(np.float32)), *decoder_tables(positions), mx.array(mask), kv, mx.array([c])
+    )
     expected = np_decoder_attention(x, W, "", positions.astype(np.float64), mask, TEXT, past, c)
     np.testing.assert_allclose(to_np(got[0]), expected, atol=ATOL)
+    assert buffer.shape == (1, 2, KV, U, D)
     untouched = np.r_[0:c, c + T : U]
-    np.testing.assert_array_equal(to_np(k[0])[:, untouched], past[0].astype(np.float32)[:, untouched])
-    np.testing.assert_array_equal(to_np(v[0])[:, untouched], past[1].astype(np.float32)[:, untouched])
+    for half, old in zip(to_np(buffer[0]), past, strict=True):
+        np.testing.assert_array_equal(half[:, untouched], old.astype(np.float32)[:, untouched])
 
 
-def test_decoder_layer():
+@pytest.mark.parametrize("fused", [False, True])
+def test_decoder_layer(fused):
     layer = DecoderLayer(TEXT)
     W = randomize(layer, seed=13)
+    if fused:
+        fuse_projections([layer])
     rng = np.random.default_rng(14)
     T = 9
     x = rng.normal(size=(T, TEXT.hidden_size))
     positions = np.arange(T)
     mask = np.tril(np.ones((T, T), dtype=bool))
-    cos, sin = rope_tables(mx.array(positions, dtype=mx.int32), TEXT.head_dim, TEXT.rope_theta, mx.float32)
-    got, _ = layer(mx.array(x[None].astype(np.float32)), cos, sin, mx.array(mask))
+    got, _ = layer(mx.array(x[None].astype(np.float32)), *decoder_tables(positions), mx.array(mask))
     np.testing.assert_allclose(to_np(got[0]), np_decoder_layer(x, W, "", positions, mask, TEXT), atol=1e-4)
+
+
+def test_fuse_linears_quantized_and_unlike_parts():
+    """Quantized parts fuse into one quantized matrix with the same outputs; parts quantized differently
+    (or not alike) stay apart."""
+    rng = np.random.default_rng(21)
+    parts = [nn.Linear(64, n, bias=True) for n in (32, 16, 16)]
+    for part in parts:
+        randomize(part, seed=int(rng.integers(1000)))
+    quantized = [nn.QuantizedLinear.from_linear(p, group_size=32, bits=4) for p in parts]
+    fused = fuse_linears(quantized)
+    assert isinstance(fused, nn.QuantizedLinear) and fused.weight.shape[0] == 64 and fused.bits == 4
+    x = mx.array(rng.normal(size=(3, 64)).astype(np.float32))
+    np.testing.assert_allclose(to_np(fused(x)), np.concatenate([to_np(q(x)) for q in quantized], -1), atol=1e-5)
+    eight = nn.QuantizedLinear.from_linear(parts[2], group_size=32, bits=8)
+    assert fuse_linears([*quantized[:2], eight]) is None
+    assert fuse_linears([parts[0], quantized[1]]) is None
+    assert fuse_linears([nn.Linear(64, 8, bias=False), parts[1]]) is None  # one has a bias, one not
 
 
 def block_mask_formula(c: int, q: int, Q: int, U: int, block: bool) -> np.ndarray:
@@ -439,10 +490,16 @@ def block_mask_formula(c: int, q: int, Q: int, U: int, block: bool) -> np.ndarra
     return mask
 
 
-def test_language_model_forward():
-    """Two layers, a block-step mask and §10.2 positions (anchor shares the last position); hidden and logits."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_language_model_forward(fused):
+    """Two layers, a block-step mask and §10.2 positions (anchor shares the last position); hidden and logits,
+    with the checkpoint's projections and with them fused for inference."""
     lm = LanguageModel(TEXT)
     W = randomize(lm, seed=15)
+    if fused:
+        fuse_projections(lm.model.layers)
+        assert all("qkv_proj" in layer.self_attn and "gate_up_proj" in layer.mlp for layer in lm.model.layers)
+        assert not any("q_proj" in layer.self_attn or "up_proj" in layer.mlp for layer in lm.model.layers)
     rng = np.random.default_rng(16)
     ids = rng.integers(0, TEXT.vocab_size, 14)
     n = len(ids) - BLOCK  # 8 committed rows, then anchor + 5 masks

@@ -306,23 +306,23 @@ def test_fork_shares_buffers_and_copies_on_write(golden):
     ids, embeds = make_prompt(net, 30, seed=9)
     run = runner(net)
     run.prefill(embeds)
-    before = [np.array(k) for k, _ in run.cache.kv]
+    before = [np.array(buffer) for buffer in run.cache.kv]
     fork = run.cache.fork()
     assert fork.offset == run.cache.offset and fork.capacity == run.cache.capacity
-    assert all(a is b for pa, pb in zip(fork.kv, run.cache.kv, strict=True) for a, b in zip(pa, pb, strict=True))
+    assert all(a is b for a, b in zip(fork.kv, run.cache.kv, strict=True))
 
     branch = StepRunner(run.steps, fork)
     branch_rows = branch.step(block_ids(net, [7, 8, 9], 9), block=True)
     assert fork.offset == run.cache.offset + 3
-    for (k, _), old in zip(run.cache.kv, before, strict=True):
-        np.testing.assert_array_equal(np.array(k), old)  # the original is unchanged
+    for buffer, old in zip(run.cache.kv, before, strict=True):
+        np.testing.assert_array_equal(np.array(buffer), old)  # the original is unchanged
     # the original goes on as if the fork never happened, and the fork still gives its own result
     other = run.cache.fork()
     ref = FullRecompute(net, embeds)
     ref.commit([5])
     close(run.step([5], block=False), ref.causal_last())
-    for (k, _), old in zip(other.kv, before, strict=True):
-        np.testing.assert_array_equal(np.array(k), old)  # and a write to the original leaves a fork unchanged
+    for buffer, old in zip(other.kv, before, strict=True):
+        np.testing.assert_array_equal(np.array(buffer), old)  # and a write to the original leaves a fork unchanged
     ref = FullRecompute(net, embeds)
     ref.commit([7, 8, 9])
     close(branch_rows, ref.block())
@@ -333,14 +333,14 @@ def test_cache_grows_by_buckets():
     cache = KVCache(num_layers=2, kv_heads=2, head_dim=4, dtype=mx.bfloat16)
     assert cache.capacity == 0 and cache.nbytes == 0
     assert cache.reserve(10) == 256
-    cache.kv = [(k + 1, v + 2) for k, v in cache.kv]
+    cache.kv = [buffer + mx.array([1, 2], mx.bfloat16)[:, None, None, None] for buffer in cache.kv]  # K 1, V 2
     assert cache.reserve(256) == 256  # fits: no growth
     assert cache.reserve(257) == 512
-    for k, v in cache.kv:
-        assert k.shape == (1, 2, 512, 4) and k.dtype == mx.bfloat16
-        k, v = np.array(k.astype(mx.float32)), np.array(v.astype(mx.float32))
-        assert (k[:, :, :256] == 1).all() and (v[:, :, :256] == 2).all()  # kept
-        assert not k[:, :, 256:].any() and not v[:, :, 256:].any()  # zero padding
+    for buffer in cache.kv:
+        assert buffer.shape == (1, 2, 2, 512, 4) and buffer.dtype == mx.bfloat16
+        k, v = np.array(buffer[0].astype(mx.float32))
+        assert (k[:, :256] == 1).all() and (v[:, :256] == 2).all()  # kept
+        assert not k[:, 256:].any() and not v[:, 256:].any()  # zero padding
     assert cache.nbytes == 2 * 2 * (2 * 512 * 4) * 2
     assert cache.reserve(100) == 512  # never shrinks
 
