@@ -150,7 +150,8 @@ def test_preset_loads_and_runs(converted, small_logits, image, name):
     assert (lm.embed_tokens.bits, lm.embed_tokens.group_size) == (preset.embedding.bits, preset.embedding.group_size)
     assert lm.embed_tokens.bits >= 8 or name == "q4-unsafe"
     for layer in lm.layers:
-        for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        # loading fuses q|k|v and gate|up: still quantized alike
+        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert isinstance(m, nn.QuantizedLinear)
             assert (m.bits, m.group_size) == (preset.linear.bits, preset.linear.group_size)
     vision = model.network.vision_model
