@@ -97,14 +97,27 @@ class StepRunner:
         self.cache.offset += P
         return logits
 
-    def step(self, ids: list[int], block: bool) -> mx.array:
+    def step(self, ids: list[int] | mx.array, block: bool) -> mx.array:
         """Feeds uncached committed ids (plus anchor and masks for a block); returns 1 or 6 logit rows.
 
-        The committed ids become cached; a block's window slots are left behind the offset (dropped).
+        The committed ids become cached; a block's window slots are left behind the offset (dropped). For an
+        AR step `ids` may also be one token still on the device, so the step is queued before the host reads it.
         """
         phase = Phase.BLOCK if block else Phase.AR
-        q = len(ids)
-        Q = padded_rows(phase, q)
-        logits = self._run(phase, mx.array(ids + [0] * (Q - q), dtype=mx.int32), q, Q)
+        if isinstance(ids, mx.array):
+            if block or ids.size != 1:
+                raise ValueError(f"a device array feeds one AR row, got shape {ids.shape} for a block={block} step")
+            q, Q, inputs = 1, 1, ids.astype(mx.int32).reshape(1)
+        else:
+            q = len(ids)
+            Q = padded_rows(phase, q)
+            inputs = mx.array(ids + [0] * (Q - q), dtype=mx.int32)
+        logits = self._run(phase, inputs, q, Q)
         self.cache.offset += q - BLOCK if block else q
         return logits
+
+    def retract(self, n: int) -> None:
+        """Uncache the last `n` tokens (a step queued ahead and not taken); their slots are written over later."""
+        if not 0 <= n <= self.cache.offset:
+            raise ValueError(f"cannot retract {n} of {self.cache.offset} cached tokens")
+        self.cache.offset -= n

@@ -3,6 +3,12 @@
 `decode` only needs a `step(ids, block) -> logits` function, so tests can drive it with scripted logits.
 Each step's logits go through one compiled summary function and are read back once; the rules in
 `decide.py` then run on that small array in plain Python.
+
+Given `retract`, an AR step also queues the next AR step before its read, fed the token it is picking (still
+on the device), so the device runs that step while the host reads and decides. When the decision is to stop
+or to switch to blocks, the queued step is dropped (`retract(1)` uncaches its token); its result is never read.
+Block steps queue nothing: their committed tokens are often not the device's picks (§10.4 D_ref, D_box), so a
+step queued on the picks would mostly be wasted and delay the one the host then asks for.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from .masks import BLOCK
 from .sampling import Sampling, ar_summary, block_summary, mark_seen
 from .tokens import TokenIds
 
-StepFn = Callable[[list[int], bool], mx.array]
+StepFn = Callable[[list[int] | mx.array, bool], mx.array]
 
 
 @dataclass(frozen=True)
@@ -91,10 +97,12 @@ def decode(
     ids: TokenIds,
     options: DecodeOptions,
     max_length: int | None = None,
+    retract: Callable[[int], None] | None = None,
 ) -> DecodeResult:
     """Generate after a prefilled prompt. `first_logits` (1, V) is the prompt's last row (used by slow mode);
     `step(ids, block)` feeds the uncached committed ids (plus anchor and masks for a block) and returns the
-    1 or 6 logit rows. `max_length` is the tokenizer's model_max_length."""
+    1 or 6 logit rows. `max_length` is the tokenizer's model_max_length. `retract(n)` uncaches the last n
+    tokens fed; with it AR steps are queued ahead (see above)."""
     mode, s = options.mode, options.sampling
     guards = Guards.STRICT if options.strict else options.guards
     block_fn, ar_fn = summary_functions(s, ids)
@@ -113,7 +121,8 @@ def decode(
     boxes: list[tuple[int, ...]] = []
     state = Next.AR if mode is Mode.SLOW else Next.BLOCK
     label_redecode = False
-    pending = first_logits if mode is Mode.SLOW else None  # slow mode's first token comes from the prefill
+    pending = first_logits if mode is Mode.SLOW else None  # the next AR step's row; slow mode's first: the prefill's
+    ahead = None  # an AR step queued before the read, fed the token being picked
     start = time.perf_counter()
 
     while len(seq) < cap:
@@ -135,7 +144,11 @@ def decode(
         else:
             row = pending if pending is not None else step(seq[cached:], False)
             pending, cached = None, len(seq)
-            token, p = np.array(ar_fn(row, seen, sub)).tolist()
+            summary = ar_fn(row, seen, sub)
+            if retract is not None and len(seq) + 1 < cap:
+                ahead = step(summary[0], False)  # the next AR step, fed the token being picked
+                mx.async_eval(ahead)
+            token, p = np.array(summary).tolist()
             stats.host_reads += 1
             stats.ar_steps += 1
             new, new_probs = [int(token)], [p]
@@ -143,6 +156,12 @@ def decode(
             stop_reason = StopReason.IM_END if new[0] == ids.im_end else StopReason.HYBRID_AR_STOP
         seq += new
         probs += new_probs
+        if ahead is not None:
+            if nxt is Next.AR:
+                pending, cached = ahead, len(seq)  # it was fed exactly the token committed
+            else:
+                retract(1)
+            ahead = None
         if stats.first_step_s is None:
             stats.first_step_s = time.perf_counter() - start
         if penalize:

@@ -176,7 +176,8 @@ class Session:
         mx.eval(first_logits)
         prefill_s = time.perf_counter() - t0
 
-        out = decode(runner.step, ids, first_logits, model.token_ids, options, model.tokenizer.model_max_length)
+        max_length = model.tokenizer.model_max_length
+        out = decode(runner.step, ids, first_logits, model.token_ids, options, max_length, runner.retract)
         parsed = parse_tokens(out.tokens, model.token_ids, model.tokenizer.decode, self.pre.original_size, out.probs)
         s = out.stats
         stats = {

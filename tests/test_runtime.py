@@ -19,10 +19,12 @@ from PIL import Image
 from mlx_locate import cache as cache_module
 from mlx_locate import compiled as compiled_module
 from mlx_locate import decode as decode_module
+from mlx_locate import locate as locate_module
 from mlx_locate.cache import KV_BUCKET, KVCache, kv_bucket
 from mlx_locate.compiled import PREFILL_BUCKET, PREFILL_MIN, CompiledSteps, Phase, StepRunner, padded_rows
 from mlx_locate.config import ModelConfig
-from mlx_locate.loader import build_model
+from mlx_locate.decode import decode
+from mlx_locate.loader import DEMO_DIR, build_model
 from mlx_locate.locate import load
 from mlx_locate.masks import BLOCK
 from mlx_locate.random_checkpoint import make_random_checkpoint
@@ -296,6 +298,44 @@ def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image,
     print(f"{mode}: {warm} compilations in the first run, {golden.compilations} after the second")
     assert golden.compilations == warm
     assert result.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("mode", ["slow", "fast", "hybrid"])
+def test_steps_queued_ahead_change_nothing(monkeypatch, mode):
+    """With `retract`, every AR step queues the next one fed the token still on the device; the tokens, their
+    probabilities, the reads and the cache's final offset equal a run that feeds host lists only. For this query
+    the demo model's hybrid run falls back to AR and back to blocks: a queued step is dropped (retracted) too.
+    Block steps queue nothing (fast mode feeds host lists only)."""
+    model = load("demo")
+    image = DEMO_DIR / "example.png"
+    runs = {}
+    for queue_ahead in (False, True):
+        fed, offsets = [], []
+
+        def spy(step, *args, queue=queue_ahead, fed=fed, offsets=offsets):  # args end with retract
+            runner = step.__self__
+
+            def counted(x, block):
+                fed.append(("device" if isinstance(x, mx.array) else "host", block))
+                return step(x, block)
+
+            out = decode(counted, *args[:-1], args[-1] if queue else None)
+            offsets.append(runner.cache.offset)
+            return out
+
+        monkeypatch.setattr(locate_module, "decode", spy)
+        result = model.locate(image, "red square", task="refer", mode=mode, max_tokens=40)
+        runs[queue_ahead] = result, offsets[0], fed
+    (plain, plain_offset, plain_fed), (ahead, ahead_offset, ahead_fed) = runs[False], runs[True]
+    assert ahead.token_ids == plain.token_ids and ahead.token_probs == plain.token_probs
+    assert plain.objects and ahead.objects == plain.objects
+    for key in ("host_reads", "ar_steps", "block_steps"):
+        assert ahead.stats[key] == plain.stats[key], key
+    assert ahead_offset == plain_offset
+    assert not any(kind == "device" for kind, _ in plain_fed) and ("device", True) not in ahead_fed
+    assert (("device", False) in ahead_fed) == (mode != "fast")
+    if mode == "hybrid":
+        assert plain.stats["block_steps"] > 0 and plain.stats["fallbacks"] > 0  # block -> AR -> block
 
 
 # ---------------------------------------------------------------- the KV cache
