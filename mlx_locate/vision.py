@@ -6,6 +6,7 @@ Runs one image at a time (§6.5), so attention needs no mask and uses fused SDPA
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import mlx.core as mx
@@ -92,6 +93,29 @@ class PatchEmbed(nn.Module):
         return x + self.pos_emb(*grid).astype(x.dtype)
 
 
+MAX_CPU_STREAMS = 4
+
+
+@lru_cache(maxsize=1)
+def cpu_streams() -> tuple[mx.Stream, ...]:
+    return tuple(mx.new_stream(mx.cpu) for _ in range(min(os.cpu_count() or 1, MAX_CPU_STREAMS)))
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
+    """Fused SDPA over (B, H, L, D). On the CPU backend, whose softmax runs on one thread per stream, an unmasked
+    call splits the heads over one stream per core (up to MAX_CPU_STREAMS): the same arithmetic, bit for bit."""
+    heads = q.shape[1]
+    streams = cpu_streams()[:heads] if mask is None and mx.default_device() == mx.cpu else ()
+    if len(streams) < 2:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    bounds = np.linspace(0, heads, len(streams) + 1).round().astype(int)
+    parts = [
+        mx.fast.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], scale=scale, stream=s)
+        for s, a, b in zip(streams, bounds[:-1], bounds[1:], strict=True)
+    ]
+    return mx.concatenate(parts, axis=1)
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -122,7 +146,7 @@ class Block(nn.Module):
         k = apply_rope2d(qkv[:, :, 1], cos, sin)
         v = qkv[:, :, 2]
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, H, L, D)
-        attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, mask=mask)
+        attn = attention(q, k, v, head_dim**-0.5, mask)
         x = x + self.wo(attn.transpose(0, 2, 1, 3).reshape(B, L, dim))
         return x + self.mlp(self.norm1(x))
 

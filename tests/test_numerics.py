@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_locate import vision
 from mlx_locate.config import TextConfig, VisionConfig
 from mlx_locate.language import (
     Attention,
@@ -293,6 +294,27 @@ def test_vision_block():
     cos, sin = rope2d_tables(h, w, VISION.head_dim, VISION.rope_theta)
     got = block(mx.array(x.astype(np.float32))[None], cos[None], sin[None])[0]
     np.testing.assert_allclose(to_np(got), np_vision_block(x, W, "", h, w, VISION.num_attention_heads), atol=1e-4)
+
+
+def test_vision_attention_split_over_cpu_streams(monkeypatch):
+    """Heads split over CPU streams give the single call's result bit for bit, against float64 too; a masked call
+    (a padded batch) is not split."""
+    rng = np.random.default_rng(31)
+    q, k, v = (rng.normal(size=(1, 5, 37, 8)) for _ in range(3))
+    qm, km, vm = (mx.array(t.astype(np.float32)) for t in (q, k, v))
+    scale = 8**-0.5
+    whole = mx.fast.scaled_dot_product_attention(qm, km, vm, scale=scale)
+    sdpa, calls = mx.fast.scaled_dot_product_attention, []
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or sdpa(*a, **kw))
+    monkeypatch.setattr(vision, "cpu_streams", lambda: tuple(mx.new_stream(mx.cpu) for _ in range(3)))
+    split = vision.attention(qm, km, vm, scale)
+    assert len(calls) == 3 and all("stream" in kw for kw in calls)
+    np.testing.assert_array_equal(np.array(split), np.array(whole))
+    expected = np_attention(q[0], k[0], v[0], np.ones((37, 37), dtype=bool), 5)
+    np.testing.assert_allclose(to_np(split[0]), expected, atol=ATOL)
+    calls.clear()
+    vision.attention(qm, km, vm, scale, mx.ones((37, 37), dtype=mx.bool_))
+    assert len(calls) == 1 and "stream" not in calls[0]
 
 
 def test_vision_block_padded_batch_equals_each_image_alone():
