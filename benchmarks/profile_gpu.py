@@ -5,8 +5,9 @@
 
 Compares our compiled AR/block step with bare chains of the same matrix-vector products, so a step's
 distance from the weight-bandwidth floor splits into kernel efficiency and everything else. `--ablate`
-instead times the step with one piece at a time replaced by a no-op (attention, its mask, RoPE, the K/V
-write, the MLP): what each piece costs inside the compiled step. Ablated steps compute wrong values; only
+instead times the step with one piece at a time removed or done another way (attention, its mask, the mask
+boolean, attention by hand, RoPE, the K|V write, the MLP): what each piece costs inside the compiled step. Ablated
+steps compute wrong values; only
 their time means something.
 """
 
@@ -104,7 +105,6 @@ def ablations(model, out: dict, contexts=(512, 2048), rounds: int = 5, iters: in
     round, so a machine that slows down for a while penalises all of them alike."""
     slice_update, apply_rope, mlp = mx.slice_update, language.apply_rope, language.MLP.__call__
     additive_mask = language.additive_mask
-    attention_call = language.Attention.__call__
     variants = {
         "": lambda: None,
         "_no_attention": lambda: setattr(language, "attend", lambda q, k, v, scale, mask: q),
@@ -124,7 +124,7 @@ def ablations(model, out: dict, contexts=(512, 2048), rounds: int = 5, iters: in
             prepared[suffix] = prepared_runners(model, contexts)
         finally:
             language.attend, language.apply_rope, language.additive_mask = language_attend, apply_rope, additive_mask
-            language.Attention.__call__, language.MLP.__call__ = attention_call, mlp
+            language.MLP.__call__ = mlp
             mx.slice_update = slice_update
     for _ in range(rounds):
         for suffix, runners in prepared.items():
