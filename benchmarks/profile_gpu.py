@@ -6,9 +6,8 @@
 Compares our compiled AR/block step with bare chains of the same matrix-vector products, so a step's
 distance from the weight-bandwidth floor splits into kernel efficiency and everything else. `--ablate`
 instead times the step with one piece at a time removed or done another way (attention, its mask, the mask
-boolean, attention by hand, RoPE, the K|V write, the MLP): what each piece costs inside the compiled step. Ablated
-steps compute wrong values; only
-their time means something.
+boolean, attention by hand, RoPE, the K|V write, the MLP): what each piece costs inside the compiled step.
+Ablated steps compute wrong values; only their time means something.
 """
 
 from __future__ import annotations
