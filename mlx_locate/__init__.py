@@ -1,8 +1,23 @@
 """mlx_locate: NVIDIA LocateAnything grounding on Apple MLX, with Parallel Box Decoding."""
 
 from .decide import Guards, Mode
+from .engine import Engine, EngineEvent, EventKind, Handle, Request, RequestError
 from .locate import LocateModel, Result, load
 from .parse import LocatedObject
 from .sampling import Sampling
 
-__all__ = ["Guards", "LocateModel", "LocatedObject", "Mode", "Result", "Sampling", "load"]
+__all__ = [
+    "Engine",
+    "EngineEvent",
+    "EventKind",
+    "Guards",
+    "Handle",
+    "LocateModel",
+    "LocatedObject",
+    "Mode",
+    "Request",
+    "RequestError",
+    "Result",
+    "Sampling",
+    "load",
+]

@@ -8,17 +8,20 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 from PIL import Image
+from tqdm import tqdm
 
 from .cache import KVCache
 from .compiled import CompiledSteps, StepRunner
 from .config import ModelConfig
 from .decide import Guards, Mode
 from .decode import DecodeOptions, decode
+from .engine import Engine, EventKind, Request, RequestError
 from .language import fuse_projections
 from .loader import build_model, read_json, resolve
 from .model import LocateAnything
@@ -92,6 +95,23 @@ class LocateModel:
     def session(self, image: str | Path | Image.Image, rendering: str = "A") -> Session:
         """Run the image through vision and the prompt prefix once; then ask many queries."""
         return Session(self, image, rendering)
+
+    def engine(self, max_rows: int | None = None) -> Engine:
+        """A batched engine over this model (see `engine.Engine`): submit requests, step, collect events."""
+        return Engine(self, max_rows)
+
+    def locate_many(
+        self, requests: Iterable[Request], *, batch_size: int | None = None, progress: bool = False
+    ) -> list[Result | RequestError]:
+        """Run every request through one batched engine; results in request order. A request that cannot run
+        gives its `RequestError` in its place and the others go on. `progress` shows a bar on stderr."""
+        engine = self.engine(batch_size)
+        handles = [engine.submit(r) for r in requests]
+        with tqdm(total=len(handles), disable=not progress, unit="req") as bar:
+            while not engine.idle:
+                finished = sum(e.kind in (EventKind.DONE, EventKind.ERROR) for e in engine.step())
+                bar.update(finished)
+        return [h.result if h.result is not None else h.error for h in handles]
 
     def locate(
         self, image: str | Path | Image.Image, query: str | list[str] | None = None, *, rendering: str = "A", **kwargs
