@@ -25,6 +25,7 @@ from PIL import Image
 
 from .decide import Guards, Mode
 from .parse import LocatedObject
+from .preprocess import load_image
 from .sampling import Sampling
 
 if TYPE_CHECKING:
@@ -51,7 +52,10 @@ class Request:
     redecode_labels: bool | None = None  # None: on for task "ocr"
     rendering: str = "A"
     seed: int = 0
-    max_pixels: int | None = None  # None: the default pixel limit of preprocess
+    max_pixels: int | None = None  # None: preprocess.DEFAULT_MAX_PIXELS
+    tiles: str | tuple[int, int] | None = None  # "auto" or (rows, cols): decode overlapping crops and merge
+    tile_overlap: float = 0.2  # fraction of a tile shared with its neighbour
+    tile_whole: bool = True  # with tiles, also decode the whole image and merge it in
     tag: Hashable | Any = None  # the caller's own (a path, a frame index); never read by the engine
 
 
@@ -134,20 +138,14 @@ class Engine:
         out: list[EngineEvent] = []
         r = handle.request
         try:
-            result = self.model.locate(
-                r.image,
-                r.query,
-                rendering=r.rendering,
-                task=r.task,
-                mode=r.mode,
-                max_tokens=r.max_tokens,
-                sampling=r.sampling,
-                strict=r.strict,
-                guards=r.guards,
-                redecode_labels=r.redecode_labels,
-                prompt=r.prompt,
-                seed=r.seed,
-            )
+            image = load_image(r.image, r.max_pixels)
+            if r.tiles is not None:
+                from .tiles import merge_results, split_request
+
+                children = split_request(r, image, self.model)
+                result = merge_results(r, image, children, [self._locate(c, c.image) for c in children])
+            else:
+                result = self._locate(r, image)
         except (OSError, ValueError) as e:
             handle.error = e if isinstance(e, RequestError) else RequestError(str(e))
             self._emit(handle, EngineEvent(handle, EventKind.ERROR, error=handle.error), out)
@@ -159,6 +157,22 @@ class Engine:
         handle.result = result
         self._emit(handle, EngineEvent(handle, EventKind.DONE, result=result), out)
         return out
+
+    def _locate(self, r: Request, image: Image.Image) -> Result:
+        return self.model.locate(
+            image,
+            r.query,
+            rendering=r.rendering,
+            task=r.task,
+            mode=r.mode,
+            max_tokens=r.max_tokens,
+            sampling=r.sampling,
+            strict=r.strict,
+            guards=r.guards,
+            redecode_labels=r.redecode_labels,
+            prompt=r.prompt,
+            seed=r.seed,
+        )
 
 
 def default_rows() -> int:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .locate import LocateModel, Result, load
 from .sampling import Sampling
-from .synthetic import Sample, make_sample
+from .tuner.synthetic import Sample, make_sample
 
 IOU_THRESHOLDS = tuple(round(0.5 + 0.05 * i, 2) for i in range(10))
 MODES = ("slow", "fast", "hybrid")

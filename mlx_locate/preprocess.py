@@ -31,12 +31,29 @@ class Preprocessed(NamedTuple):
     original_size: tuple[int, int]  # (W0, H0) after RGB conversion; model coordinates map onto this
 
 
-def load_image(image: str | Path | Image.Image) -> Image.Image:
+DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb warning threshold (1024 * 1024 * 1024 // 4 // 3)
+
+
+def check_pixels(size: tuple[int, int], max_pixels: int | None, what: str) -> None:
+    """Raise `ValueError` naming `what`, its size and the limit when `size` has more than `max_pixels` pixels."""
+    limit = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    w, h = size
+    if w * h > limit:
+        raise ValueError(
+            f"{what} is {w}x{h} = {w * h:,} pixels, over the limit of {limit:,}; "
+            "raise it with --max-pixels (API: max_pixels=) if the image is real"
+        )
+
+
+def load_image(image: str | Path | Image.Image, max_pixels: int | None = None) -> Image.Image:
     """Open an image file (or pass a PIL image through), decoded now rather than lazily.
 
-    Raises `FileNotFoundError` for a missing path and `ValueError` naming the file when it is not an image.
+    The size is read from the header and checked against `max_pixels` (default `DEFAULT_MAX_PIXELS`) before
+    decoding. Raises `FileNotFoundError` for a missing path and `ValueError` naming the file when it is not an
+    image or is too large.
     """
     if isinstance(image, Image.Image):
+        check_pixels(image.size, max_pixels, "the image")
         return image
     path = Path(image)
     if not path.exists():
@@ -45,9 +62,10 @@ def load_image(image: str | Path | Image.Image) -> Image.Image:
         raise ValueError(f"{path} is not a file; expected an image file (PNG, JPEG, ...)")
     try:
         with Image.open(path) as opened:
+            check_pixels(opened.size, max_pixels, str(path))
             opened.load()
             return opened
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise ValueError(f"{path} is not a readable image: {exc}") from exc
 
 

@@ -11,9 +11,9 @@ from mlx_locate.eval import greedy_match, iou, match_points
 from mlx_locate.loader import DEMO_DIR
 from mlx_locate.locate import load
 from mlx_locate.prompts import prompt_ids, task_text
-from mlx_locate.synthetic import Sample, Task, build_tokenizer, cut_blocks, make_sample, make_scene, norm_coords
 from mlx_locate.tokenizer import Tokenizer
-from mlx_locate.train import (
+from mlx_locate.tuner.synthetic import Sample, Task, build_tokenizer, cut_blocks, make_sample, make_scene, norm_coords
+from mlx_locate.tuner.train import (
     SIZES,
     GridTables,
     Trainer,

@@ -5,7 +5,7 @@ stream, then 6 rows per block: the clean anchor copy and 5 `<text_mask>`), under
 cross-entropy (token mean) over the supervised rows of both streams; AdamW with warmup and cosine decay.
 The checkpoint is written in the original Hugging Face layout, so `mlx_locate.load(out)` runs it.
 
-    python -m mlx_locate.train --out runs/demo --steps 20000 --batch-size 64 --workers 12
+    python -m mlx_locate.tuner.train --out runs/demo --steps 20000 --batch-size 64 --workers 12
 
 Fixed shapes: the vision tower runs batched over images padded to the largest patch grid (a key mask keeps
 each image to itself), the LM over sequences padded to a length bucket, and the mask is built on the device
@@ -30,19 +30,19 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tokenizers import Tokenizer as _Tokenizer
 
-from .config import ModelConfig
-from .loader import DEMO_DIR, read_weights, sanitize
-from .masks import BLOCK
-from .model import LocateAnything
-from .preprocess import PATCH_SIZE
-from .preprocess import patchify as cut_patches
-from .projector import run_connector
-from .prompts import prompt_ids, task_text
-from .random_checkpoint import Preset
+from ..config import ModelConfig
+from ..loader import DEMO_DIR, read_weights, sanitize
+from ..masks import BLOCK
+from ..model import LocateAnything
+from ..preprocess import PATCH_SIZE
+from ..preprocess import patchify as cut_patches
+from ..projector import run_connector
+from ..prompts import prompt_ids, task_text
+from ..random_checkpoint import Preset
+from ..tokenizer import Tokenizer
+from ..tokens import TokenIds
+from ..vision import bicubic_matrix, rope2d_tables
 from .synthetic import SIDES, Sample, build_tokenizer, cut_blocks, make_sample
-from .tokenizer import Tokenizer
-from .tokens import TokenIds
-from .vision import bicubic_matrix, rope2d_tables
 
 # TRAINING.md §4.1 (about 4.5 M parameters with the demo vocabulary).
 SIZES: dict[str, Preset] = {
@@ -631,7 +631,7 @@ def train(args: argparse.Namespace) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mlx_locate.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mlx_locate.tuner.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint folder to write (original HF layout)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=32)

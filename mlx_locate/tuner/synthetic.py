@@ -19,9 +19,9 @@ from PIL import Image, ImageDraw
 from tokenizers import AddedToken, models, trainers
 from tokenizers import Tokenizer as _Tokenizer
 
-from .masks import BLOCK
-from .tokenizer import qwen2_byte_level
-from .tokens import TokenIds
+from ..masks import BLOCK
+from ..tokenizer import qwen2_byte_level
+from ..tokens import TokenIds
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (215, 40, 40),

@@ -1,0 +1,1 @@
+"""Training code: the demo model's trainer and its synthetic scenes (and fine-tuning)."""
