@@ -175,6 +175,17 @@ class Engine:
         )
 
 
+def fit_max_tokens(prompt_len: int, max_tokens: int, limit: int) -> int:
+    """`max_tokens` clipped so the prompt and its answer fit in `limit` positions; `RequestError` with both
+    numbers when the prompt alone leaves no room."""
+    if prompt_len >= limit:
+        raise RequestError(
+            f"the prompt has {prompt_len} tokens but the model holds at most {limit} (prompt plus answer); "
+            "shorten the query or use a smaller image"
+        )
+    return min(max_tokens, limit - prompt_len)
+
+
 def default_rows() -> int:
     """Rows per step when the caller does not say: 16 on a GPU (a step is bound by reading the weights),
     4 on a CPU (bound by arithmetic)."""

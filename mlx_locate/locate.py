@@ -21,7 +21,7 @@ from .compiled import CompiledSteps, StepRunner
 from .config import ModelConfig
 from .decide import Guards, Mode
 from .decode import DecodeOptions, decode
-from .engine import Engine, EventKind, Request, RequestError
+from .engine import Engine, EventKind, Request, RequestError, fit_max_tokens
 from .language import fuse_projections
 from .loader import build_model, read_json, resolve
 from .model import LocateAnything
@@ -70,6 +70,13 @@ class LocateModel:
         self.features: OrderedDict[tuple, mx.array] = OrderedDict()
 
     @property
+    def max_length(self) -> int:
+        """Positions a prompt and its answer may use: the tokenizer's model_max_length, and the decoder's
+        max_position_embeddings where the config gives it."""
+        positions = self.network.config.raw.get("text_config", {}).get("max_position_embeddings")
+        return min(self.tokenizer.model_max_length, positions or self.tokenizer.model_max_length)
+
+    @property
     def compilations(self) -> int:
         """How many times a compiled step function was traced so far."""
         return self.steps.traces
@@ -114,12 +121,31 @@ class LocateModel:
         return [h.result if h.result is not None else h.error for h in handles]
 
     def locate(
-        self, image: str | Path | Image.Image, query: str | list[str] | None = None, *, rendering: str = "A", **kwargs
+        self,
+        image: str | Path | Image.Image,
+        query: str | list[str] | None = None,
+        *,
+        rendering: str = "A",
+        tiles: str | tuple[int, int] | None = None,
+        tile_overlap: float = 0.2,
+        tile_whole: bool = True,
+        **kwargs,
     ) -> Result | list[Result]:
         """Find `query` in `image`; a list of queries gives a list of results, sharing the image's work.
 
-        Keyword arguments are those of `Session.locate` (task, mode, max_tokens, sampling, ...).
+        Keyword arguments are those of `Session.locate` (task, mode, max_tokens, sampling, ...). `tiles`
+        ("auto" or (rows, cols)) decodes overlapping crops (and, with `tile_whole`, the whole image) as one
+        batch and merges their objects in the image's pixels.
         """
+        if tiles is not None:
+            queries = query if isinstance(query, list) else [query]
+            tiling = {"tiles": tiles, "tile_overlap": tile_overlap, "tile_whole": tile_whole}
+            requests = [Request(image, q, rendering=rendering, **tiling, **kwargs) for q in queries]
+            results = self.locate_many(requests)
+            for r in results:
+                if isinstance(r, RequestError):
+                    raise r
+            return results if isinstance(query, list) else results[0]
         session = self.session(image, rendering)
         if isinstance(query, list):
             return [session.locate(q, **kwargs) for q in query]
@@ -177,17 +203,18 @@ class Session:
                 raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(modes)}")
             mode = modes[mode]
         user_text = prompt if prompt is not None else task_text(task, query)
+        ids = prompt_ids(model.tokenizer, user_text, [self.pre.grid], rendering=self.rendering)
+        assert ids[: len(self.prefix)] == self.prefix, "the prompt must extend the session's prefix"
+        budget = fit_max_tokens(len(ids), max_tokens, model.max_length)
         options = DecodeOptions(
             mode=mode,
-            max_new_tokens=max_tokens,
+            max_new_tokens=budget,
             sampling=sampling,
             strict=strict,
             guards=guards,
             redecode_labels=(task == "ocr") if redecode_labels is None else redecode_labels,
             seed=seed,
         )
-        ids = prompt_ids(model.tokenizer, user_text, [self.pre.grid], rendering=self.rendering)
-        assert ids[: len(self.prefix)] == self.prefix, "the prompt must extend the session's prefix"
 
         t0 = time.perf_counter()
         runner = StepRunner(model.steps, self.cache.fork())
@@ -196,8 +223,7 @@ class Session:
         mx.eval(first_logits)
         prefill_s = time.perf_counter() - t0
 
-        max_length = model.tokenizer.model_max_length
-        out = decode(runner.step, ids, first_logits, model.token_ids, options, max_length, runner.retract)
+        out = decode(runner.step, ids, first_logits, model.token_ids, options, model.max_length, runner.retract)
         parsed = parse_tokens(out.tokens, model.token_ids, model.tokenizer.decode, self.pre.original_size, out.probs)
         s = out.stats
         stats = {
@@ -217,6 +243,8 @@ class Session:
             "stop_reason": s.stop_reason.value,
             "sources": s.sources,
             "compilations": model.compilations,
+            "max_tokens": budget,
+            "max_tokens_clipped": budget < max_tokens,
         }
         return Result(
             objects=parsed.objects,
