@@ -30,6 +30,7 @@ from .preprocess import IN_TOKEN_LIMIT, Preprocessed, load_image, preprocess, to
 from .prompts import prompt_ids, task_text
 from .sampling import Sampling
 from .tokenizer import Tokenizer
+from .tuner.lora import apply_adapter, read_adapter
 
 
 @dataclass
@@ -261,16 +262,21 @@ class Session:
         )
 
 
-def load(path_or_hub_id: str | Path, dtype: str | None = None) -> LocateModel:
+def load(path_or_hub_id: str | Path, dtype: str | None = None, adapter_path: str | Path | None = None) -> LocateModel:
     """Load a checkpoint folder or hub id (original Hugging Face, mlx-vlm or converted layout).
 
     `dtype` ("bfloat16", "float16", "float32") casts the weights; by default they stay as stored.
+    `adapter_path`: a LoRA adapter folder (`mlx-locate-finetune`'s, or a PEFT one) applied on top
+    (`tuner.lora.apply_adapter`: merged into a float base, kept beside a quantized one); the base's files are
+    only read.
     """
     folder = resolve(path_or_hub_id)
     raw = read_json(folder, "config.json")
     config = ModelConfig.from_dict(raw)
     tokenizer = Tokenizer.from_folder(folder)
     network = build_model(folder, config, tokenizer.token_ids(raw), dtype)
+    if adapter_path is not None:
+        apply_adapter(network, read_adapter(adapter_path))
     limit = IN_TOKEN_LIMIT
     if (folder / "preprocessor_config.json").is_file():
         limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
