@@ -1,9 +1,14 @@
-"""The `mx.compile`d prefill and step functions, cached by (phase, padded rows Q, cache view U).
+"""The `mx.compile`d prefill and step functions, cached by their shapes.
 
-Every step pads its rows to a fixed Q (prefill: a power of two from PREFILL_MIN below PREFILL_BUCKET, else a
-multiple of PREFILL_BUCKET; AR: 1 or 6; block: 12) and attends over the whole bucket-sized cache view U, so each
-function traces once. The step offset and the real row count are arrays, never part of the key. `traces` counts
-every (re)trace.
+A step feeds R sequences (every cache row, or a power of two of them padded with entries that write to the
+cache's scratch row), each with Q padded
+rows (prefill: a power of two from PREFILL_MIN below PREFILL_BUCKET, else a multiple of it; AR: 1 or 6; block:
+12), and attends over the U slots of the cache's rows. The key is (phase, R, Q, U, cache rows, dense); every
+per-step value (cached lengths, real row counts, which sequences take a block) is an array, so each function
+traces once. `traces` counts every (re)trace.
+
+`StepRunner` drives one sequence in a one-slot cache: the engine's batch of one, for tests and tools that feed
+their own steps.
 """
 
 from __future__ import annotations
@@ -12,12 +17,13 @@ from enum import Enum
 
 import mlx.core as mx
 
-from .cache import KVCache
+from .cache import SlotCache, Where
 from .masks import BLOCK, step_mask, step_positions
 from .model import LocateAnything
 
 PREFILL_BUCKET = 128
 PREFILL_MIN = 16  # a short prompt (a query after a cached prefix) pads to a power of two from here
+PREFILL_ROWS = 2048  # rows per prefill call (sequences x padded rows): longer prompts go in chunks
 BLOCK_ROWS = 2 * BLOCK  # a tail of at most 6 committed tokens, then the 6 window rows
 
 
@@ -33,12 +39,17 @@ def padded_rows(phase: Phase, q: int) -> int:
             return min(PREFILL_BUCKET, max(PREFILL_MIN, 1 << (q - 1).bit_length()))
         return -(-q // PREFILL_BUCKET) * PREFILL_BUCKET
     if phase is Phase.BLOCK:
-        if not BLOCK <= q <= BLOCK_ROWS:
-            raise ValueError(f"a block step feeds 6 to 12 rows, got {q}")
+        if not 1 <= q <= BLOCK_ROWS:
+            raise ValueError(f"a block-shaped step feeds 1 to 12 rows per sequence, got {q}")
         return BLOCK_ROWS
     if not 1 <= q <= BLOCK:
         raise ValueError(f"an AR step feeds 1 to 6 rows, got {q}")
     return 1 if q == 1 else BLOCK
+
+
+def head_rows(phase: Phase) -> int:
+    """Logit rows per sequence: a block step's 6 window rows (an AR sequence in it uses the last), else 1."""
+    return BLOCK if phase is Phase.BLOCK else 1
 
 
 class CompiledSteps:
@@ -48,76 +59,83 @@ class CompiledSteps:
         self.functions = {}
         self.traces = 0
 
-    def get(self, phase: Phase, Q: int, U: int):
-        key = (phase, Q, U)
+    def get(self, phase: Phase, R: int, Q: int, U: int, cache_rows: int, dense: bool):
+        key = (phase, R, Q, U, cache_rows, dense)
         if key not in self.functions:
-            fn = self._make(phase, Q, U)
+            fn = self._make(phase, Q, U, dense)
             self.functions[key] = mx.compile(fn) if self.compile else fn
         return self.functions[key]
 
-    def _make(self, phase: Phase, Q: int, U: int):
+    def _make(self, phase: Phase, Q: int, U: int, dense: bool):
         lm = self.model.language_model
-        block = phase is Phase.BLOCK
-        head_rows = BLOCK if block else 1
+        H = head_rows(phase)
 
-        def step(inputs: mx.array, c: mx.array, q: mx.array, *kv: mx.array):
+        def step(inputs: mx.array, rows: mx.array, c: mx.array, q: mx.array, block: mx.array, *kv: mx.array):
+            """inputs: (R, Q, D) embeddings (prefill) or (R, Q) ids; rows, c, q, block: (R,)."""
             self.traces += 1  # runs only while tracing when compiled
-            embeds = inputs if phase is Phase.PREFILL else lm.model.embed_tokens(inputs)[None]
-            hidden, new_kv = lm(embeds, step_positions(c, q, Q, block), step_mask(c, q, Q, U, block), list(kv), c)
-            rows = q - head_rows + mx.arange(head_rows, dtype=mx.int32)
-            logits = lm.logits(mx.take(hidden[0], rows, axis=0))  # (head_rows, V)
+            embeds = inputs if phase is Phase.PREFILL else lm.model.embed_tokens(inputs)
+            positions = step_positions(c, q, Q, block)
+            mask = step_mask(c, q, Q, U, block)
+            hidden, new_kv = lm(embeds, positions, mask, list(kv), Where(rows, c, dense))
+            picked = mx.maximum(q[:, None] - H + mx.arange(H, dtype=mx.int32)[None, :], 0)  # (R, H)
+            logits = lm.logits(mx.take_along_axis(hidden, picked[..., None], axis=1))  # (R, H, V)
             return (logits, *new_kv)
 
         return step
 
+    def run(
+        self,
+        phase: Phase,
+        cache: SlotCache,
+        inputs: mx.array,
+        rows: list[int],
+        c: list[int],
+        q: list[int],
+        block: list[bool] | None = None,
+        dense: bool = False,
+    ) -> mx.array:
+        """One forward of R entries: `inputs` (R, Q[, D]) padded, and per entry its cache row, first slot,
+        real row count and whether it takes a block. Writes their K|V; returns logits (R, H, V)."""
+        R, Q = inputs.shape[:2]
+        U = cache.reserve(max(c) + Q)
+        fn = self.get(phase, R, Q, U, cache.buffer_rows, dense)
+        i32 = mx.int32
+        block = mx.array(block if block is not None else [False] * R)
+        logits, *cache.kv = fn(inputs, mx.array(rows, i32), mx.array(c, i32), mx.array(q, i32), block, *cache.kv)
+        return logits
+
 
 class StepRunner:
-    """Feeds rows through the compiled functions and keeps the KV cache's offset (the cached length c)."""
+    """One sequence in a one-slot cache: feeds its rows and keeps its cached length `offset`."""
 
-    def __init__(self, steps: CompiledSteps, cache: KVCache):
+    def __init__(self, steps: CompiledSteps, cache: SlotCache):
         self.steps = steps
         self.cache = cache
-
-    def _run(self, phase: Phase, inputs: mx.array, q: int, Q: int) -> mx.array:
-        c = self.cache.offset
-        U = self.cache.reserve(c + Q)
-        fn = self.steps.get(phase, Q, U)
-        c_array, q_array = mx.array([c], dtype=mx.int32), mx.array([q], dtype=mx.int32)
-        logits, *self.cache.kv = fn(inputs, c_array, q_array, *self.cache.kv)
-        return logits
+        self.offset = 0
 
     def prefill(self, embeds: mx.array) -> mx.array:
-        """Caches prompt rows (1, P, D) after those already cached (a shared prefix, or none); returns the
-        last row's logits (1, V)."""
+        """Caches prompt rows (1, P, D) after those already cached; returns the last row's logits (1, V)."""
         P = embeds.shape[1]
-        Q = padded_rows(Phase.PREFILL, P)
-        if Q > P:
-            embeds = mx.concatenate([embeds, mx.zeros((1, Q - P, embeds.shape[2]), embeds.dtype)], axis=1)
-        logits = self._run(Phase.PREFILL, embeds, P, Q)
-        self.cache.offset += P
-        return logits
+        logits = None
+        for start in range(0, P, PREFILL_ROWS):
+            chunk = embeds[:, start : start + PREFILL_ROWS]
+            n = chunk.shape[1]
+            Q = padded_rows(Phase.PREFILL, n)
+            if Q > n:
+                chunk = mx.concatenate([chunk, mx.zeros((1, Q - n, chunk.shape[2]), chunk.dtype)], axis=1)
+            logits = self.steps.run(Phase.PREFILL, self.cache, chunk, [0], [self.offset], [n], dense=True)
+            self.offset += n
+        return logits[:, 0]
 
-    def step(self, ids: list[int] | mx.array, block: bool) -> mx.array:
+    def step(self, ids: list[int], block: bool) -> mx.array:
         """Feeds uncached committed ids (plus anchor and masks for a block); returns 1 or 6 logit rows.
 
-        The committed ids become cached; a block's window slots are left behind the offset (dropped). For an
-        AR step `ids` may also be one token still on the device, so the step is queued before the host reads it.
+        The committed ids become cached; a block's window slots are left behind the offset (dropped).
         """
         phase = Phase.BLOCK if block else Phase.AR
-        if isinstance(ids, mx.array):
-            if block or ids.size != 1:
-                raise ValueError(f"a device array feeds one AR row, got shape {ids.shape} for a block={block} step")
-            q, Q, inputs = 1, 1, ids.astype(mx.int32).reshape(1)
-        else:
-            q = len(ids)
-            Q = padded_rows(phase, q)
-            inputs = mx.array(ids + [0] * (Q - q), dtype=mx.int32)
-        logits = self._run(phase, inputs, q, Q)
-        self.cache.offset += q - BLOCK if block else q
-        return logits
-
-    def retract(self, n: int) -> None:
-        """Uncache the last `n` tokens (a step queued ahead and not taken); their slots are written over later."""
-        if not 0 <= n <= self.cache.offset:
-            raise ValueError(f"cannot retract {n} of {self.cache.offset} cached tokens")
-        self.cache.offset -= n
+        q = len(ids)
+        Q = padded_rows(phase, q)
+        inputs = mx.array([ids + [0] * (Q - q)], dtype=mx.int32)
+        logits = self.steps.run(phase, self.cache, inputs, [0], [self.offset], [q], [block], dense=True)
+        self.offset += q - BLOCK if block else q
+        return logits[0]

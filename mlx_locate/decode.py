@@ -1,14 +1,9 @@
-"""The generation loop (MODEL.md §10): slow (AR), fast and hybrid (block steps), one host read per step.
+"""The generation rules of one sequence (MODEL.md §10): slow (AR), fast and hybrid (block steps).
 
-`decode` only needs a `step(ids, block) -> logits` function, so tests can drive it with scripted logits.
-Each step's logits go through one compiled summary function and are read back once; the rules in
-`decide.py` then run on that small array in plain Python.
-
-Given `retract`, an AR step also queues the next AR step before its read, fed the token it is picking (still
-on the device), so the device runs that step while the host reads and decides. When the decision is to stop
-or to switch to blocks, the queued step is dropped (`retract(1)` uncaches its token); its result is never read.
-Block steps queue nothing: their committed tokens are often not the device's picks (§10.4 D_ref, D_box), so a
-step queued on the picks would mostly be wasted and delay the one the host then asks for.
+`RowDecoder` is one sequence's state: which step it needs next (`feed`), and the rules that commit tokens from
+that step's summary (`take_block`, `take_ar`). The engine runs many of them per forward step with one host read
+for the whole batch; `decode` drives one of them over a caller's `step(ids, block) -> logits` function (tests
+feed scripted logits; the converter's report feeds two models in lockstep).
 """
 
 from __future__ import annotations
@@ -21,12 +16,25 @@ from functools import lru_cache, partial
 import mlx.core as mx
 import numpy as np
 
-from .decide import Guards, Mode, Next, StopReason, Thresholds, classify_ar, decide_block, loop_guard_trips
+from .decide import (
+    BLOCK_SUMMARY_SIZE,
+    COL_P_X0,
+    COL_X0,
+    ROW_WIDTH,
+    Guards,
+    Mode,
+    Next,
+    StopReason,
+    Thresholds,
+    classify_ar,
+    decide_block,
+    loop_guard_trips,
+)
 from .masks import BLOCK
-from .sampling import Sampling, ar_summary, block_summary, mark_seen
+from .sampling import Features, RowSampling, Sampling, ar_summary, block_summary
 from .tokens import TokenIds
 
-StepFn = Callable[[list[int] | mx.array, bool], mx.array]
+StepFn = Callable[[list[int], bool], mx.array]
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,8 @@ class DecodeOptions:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(m.value for m in Mode)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.redecode_labels and self.mode is not Mode.HYBRID:
+            raise ValueError(f"redecode_labels needs hybrid mode (AR steps), not {self.mode.value}")
 
 
 @dataclass
@@ -53,10 +63,10 @@ class DecodeStats:
     ar_steps: int = 0
     fallbacks: int = 0  # hybrid switches from block steps to AR (error boxes)
     label_redecodes: int = 0  # hybrid text fix: labels handed to AR
-    host_reads: int = 0
+    host_reads: int = 0  # reads of step summaries this sequence took part in (one per step)
     stop_reason: StopReason = StopReason.LENGTH_CAP
-    first_step_s: float | None = None  # from the loop's start to the first commit
-    first_box_s: float | None = None  # from the loop's start to the first committed box end
+    first_step_s: float | None = None  # from `begin` to the first commit
+    first_box_s: float | None = None  # from `begin` to the first committed box end
     decode_s: float = 0.0
     sources: dict[str, int] = field(default_factory=dict)  # block decisions by source
 
@@ -72,14 +82,6 @@ class DecodeResult:
     stats: DecodeStats
 
 
-@lru_cache(maxsize=32)
-def summary_functions(sampling: Sampling, ids: TokenIds):
-    return (
-        mx.compile(partial(block_summary, s=sampling, ids=ids)),
-        mx.compile(partial(ar_summary, s=sampling)),
-    )
-
-
 def completed_box(seq: list[int], ids: TokenIds) -> tuple[int, ...] | None:
     """The box that `seq` ends with, as 4 normalized ints, if it ends with one."""
     tail = seq[-BLOCK:]
@@ -90,6 +92,111 @@ def completed_box(seq: list[int], ids: TokenIds) -> tuple[int, ...] | None:
     return None
 
 
+def ar_pick(block_summary_row: np.ndarray) -> tuple[int, float]:
+    """An AR sequence's token and its probability from its row of a block-shaped step (the last window row)."""
+    last = np.asarray(block_summary_row)[BLOCK_SUMMARY_SIZE - ROW_WIDTH :]
+    return int(last[COL_X0]), float(last[COL_P_X0])
+
+
+class RowDecoder:
+    """One sequence after its prompt is prefilled: `cached` of its `seq` ids have their K|V in the cache."""
+
+    def __init__(self, prompt_ids: list[int], ids: TokenIds, options: DecodeOptions, max_length: int | None = None):
+        self.ids, self.options = ids, options
+        self.guards = Guards.STRICT if options.strict else options.guards
+        self.seq, self.probs = list(prompt_ids), []
+        self.prompt_len = len(prompt_ids)
+        self.cap = len(self.seq) + options.max_new_tokens
+        if max_length is not None:
+            self.cap = min(self.cap, max_length)
+        self.cached = len(self.seq)
+        self.next = Next.AR if options.mode is Mode.SLOW else Next.BLOCK
+        self.label_redecode = False
+        self.boxes: list[tuple[int, ...]] = []
+        self.stats = DecodeStats()
+        self.done = len(self.seq) >= self.cap
+        self.start = time.perf_counter()
+
+    def begin(self) -> None:
+        """Start the clock of first_step_s, first_box_s and decode_s."""
+        self.start = time.perf_counter()
+
+    def key(self) -> tuple[int, int]:
+        """This step's sampling key: the seed and the step's index, so a draw depends on this sequence only."""
+        return self.options.seed & 0xFFFFFFFF, self.stats.steps
+
+    def feed(self) -> list[int]:
+        """The ids of this sequence's next forward: its uncached tail, plus anchor and masks for a block."""
+        tail = self.seq[self.cached :]
+        if self.next is Next.BLOCK:
+            return tail + [self.seq[-1]] + [self.ids.text_mask] * (BLOCK - 1)
+        return tail
+
+    def fed(self) -> None:
+        """The forward of `feed()` was issued: the committed ids are cached; a block's window is not."""
+        self.cached = len(self.seq)
+
+    def take_block(self, summary: np.ndarray) -> list[int]:
+        """Commit from this sequence's block summary (BLOCK_SUMMARY_SIZE floats); returns the committed ids."""
+        o = self.options
+        d = decide_block(summary, o.mode, self.ids, o.thresholds, self.guards, o.redecode_labels)
+        s = self.stats
+        s.block_steps += 1
+        s.sources[d.source.value] = s.sources.get(d.source.value, 0) + 1
+        self.label_redecode = d.label_redecode
+        s.label_redecodes += d.label_redecode
+        s.fallbacks += d.next is Next.AR and not d.label_redecode
+        return self._commit(d.tokens, d.probs, d.next, d.stop_reason)
+
+    def take_ar(self, token: int, p: float) -> list[int]:
+        """Commit one AR token (§10.5); returns the committed ids."""
+        self.stats.ar_steps += 1
+        nxt = classify_ar(token, self.options.mode, self.ids, self.label_redecode)
+        stop = StopReason.IM_END if token == self.ids.im_end else StopReason.HYBRID_AR_STOP
+        return self._commit([token], [p], nxt, stop)
+
+    def _commit(self, new: list[int], probs: list[float], nxt: Next, stop: StopReason | None) -> list[int]:
+        s = self.stats
+        s.host_reads += 1
+        self.seq += new
+        self.probs += probs
+        now = time.perf_counter() - self.start
+        if s.first_step_s is None:
+            s.first_step_s = now
+        box = completed_box(self.seq, self.ids) if new and new[-1] == self.ids.box_end else None
+        if box is not None:
+            if s.first_box_s is None:
+                s.first_box_s = now
+            if self.guards.loop_guard and self.boxes and loop_guard_trips(self.boxes[-1], box):
+                del self.seq[-BLOCK:], self.probs[-BLOCK:]
+                return self._finish(StopReason.LOOP_GUARD, new[:-BLOCK])
+            self.boxes.append(box)
+        if nxt is Next.STOP:
+            return self._finish(stop, new)
+        self.next = nxt
+        if len(self.seq) >= self.cap:
+            return self._finish(StopReason.LENGTH_CAP, new)
+        return new
+
+    def _finish(self, reason: StopReason, committed: list[int]) -> list[int]:
+        self.done = True
+        self.stats.stop_reason = reason
+        self.stats.decode_s = time.perf_counter() - self.start
+        return committed
+
+    def result(self) -> DecodeResult:
+        return DecodeResult(tokens=self.seq[self.prompt_len :], probs=self.probs, stats=self.stats)
+
+
+@lru_cache(maxsize=64)
+def summary_functions(features: Features, ids: TokenIds):
+    """The compiled block and AR summaries for a set of transform features."""
+    return (
+        mx.compile(partial(block_summary, f=features, ids=ids)),
+        mx.compile(partial(ar_summary, f=features)),
+    )
+
+
 def decode(
     step: StepFn,
     prompt_ids: list[int],
@@ -97,88 +204,32 @@ def decode(
     ids: TokenIds,
     options: DecodeOptions,
     max_length: int | None = None,
-    retract: Callable[[int], None] | None = None,
 ) -> DecodeResult:
-    """Generate after a prefilled prompt. `first_logits` (1, V) is the prompt's last row (used by slow mode);
-    `step(ids, block)` feeds the uncached committed ids (plus anchor and masks for a block) and returns the
-    1 or 6 logit rows. `max_length` is the tokenizer's model_max_length. `retract(n)` uncaches the last n
-    tokens fed; with it AR steps are queued ahead (see above)."""
-    mode, s = options.mode, options.sampling
-    guards = Guards.STRICT if options.strict else options.guards
-    block_fn, ar_fn = summary_functions(s, ids)
-    seq, probs = list(prompt_ids), []
-    cap = len(seq) + options.max_new_tokens
-    if max_length is not None:
-        cap = min(cap, max_length)
-    cached = len(seq)
-    seen = mx.zeros((ids.vocab_size,), dtype=mx.bool_)
-    penalize = s.repetition_penalty != 1.0
-    if penalize:
-        seen = mark_seen(seen, seq)
-    key = mx.random.key(options.seed)
-    sampled = s.temperature > 0
-    stats = DecodeStats()
-    boxes: list[tuple[int, ...]] = []
-    state = Next.AR if mode is Mode.SLOW else Next.BLOCK
-    label_redecode = False
-    pending = first_logits if mode is Mode.SLOW else None  # the next AR step's row; slow mode's first: the prefill's
-    ahead = None  # an AR step queued before the read, fed the token being picked
-    start = time.perf_counter()
-
-    while len(seq) < cap:
-        key, sub = mx.random.split(key) if sampled else (key, key)
-        if state is Next.BLOCK:
-            rows = step(seq[cached:] + [seq[-1]] + [ids.text_mask] * (BLOCK - 1), True)
-            cached = len(seq)
-            decision = decide_block(
-                np.array(block_fn(rows, seen, sub)), mode, ids, options.thresholds, guards, options.redecode_labels
-            )
-            stats.host_reads += 1
-            stats.block_steps += 1
-            stats.sources[decision.source.value] = stats.sources.get(decision.source.value, 0) + 1
-            new, new_probs, nxt = decision.tokens, decision.probs, decision.next
-            label_redecode = decision.label_redecode
-            stats.label_redecodes += label_redecode
-            stats.fallbacks += nxt is Next.AR and not label_redecode
-            stop_reason = decision.stop_reason
+    """Generate after a prefilled prompt, one sequence. `first_logits` (1, V) is the prompt's last row (used by
+    slow mode); `step(ids, block)` feeds the uncached committed ids (plus anchor and masks for a block) and
+    returns the 1 or 6 logit rows. `max_length` is the tokenizer's model_max_length."""
+    row = RowDecoder(prompt_ids, ids, options, max_length)
+    s = options.sampling
+    features = Features.of([s])
+    block_fn, ar_fn = summary_functions(features, ids)
+    rs = RowSampling.of([s])
+    seen = mx.zeros((1, ids.vocab_size), dtype=mx.bool_)
+    if features.penalty:
+        seen[0, mx.array(row.seq)] = True
+    pending = first_logits if options.mode is Mode.SLOW else None
+    not_ar = mx.array([False])
+    while not row.done:
+        keys = mx.array([row.key()], dtype=mx.uint32)
+        if row.next is Next.BLOCK:
+            logits = step(row.feed(), True)
+            row.fed()
+            new = row.take_block(np.array(block_fn(logits[None], seen, keys, rs, not_ar))[0])
         else:
-            row = pending if pending is not None else step(seq[cached:], False)
-            pending, cached = None, len(seq)
-            summary = ar_fn(row, seen, sub)
-            if retract is not None and len(seq) + 1 < cap:
-                ahead = step(summary[0], False)  # the next AR step, fed the token being picked
-                mx.async_eval(ahead)
-            token, p = np.array(summary).tolist()
-            stats.host_reads += 1
-            stats.ar_steps += 1
-            new, new_probs = [int(token)], [p]
-            nxt = classify_ar(new[0], mode, ids, label_redecode)
-            stop_reason = StopReason.IM_END if new[0] == ids.im_end else StopReason.HYBRID_AR_STOP
-        seq += new
-        probs += new_probs
-        if ahead is not None:
-            if nxt is Next.AR:
-                pending, cached = ahead, len(seq)  # it was fed exactly the token committed
-            else:
-                retract(1)
-            ahead = None
-        if stats.first_step_s is None:
-            stats.first_step_s = time.perf_counter() - start
-        if penalize:
-            seen = mark_seen(seen, new)
-        box = completed_box(seq, ids) if new and new[-1] == ids.box_end else None
-        if box is not None:
-            if stats.first_box_s is None:
-                stats.first_box_s = time.perf_counter() - start
-            if guards.loop_guard and boxes and loop_guard_trips(boxes[-1], box):
-                del seq[-BLOCK:], probs[-BLOCK:]
-                stats.stop_reason = StopReason.LOOP_GUARD
-                break
-            boxes.append(box)
-        if nxt is Next.STOP:
-            stats.stop_reason = stop_reason
-            break
-        state = nxt
-    stats.decode_s = time.perf_counter() - start
-    generated = len(prompt_ids)
-    return DecodeResult(tokens=seq[generated:], probs=probs, stats=stats)
+            logits = pending if pending is not None else step(row.feed(), False)
+            pending = None
+            row.fed()
+            token, p = np.array(ar_fn(logits.reshape(1, 1, -1), seen, keys, rs))[0].tolist()
+            new = row.take_ar(int(token), p)
+        if features.penalty and new:
+            seen[0, mx.array(new)] = True
+    return row.result()

@@ -1,8 +1,8 @@
 """Qwen2.5 decoder (MODEL.md §7) with explicit position ids and an explicit mask.
 
-`kv` is a list of per-layer K|V buffers of shape (1, 2, kv_heads, U, head_dim) (keys, then values); a step
-writes its rows at slot `c` with one update and attends over the whole buffer under `mask`. Without `kv` the
-layer attends over its own rows (full recompute, training).
+`kv` is a list of per-layer K|V buffers of shape (rows, 2, kv_heads, U, head_dim) (keys, then values, a row per
+sequence, `cache.py`); a step writes each sequence's rows at its slot `c` (`cache.write_rows`) and attends over
+its row's U slots under `mask`. Without `kv` the layer attends over its own rows (full recompute, training).
 
 For inference `fuse_projections` turns q|k|v and gate|up into one matrix each, so a layer runs one product
 for each; q, k and v then get RoPE together in one elementwise kernel (the value heads' tables are the
@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .cache import Where, write_rows
 from .config import TextConfig
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -107,18 +108,18 @@ class Attention(nn.Module):
             return self.qkv_proj(x)
         return mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
 
-    def __call__(self, x, cos, sin, mask, kv=None, c=None):
-        """cos/sin from `qkv_tables`; kv (1, 2, KV, U, D) or None; returns the output and the K|V rows
+    def __call__(self, x, cos, sin, mask, kv=None, at: Where | None = None):
+        """cos/sin from `qkv_tables`; kv (rows, 2, KV, U, D) or None; returns the output and the K|V rows
         (the updated buffer, or this call's own (B, 2, KV, T, D))."""
         B, T, _ = x.shape
         H, KV = self.n_heads, self.n_kv_heads
         heads = apply_rope(self.project(x).reshape(B, T, H + 2 * KV, -1), cos, sin)
         q = heads[:, :, :H].transpose(0, 2, 1, 3)
         kv_rows = heads[:, :, H:].reshape(B, T, 2, KV, -1).transpose(0, 2, 3, 1, 4)
+        view = kv_rows
         if kv is not None:
-            start = mx.concatenate([mx.zeros((3,), mx.int32), c.reshape(1), mx.zeros((1,), mx.int32)])
-            kv_rows = mx.slice_update(kv, kv_rows.astype(kv.dtype), start, axes=(0, 1, 2, 3, 4))
-        out = attend(q, kv_rows[:, 0], kv_rows[:, 1], self.scale, mask)
+            kv_rows, view = write_rows(kv, kv_rows, at)
+        out = attend(q, view[:, 0], view[:, 1], self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), kv_rows
 
 
@@ -145,8 +146,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, mask, kv=None, c=None):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, c)
+    def __call__(self, x, cos, sin, mask, kv=None, at=None):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, at)
         h = x + h
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -174,8 +175,8 @@ class LanguageModel(nn.Module):
         embeds: mx.array,  # (B, T, D)
         positions: mx.array,  # (T,) or (B, T) int32
         mask: mx.array,  # (T, K) or (B, 1, T, K) bool, True = attend
-        kv: list[mx.array] | None = None,  # per layer (1, 2, KV, U, D)
-        c: mx.array | None = None,  # (1,) int32: cache slot of the first row
+        kv: list[mx.array] | None = None,  # per layer (rows, 2, KV, U, D)
+        at: Where | None = None,  # the cache rows of the B sequences and their first slots
     ) -> tuple[mx.array, list[mx.array]]:
         """Returns the hidden states before the final norm (B, T, D) and the updated K|V buffers."""
         t = self.config
@@ -184,7 +185,7 @@ class LanguageModel(nn.Module):
         mask = additive_mask(mask, embeds.dtype)
         x, new_kv = embeds, []
         for i, layer in enumerate(self.model.layers):
-            x, layer_kv = layer(x, cos, sin, mask, None if kv is None else kv[i], c)
+            x, layer_kv = layer(x, cos, sin, mask, None if kv is None else kv[i], at)
             new_kv.append(layer_kv)
         return x, new_kv
 

@@ -1,63 +1,53 @@
 """The public entry point: `load(path_or_hub_id)` -> `LocateModel`, and `LocateModel.locate(image, query)`.
 
-The data flow reads top to bottom: preprocess -> vision -> projector -> splice -> prefill -> decode -> parse.
+Every request decodes through the batched engine (`engine.py`); a single `locate` is a batch of one. The model
+keeps what requests share: compiled step functions, vision features by image content, and prompt prefixes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from .cache import KVCache
-from .compiled import CompiledSteps, StepRunner
+from .cache import SlotCache
+from .compiled import CompiledSteps
 from .config import ModelConfig
-from .decide import Guards, Mode
-from .decode import DecodeOptions, decode
-from .engine import Engine, EventKind, Request, RequestError, fit_max_tokens
+from .engine import (
+    Engine,
+    EventKind,
+    PreparedImage,
+    Request,
+    RequestError,
+    Result,
+    Schedule,
+    compute_prefixes,
+    prepare_image,
+)
 from .language import fuse_projections
 from .loader import build_model, read_json, resolve
 from .model import LocateAnything
-from .parse import LocatedObject, parse_tokens
-from .preprocess import IN_TOKEN_LIMIT, Preprocessed, load_image, preprocess, to_rgb
-from .prompts import prompt_ids, task_text
-from .sampling import Sampling
+from .preprocess import IN_TOKEN_LIMIT
+from .prompts import prompt_ids
 from .tokenizer import Tokenizer
 from .tuner.lora import apply_adapter, read_adapter
 
-
-@dataclass
-class Result:
-    objects: list[LocatedObject]
-    empty_labels: list[str | None]  # labels the model answered with <box>None</box>
-    text: str  # the generated text, special tokens included
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids
-    token_probs: list[float]  # the decoder's probability of each generated id
-    grid: list[int]  # [h, w] patches of the image
-    image_size: tuple[int, int]  # (W0, H0) the pixel frame of every box and point
-    mode: str
-    truncated: bool  # the stream ended inside an item (length cap or stop)
-    stats: dict = field(default_factory=dict)  # timings per phase (s), steps, host reads, stop reason
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["objects"] = [{k: v for k, v in asdict(o).items() if v is not None or k == "label"} for o in self.objects]
-        return out
-
+__all__ = ["LocateModel", "Result", "Session", "load"]
 
 FEATURE_CACHE_SIZE = 8  # images whose vision features stay cached, by content
+PREFIX_CACHE_SIZE = 8  # images whose prompt prefix (K|V up to </img>) stays cached
+PREFIX_CACHE_BYTES = 2 << 30
 
 
 class LocateModel:
-    """A loaded checkpoint: network, tokenizer, compiled step functions and a vision-feature cache.
+    """A loaded checkpoint: network, tokenizer, compiled step functions, and caches of vision features and
+    prompt prefixes by image content.
 
     Takes over `network` for inference: its decoder's projections are fused (`language.fuse_projections`)."""
 
@@ -69,6 +59,7 @@ class LocateModel:
         self.in_token_limit = in_token_limit
         self.steps = CompiledSteps(network)
         self.features: OrderedDict[tuple, mx.array] = OrderedDict()
+        self.prefixes: OrderedDict[tuple, list[mx.array]] = OrderedDict()
 
     @property
     def max_length(self) -> int:
@@ -82,31 +73,47 @@ class LocateModel:
         """How many times a compiled step function was traced so far."""
         return self.steps.traces
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self, slots: int = 1) -> SlotCache:
+        """An empty KV cache with a row per sequence for `slots` sequences."""
         t = self.network.config.text
         dtype = self.network.language_model.model.norm.weight.dtype
-        return KVCache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, dtype)
+        return SlotCache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, dtype, slots)
 
-    def image_features(self, rgb: Image.Image, pre: Preprocessed) -> tuple[mx.array, bool]:
-        """Vision tower + connector for one image, cached by the image's content; returns (features, hit)."""
-        key = (hashlib.sha256(rgb.tobytes()).hexdigest(), rgb.size, pre.grid)
-        if key in self.features:
-            self.features.move_to_end(key)
-            return self.features[key], True
-        features = self.network.image_features(mx.array(pre.patches), pre.grid)
-        mx.eval(features)
-        self.features[key] = features
-        if len(self.features) > FEATURE_CACHE_SIZE:
-            self.features.popitem(last=False)
-        return features, False
+    def features_for(self, images: list[PreparedImage]) -> list[tuple[bool, mx.array]]:
+        """Vision tower + connector per image, cached by content: (cached, (h*w/4, D) features) each. Images
+        of the same patch grid go through the tower as one batch."""
+        out: dict[tuple, mx.array] = {}
+        todo: dict[tuple[int, int], list[PreparedImage]] = {}
+        for image in images:
+            if image.key in self.features:
+                self.features.move_to_end(image.key)
+            elif image.key not in {i.key for group in todo.values() for i in group}:
+                todo.setdefault(image.pre.grid, []).append(image)
+        for grid, group in todo.items():
+            patches = mx.array(np.stack([image.pre.patches for image in group]))
+            features = self.network.image_features(patches, grid)
+            mx.eval(features)
+            for image, f in zip(group, features, strict=True):
+                out[image.key] = self.features[image.key] = f
+            while len(self.features) > FEATURE_CACHE_SIZE:
+                self.features.popitem(last=False)
+        return [(image.key not in out, out.get(image.key, self.features.get(image.key))) for image in images]
 
-    def session(self, image: str | Path | Image.Image, rendering: str = "A") -> Session:
-        """Run the image through vision and the prompt prefix once; then ask many queries."""
-        return Session(self, image, rendering)
+    def store_prefix(self, key: tuple, prefix: list[mx.array]) -> None:
+        self.prefixes[key] = prefix
+        while len(self.prefixes) > 1 and (
+            len(self.prefixes) > PREFIX_CACHE_SIZE
+            or sum(a.nbytes for p in self.prefixes.values() for a in p) > PREFIX_CACHE_BYTES
+        ):
+            self.prefixes.popitem(last=False)
 
-    def engine(self, max_rows: int | None = None) -> Engine:
+    def prefix(self, key: tuple) -> list[mx.array]:
+        self.prefixes.move_to_end(key)
+        return self.prefixes[key]
+
+    def engine(self, max_rows: int | None = None, schedule: Schedule | None = None) -> Engine:
         """A batched engine over this model (see `engine.Engine`): submit requests, step, collect events."""
-        return Engine(self, max_rows)
+        return Engine(self, max_rows, schedule)
 
     def locate_many(
         self, requests: Iterable[Request], *, batch_size: int | None = None, progress: bool = False
@@ -117,149 +124,69 @@ class LocateModel:
         handles = [engine.submit(r) for r in requests]
         with tqdm(total=len(handles), disable=not progress, unit="req") as bar:
             while not engine.idle:
-                finished = sum(e.kind in (EventKind.DONE, EventKind.ERROR) for e in engine.step())
-                bar.update(finished)
+                bar.update(sum(e.kind in (EventKind.DONE, EventKind.ERROR) for e in engine.step()))
         return [h.result if h.result is not None else h.error for h in handles]
+
+    def session(self, image: str | Path | Image.Image, rendering: str = "A", max_pixels: int | None = None) -> Session:
+        """Run the image through vision and the prompt prefix once; then ask many queries."""
+        return Session(self, image, rendering, max_pixels)
 
     def locate(
         self,
-        image: str | Path | Image.Image,
+        image: str | Path | Image.Image | PreparedImage,
         query: str | list[str] | None = None,
         *,
         rendering: str = "A",
-        tiles: str | tuple[int, int] | None = None,
-        tile_overlap: float = 0.2,
-        tile_whole: bool = True,
         **kwargs,
     ) -> Result | list[Result]:
-        """Find `query` in `image`; a list of queries gives a list of results, sharing the image's work.
+        """Find `query` in `image`; a list of queries gives a list of results, decoded together as one batch.
 
-        Keyword arguments are those of `Session.locate` (task, mode, max_tokens, sampling, ...). `tiles`
-        ("auto" or (rows, cols)) decodes overlapping crops (and, with `tile_whole`, the whole image) as one
-        batch and merges their objects in the image's pixels.
+        Keyword arguments are the fields of `engine.Request` (task, mode, max_tokens, sampling, strict, guards,
+        redecode_labels, prompt, seed, max_pixels, tiles, tile_overlap, tile_whole). Raises the request's
+        `RequestError` (a ValueError) when it cannot run.
         """
-        if tiles is not None:
-            queries = query if isinstance(query, list) else [query]
-            tiling = {"tiles": tiles, "tile_overlap": tile_overlap, "tile_whole": tile_whole}
-            requests = [Request(image, q, rendering=rendering, **tiling, **kwargs) for q in queries]
-            results = self.locate_many(requests)
-            for r in results:
-                if isinstance(r, RequestError):
-                    raise r
-            return results if isinstance(query, list) else results[0]
-        session = self.session(image, rendering)
-        if isinstance(query, list):
-            return [session.locate(q, **kwargs) for q in query]
-        return session.locate(query, **kwargs)
+        queries = query if isinstance(query, list) else [query]
+        if isinstance(image, (str, Path)):
+            image = prepare_image(self, image, kwargs.get("max_pixels"))  # loaded once for every query
+        results = self.locate_many([Request(image, q, rendering=rendering, **kwargs) for q in queries])
+        for r in results:
+            if isinstance(r, RequestError):
+                raise r
+        return results if isinstance(query, list) else results[0]
 
 
 class Session:
     """One image and many queries: preprocessing, vision and the prompt prefix up to `</img>` run once;
-    each query forks the cached prefix (no copy) and prefills only its own text."""
+    each query copies the cached prefix into its cache row and prefills only its own text."""
 
-    def __init__(self, model: LocateModel, image: str | Path | Image.Image, rendering: str = "A"):
+    def __init__(
+        self, model: LocateModel, image: str | Path | Image.Image, rendering: str = "A", max_pixels: int | None = None
+    ):
         self.model = model
         self.rendering = rendering
-        network = model.network
         t0 = time.perf_counter()
-        rgb = to_rgb(load_image(image))
-        self.pre = preprocess(rgb, in_token_limit=model.in_token_limit, patch_size=network.config.vision.patch_size)
+        self.image = prepare_image(model, image, max_pixels)
+        self.pre = self.image.pre
         prompt = prompt_ids(model.tokenizer, "", [self.pre.grid], rendering=rendering)
         self.prefix = prompt[: prompt.index(model.token_ids.img_end) + 1]
         self.timings = {"preprocess_s": time.perf_counter() - t0}
-
         t0 = time.perf_counter()
-        features, self.vision_cached = model.image_features(rgb, self.pre)
+        ((cached, features),) = model.features_for([self.image])
+        self.vision_cached = cached
         self.timings["vision_s"] = time.perf_counter() - t0
-
         t0 = time.perf_counter()
-        self.cache = model.new_cache()
-        StepRunner(model.steps, self.cache).prefill(network.embed(self.prefix, features))
-        mx.eval(self.cache.kv)
+        key = (self.image.key, tuple(self.prefix))
+        if key not in model.prefixes:
+            model.store_prefix(key, compute_prefixes(model, [(self.prefix, features)])[0])
         self.timings["prefix_prefill_s"] = time.perf_counter() - t0
 
-    def locate(
-        self,
-        query: str | list[str] | None = None,
-        *,
-        task: str = "detect",
-        mode: str | Mode = Mode.HYBRID,
-        max_tokens: int = 512,
-        sampling: Sampling = Sampling(),
-        strict: bool = False,
-        guards: Guards = Guards(),
-        redecode_labels: bool | None = None,
-        prompt: str | None = None,
-        seed: int = 0,
-    ) -> Result:
-        """Find `query` in the session's image. `task` picks the prompt template (MODEL.md §8.3); `prompt`
-        replaces it with raw user text. Boxes and points come back in the pixels of the image as given.
-
-        `redecode_labels` (hybrid) re-decodes uncertain label tokens autoregressively; default: on for OCR.
-        """
-        model, network = self.model, self.model.network
-        if isinstance(mode, str):
-            modes = {m.value: m for m in Mode}
-            if mode not in modes:
-                raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(modes)}")
-            mode = modes[mode]
-        user_text = prompt if prompt is not None else task_text(task, query)
-        ids = prompt_ids(model.tokenizer, user_text, [self.pre.grid], rendering=self.rendering)
-        assert ids[: len(self.prefix)] == self.prefix, "the prompt must extend the session's prefix"
-        budget = fit_max_tokens(len(ids), max_tokens, model.max_length)
-        options = DecodeOptions(
-            mode=mode,
-            max_new_tokens=budget,
-            sampling=sampling,
-            strict=strict,
-            guards=guards,
-            redecode_labels=(task == "ocr") if redecode_labels is None else redecode_labels,
-            seed=seed,
-        )
-
-        t0 = time.perf_counter()
-        runner = StepRunner(model.steps, self.cache.fork())
-        no_features = mx.zeros((0, network.config.text.hidden_size))
-        first_logits = runner.prefill(network.embed(ids[len(self.prefix) :], no_features))
-        mx.eval(first_logits)
-        prefill_s = time.perf_counter() - t0
-
-        out = decode(runner.step, ids, first_logits, model.token_ids, options, model.max_length, runner.retract)
-        parsed = parse_tokens(out.tokens, model.token_ids, model.tokenizer.decode, self.pre.original_size, out.probs)
-        s = out.stats
-        stats = {
-            **self.timings,
-            "vision_cached": self.vision_cached,
-            "prefill_s": prefill_s,
-            "decode_s": s.decode_s,
-            "first_step_s": None if s.first_step_s is None else prefill_s + s.first_step_s,
-            "first_box_s": None if s.first_box_s is None else prefill_s + s.first_box_s,
-            "tokens": len(out.tokens),
-            "steps": s.steps,
-            "block_steps": s.block_steps,
-            "ar_steps": s.ar_steps,
-            "fallbacks": s.fallbacks,
-            "label_redecodes": s.label_redecodes,
-            "host_reads": s.host_reads,
-            "stop_reason": s.stop_reason.value,
-            "sources": s.sources,
-            "compilations": model.compilations,
-            "max_tokens": budget,
-            "max_tokens_clipped": budget < max_tokens,
-        }
-        return Result(
-            objects=parsed.objects,
-            empty_labels=parsed.empty_labels,
-            text=model.tokenizer.decode(out.tokens),
-            prompt_ids=ids,
-            token_ids=out.tokens,
-            token_probs=out.probs,
-            grid=list(self.pre.grid),
-            image_size=self.pre.original_size,
-            mode=mode.value,
-            truncated=parsed.truncated,
-            stats=stats,
-        )
+    def locate(self, query: str | list[str] | None = None, **kwargs) -> Result:
+        """Find `query` in the session's image (a list: several categories of one detect prompt); keyword
+        arguments as `LocateModel.locate`. Boxes and points come back in the pixels of the image as given."""
+        (result,) = self.model.locate_many([Request(self.image, query, rendering=self.rendering, **kwargs)])
+        if isinstance(result, RequestError):
+            raise result
+        return result
 
 
 def load(path_or_hub_id: str | Path, dtype: str | None = None, adapter_path: str | Path | None = None) -> LocateModel:

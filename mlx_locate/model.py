@@ -23,7 +23,8 @@ class LocateAnything(nn.Module):
         self.language_model = LanguageModel(config.text)
 
     def image_features(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
-        """Patches (h*w, 3, p, p) of one image -> its (h*w/4, D) rows for the <IMG_CONTEXT> slots."""
+        """Patches (h*w, 3, p, p) of one image -> its (h*w/4, D) rows for the <IMG_CONTEXT> slots; (B, h*w, 3,
+        p, p) of B images of the same grid -> (B, h*w/4, D)."""
         x = self.vision_model(patches, grid)
         return run_connector(self.mlp1, merge_2x2(x, grid))
 

@@ -7,11 +7,11 @@ import mlx.nn as nn
 
 
 def merge_2x2(x: mx.array, grid: tuple[int, int]) -> mx.array:
-    """(h*w, C) in raster order -> (h*w/4, 4C): each row concatenates a 2x2 neighbourhood."""
+    """(..., h*w, C) in raster order -> (..., h*w/4, 4C): each row concatenates a 2x2 neighbourhood."""
     h, w = grid
-    C = x.shape[-1]
-    x = x.reshape(h // 2, 2, w // 2, 2, C).transpose(0, 2, 1, 3, 4)
-    return x.reshape(h * w // 4, 4 * C)
+    *lead, _, C = x.shape
+    x = x.reshape(*lead, h // 2, 2, w // 2, 2, C).swapaxes(-4, -3)
+    return x.reshape(*lead, h * w // 4, 4 * C)
 
 
 def make_connector(in_dim: int, out_dim: int, eps: float = 1e-5) -> list[nn.Module]:

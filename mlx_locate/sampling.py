@@ -1,14 +1,17 @@
 """Sampling transform and the per-step device summaries (MODEL.md §10.4 a, §12 "Instead.").
 
-Pure MLX functions, meant for `mx.compile`: bind the static settings with `functools.partial`, e.g.
-`mx.compile(partial(block_summary, s=sampling, ids=ids))`. Each step then needs one host read:
-`decide.decide_block(np.array(block_summary(logits6, seen, key)), ...)`. The summary layout lives in decide.py.
+Pure MLX functions over a batch of R sequences, meant for `mx.compile`. Each sequence has its own settings, given
+as arrays (`RowSampling`), so any mix of settings runs in one compiled function; which transform steps run at all
+is static (`Features`: a step no sequence needs is skipped). Bind the static arguments with `functools.partial`,
+e.g. `mx.compile(partial(block_summary, f=features, ids=ids))`. A step then needs one host read of the packed
+(R, width) array; `decide.decide_block` reads one sequence's row. The summary layout lives in decide.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -56,6 +59,42 @@ def softmax(x: mx.array, chunk: int = 512) -> mx.array:
     return e / total
 
 
+class RowSampling(NamedTuple):
+    """Per-sequence settings as (R,) arrays; 0 / 1 / 0 / 1 where a sequence leaves a step off."""
+
+    temperature: mx.array  # float32
+    top_p: mx.array  # float32
+    top_k: mx.array  # int32
+    repetition_penalty: mx.array  # float32
+
+    @classmethod
+    def of(cls, settings: Sequence[Sampling]) -> RowSampling:
+        return cls(
+            mx.array([s.temperature for s in settings], dtype=mx.float32),
+            mx.array([s.top_p for s in settings], dtype=mx.float32),
+            mx.array([s.top_k for s in settings], dtype=mx.int32),
+            mx.array([s.repetition_penalty for s in settings], dtype=mx.float32),
+        )
+
+
+class Features(NamedTuple):
+    """Which transform steps any sequence of a batch needs (static: part of the compile key)."""
+
+    penalty: bool = False
+    temperature: bool = False
+    top_p: bool = False
+    top_k: bool = False
+
+    @classmethod
+    def of(cls, settings: Sequence[Sampling]) -> Features:
+        return cls(
+            any(s.repetition_penalty != 1.0 for s in settings),
+            any(s.temperature > 0 for s in settings),
+            any(s.top_p < 1.0 for s in settings),
+            any(s.top_k > 0 for s in settings),
+        )
+
+
 def mark_seen(seen: mx.array, tokens: list[int]) -> mx.array:
     """Mark `tokens` in `seen` ((V,) bool, updated in place) for the repetition penalty; returns `seen`."""
     if not tokens:
@@ -64,63 +103,91 @@ def mark_seen(seen: mx.array, tokens: list[int]) -> mx.array:
     return seen
 
 
-def transform_logits(logits: mx.array, seen: mx.array, s: Sampling) -> mx.array:
-    """§10.4(a) steps 1-4 on (R, V) float32 logits; `seen` (V,) bool marks every id already in the sequence.
+def _per_row(x: mx.array) -> mx.array:
+    return x[:, None, None]
 
-    Steps that are the identity (penalty 1, temperature 0, top_p 1, top_k 0) are skipped.
-    """
+
+def transform_logits(logits: mx.array, seen: mx.array | None, rs: RowSampling, f: Features) -> mx.array:
+    """§10.4(a) steps 1-4 on (R, H, V) float32 logits; `seen` (R, V) bool marks every id already in each
+    sequence (needed with `f.penalty`). A sequence whose setting is off gets that step as the identity, exactly."""
     x = logits
-    if s.repetition_penalty != 1.0:
-        r = s.repetition_penalty
-        x = mx.where(seen, mx.where(x > 0, x / r, x * r), x)
-    if s.temperature > 0:
-        x = x / s.temperature
-    if s.top_p < 1.0:
+    if f.penalty:
+        r = _per_row(rs.repetition_penalty)
+        x = mx.where(seen[:, None, :] & (r != 1.0), mx.where(x > 0, x / r, x * r), x)
+    if f.temperature:
+        t = _per_row(rs.temperature)
+        x = x / mx.where(t > 0, t, 1.0)
+    if f.top_p:
         order = mx.argsort(-x, axis=-1)  # descending
         cum = mx.cumsum(softmax(mx.take_along_axis(x, order, axis=-1)), axis=-1)
         # Drop everything after the first token whose cumulative mass exceeds top_p.
-        drop = mx.concatenate([mx.zeros((x.shape[0], 1), dtype=mx.bool_), cum[:, :-1] > s.top_p], axis=-1)
+        top_p = _per_row(rs.top_p)
+        after = (cum[..., :-1] > top_p) & (top_p < 1.0)
+        drop = mx.concatenate([mx.zeros((*x.shape[:-1], 1), dtype=mx.bool_), after], axis=-1)
         drop = mx.put_along_axis(mx.zeros(x.shape, dtype=mx.bool_), order, drop, axis=-1)
         x = mx.where(drop, F32_MIN, x)
-    if s.top_k > 0:
-        k = min(s.top_k, x.shape[-1])
-        kth = mx.min(mx.topk(x, k, axis=-1), axis=-1, keepdims=True)
-        x = mx.where(x < kth, F32_MIN, x)
+    if f.top_k:
+        V = x.shape[-1]
+        k = _per_row(mx.minimum(rs.top_k, V))
+        kth = mx.take_along_axis(mx.sort(x, axis=-1), mx.clip(V - k, 0, V - 1), axis=-1)  # the k-th largest
+        x = mx.where((k > 0) & (x < kth), F32_MIN, x)
     return x
 
 
-def _pick(x: mx.array, p: mx.array, key: mx.array | None, s: Sampling) -> mx.array:
-    """x0 per row: argmax of p (first maximum, as torch), or a draw from p when sampling."""
-    if s.temperature > 0:
-        return mx.random.categorical(x, axis=-1, key=key)
-    return mx.argmax(p, axis=-1)
+def _pick(x: mx.array, p: mx.array, keys: mx.array | None, rs: RowSampling, f: Features, last_alone: mx.array | None):
+    """x0 (R, H): the argmax of p (first maximum, as torch), or a draw from p for sequences that sample.
+
+    Each sequence draws with its own key (R, 2) over its own rows, so a draw never depends on the rest of the
+    batch; where `last_alone` (R,) is set (an AR sequence in a block-shaped step), its last row is drawn as a
+    (1, V) row, exactly as in an AR-shaped step."""
+    greedy = mx.argmax(p, axis=-1).astype(mx.int32)
+    if not f.temperature:
+        return greedy
+    drawn = []
+    for r in range(x.shape[0]):
+        rows = mx.random.categorical(x[r], axis=-1, key=keys[r]).astype(mx.int32)
+        if last_alone is not None:
+            alone = mx.random.categorical(x[r, -1:], axis=-1, key=keys[r]).astype(mx.int32)
+            rows = mx.where(last_alone[r] & (mx.arange(rows.shape[0]) == rows.shape[0] - 1), alone[-1], rows)
+        drawn.append(rows)
+    return mx.where(_per_row(rs.temperature)[..., 0] > 0, mx.stack(drawn), greedy)
 
 
-def block_summary(logits: mx.array, seen: mx.array, key: mx.array | None, *, s: Sampling, ids: TokenIds) -> mx.array:
-    """Pack what a block decision needs from its (6, V) float32 logits into a (6 * ROW_WIDTH,) float32 array.
+def block_summary(
+    logits: mx.array,
+    seen: mx.array | None,
+    keys: mx.array | None,
+    rs: RowSampling,
+    ar_rows: mx.array,
+    *,
+    f: Features,
+    ids: TokenIds,
+) -> mx.array:
+    """Pack what each sequence's block decision needs from its (6, V) float32 logits: (R, H, V) -> (R, H * ROW_WIDTH).
 
     Per row: x0, p(x0), the top-5 ids and probabilities (descending), and p at the `decide.SPECIAL_FIELDS`
-    tokens, where p = softmax of the transformed row. `key` is used only when `s.temperature > 0`.
+    tokens, where p = softmax of the transformed row. `ar_rows` (R,) bool marks AR sequences in the step: only
+    their last row's x0 and p(x0) are read.
     """
-    x = transform_logits(logits, seen, s)
-    p = softmax(x)  # (R, V)
-    x0 = _pick(x, p, key, s)  # (R,)
-    p_x0 = mx.take_along_axis(p, x0[:, None], axis=-1)  # (R, 1)
-    top_ids = mx.argpartition(-p, kth=TOP_K - 1, axis=-1)[:, :TOP_K]  # (R, 5), O(V), unordered
+    x = transform_logits(logits, seen, rs, f)
+    p = softmax(x)  # (R, H, V)
+    x0 = _pick(x, p, keys, rs, f, ar_rows)  # (R, H)
+    p_x0 = mx.take_along_axis(p, x0[..., None], axis=-1)  # (R, H, 1)
+    top_ids = mx.argpartition(-p, kth=TOP_K - 1, axis=-1)[..., :TOP_K]  # (R, H, 5), O(V), unordered
     top_p = mx.take_along_axis(p, top_ids, axis=-1)
     order = mx.argsort(-top_p, axis=-1)
     top_ids = mx.take_along_axis(top_ids, order, axis=-1)
     top_p = mx.take_along_axis(top_p, order, axis=-1)
-    special = p[:, mx.array(special_ids(ids))]  # (R, 6)
+    special = p[..., mx.array(special_ids(ids))]  # (R, H, 6)
     f32 = mx.float32
-    packed = mx.concatenate([x0[:, None].astype(f32), p_x0, top_ids.astype(f32), top_p, special], axis=-1)
-    return packed.reshape(-1)
+    packed = mx.concatenate([x0[..., None].astype(f32), p_x0, top_ids.astype(f32), top_p, special], axis=-1)
+    return packed.reshape(packed.shape[0], -1)
 
 
-def ar_summary(logits: mx.array, seen: mx.array, key: mx.array | None, *, s: Sampling) -> mx.array:
-    """(1, V) float32 logits of an AR step -> (2,) float32 [token, p(token)]."""
-    x = transform_logits(logits, seen, s)
+def ar_summary(logits: mx.array, seen: mx.array | None, keys: mx.array | None, rs: RowSampling, *, f: Features):
+    """(R, 1, V) float32 logits of an AR step -> (R, 2) float32 [token, p(token)]."""
+    x = transform_logits(logits, seen, rs, f)
     p = softmax(x)
-    token = _pick(x, p, key, s)  # (1,)
-    p_token = mx.take_along_axis(p, token[:, None], axis=-1)  # (1, 1)
-    return mx.concatenate([token.astype(mx.float32), p_token.reshape(-1)])
+    token = _pick(x, p, keys, rs, f, None)  # (R, 1)
+    p_token = mx.take_along_axis(p, token[..., None], axis=-1)[..., 0]  # (R, 1)
+    return mx.concatenate([token.astype(mx.float32), p_token], axis=-1)
