@@ -109,14 +109,14 @@ def step_costs(model: LocateModel, context: int, iters: int) -> dict:
     mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
     out = {}
     for name, ids, block in (("ar_ms", [1], False), ("block_ms", [1] * 6 + [2] * 6, True)):
-        base = runner.cache.offset
+        base = runner.offset
         for _ in range(3):  # warm-up (compile)
             mx.eval(runner.step(ids, block))
-            runner.cache.offset = base
+            runner.offset = base
         t0 = time.perf_counter()
         for _ in range(iters):
             mx.eval(runner.step(ids, block))
-            runner.cache.offset = base
+            runner.offset = base
         out[name] = 1e3 * (time.perf_counter() - t0) / iters
     return out
 

@@ -85,11 +85,11 @@ def prepared_runners(model, contexts, compile: bool = True) -> dict:
     for context in contexts:
         runner = StepRunner(steps, model.new_cache())
         mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
-        base = runner.cache.offset
+        base = runner.offset
 
         def step(ids, block, runner=runner, base=base):
             logits = runner.step(ids, block)
-            runner.cache.offset = base
+            runner.offset = base
             return logits
 
         mx.eval(step([1], False), step([1] * 12, True))  # trace both while the patch is active

@@ -89,8 +89,8 @@ class PatchEmbed(nn.Module):
         self.pos_emb = PosEmb(config.init_pos_emb_height, config.init_pos_emb_width, config.hidden_size)
 
     def __call__(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
-        """(..., L, 3, p, p) -> (..., L, C)."""
-        x = self.proj(patches.reshape(*patches.shape[:-3], -1).astype(self.proj.weight.dtype))
+        """(B, L, 3*p*p) flattened patches -> (B, L, C)."""
+        x = self.proj(patches.astype(self.proj.weight.dtype))
         return x + self.pos_emb(*grid).astype(x.dtype)
 
 
@@ -169,11 +169,12 @@ class VisionTower(nn.Module):
         self.encoder = Encoder(config)
 
     def __call__(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
-        """patches (h*w, 3, p, p) of one image, or (B, h*w, 3, p, p) of B images of one grid -> (..., h*w, C)
-        after the final LayerNorm. Images never attend to each other (§6.5)."""
+        """patches (h*w, 3, p, p) of one image, or (B, h*w, 3, p, p) of B images of one grid (either also
+        flattened to 3*p*p) -> (..., h*w, C) after the final LayerNorm. Images never attend to each other (§6.5)."""
         h, w = grid
-        one = patches.ndim == 4
-        x = self.patch_embed(patches[None] if one else patches, grid)
+        one = patches.ndim in (2, 4)
+        batch = patches[None] if one else patches
+        x = self.patch_embed(batch.reshape(*batch.shape[:2], -1), grid)
         cos, sin = rope2d_tables(h, w, self.config.head_dim, self.config.rope_theta)
         for block in self.encoder.blocks:
             x = block(x, cos[None], sin[None])

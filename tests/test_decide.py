@@ -26,7 +26,7 @@ from mlx_locate.decide import (
     loop_guard_trips,
     read_summary,
 )
-from mlx_locate.sampling import Sampling, ar_summary, block_summary
+from mlx_locate.sampling import Features, RowSampling, Sampling, ar_summary, block_summary
 
 DECISIONS = json.loads((GOLDEN / "decisions.json").read_text())
 V = DECISIONS["vocab_size"]
@@ -44,10 +44,9 @@ EVENTS = {
 
 
 IDS = golden_token_ids()
-SEEN = mx.zeros((V,), dtype=mx.bool_)
-KEY = mx.random.key(0)
-_summarize = mx.compile(partial(block_summary, s=Sampling(), ids=IDS))
-_ar = mx.compile(partial(ar_summary, s=Sampling()))
+GREEDY = RowSampling.of([Sampling()])
+_summarize = mx.compile(partial(block_summary, f=Features(), ids=IDS))
+_ar = mx.compile(partial(ar_summary, f=Features()))
 
 
 def golden_logits(rows: list[dict]) -> np.ndarray:
@@ -60,7 +59,7 @@ def golden_logits(rows: list[dict]) -> np.ndarray:
 
 
 def summarize(logits: np.ndarray) -> np.ndarray:
-    return np.array(_summarize(mx.array(logits), SEEN, KEY))
+    return np.array(_summarize(mx.array(logits)[None], None, None, GREEDY, mx.array([False])))[0]
 
 
 @cache
@@ -150,7 +149,7 @@ AR_CASES = [(t["name"], t["row"], t["slow"], t["hybrid"]) for t in DECISIONS["ar
 
 @pytest.mark.parametrize(("name", "row", "slow", "hybrid"), AR_CASES, ids=[c[0] for c in AR_CASES])
 def test_golden_ar(name, row, slow, hybrid):
-    token, p = np.array(_ar(mx.array(golden_logits([row])), SEEN, KEY)).tolist()
+    token, p = np.array(_ar(mx.array(golden_logits([row]))[None], None, None, GREEDY))[0].tolist()
     token = int(token)
     assert token == slow["token"] == hybrid["token"]
     assert 0 < p <= 1

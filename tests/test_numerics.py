@@ -16,6 +16,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_locate import vision
+from mlx_locate.cache import Where
 from mlx_locate.config import TextConfig, VisionConfig
 from mlx_locate.language import (
     Attention,
@@ -452,9 +453,8 @@ def test_attention_writes_cache_at_slot_c():
     positions = np.arange(c, c + T)
     mask = random_mask(rng, T, U)
     kv = mx.array(np.stack(past)[None].astype(np.float32))  # (1, 2, KV, U, D)
-    got, buffer = attn(
-        mx.array(x[None].astype(np.float32)), *decoder_tables(positions), mx.array(mask), kv, mx.array([c])
-    )
+    at = Where(mx.array([0]), mx.array([c]), dense=True)
+    got, buffer = attn(mx.array(x[None].astype(np.float32)), *decoder_tables(positions), mx.array(mask), kv, at)
     expected = np_decoder_attention(x, W, "", positions.astype(np.float64), mask, TEXT, past, c)
     np.testing.assert_allclose(to_np(got[0]), expected, atol=ATOL)
     assert buffer.shape == (1, 2, KV, U, D)
@@ -558,11 +558,12 @@ def test_language_model_forward(fused):
     ],
 )
 def test_step_mask_and_positions(c, q, Q, U, block):
-    got = np.array(step_mask(mx.array([c]), mx.array([q]), Q, U, block))
+    one = mx.array([block])
+    got = np.array(step_mask(mx.array([c]), mx.array([q]), Q, U, one))[0, 0]
     np.testing.assert_array_equal(got, block_mask_formula(c, q, Q, U, block))
     n = c + q - BLOCK if block else c + q
     expected_pos = list(range(c, n)) + (list(range(n - 1, n + BLOCK - 1)) if block else [])
-    np.testing.assert_array_equal(np.array(step_positions(mx.array([c]), mx.array([q]), Q, block))[:q], expected_pos)
+    np.testing.assert_array_equal(np.array(step_positions(mx.array([c]), mx.array([q]), Q, one))[0, :q], expected_pos)
 
 
 def training_mask_formula(L: int, anchors: list[int]) -> np.ndarray:
@@ -591,6 +592,7 @@ def test_training_block_equals_decoding_block():
         n = a + 1
         rows = full[L + BLOCK * k : L + BLOCK * (k + 1)]
         train_view = np.concatenate([rows[:, :n], rows[:, L + BLOCK * k : L + BLOCK * (k + 1)]], axis=1)
-        decode_view = np.array(step_mask(mx.array([0]), mx.array([n + BLOCK]), n + BLOCK, n + BLOCK, True))[n:]
+        one = mx.array([True])
+        decode_view = np.array(step_mask(mx.array([0]), mx.array([n + BLOCK]), n + BLOCK, n + BLOCK, one))[0, 0, n:]
         np.testing.assert_array_equal(train_view, decode_view)
         assert not rows[:, n:L].any() and rows.sum() == BLOCK * (a + BLOCK)

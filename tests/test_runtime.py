@@ -18,15 +18,14 @@ from PIL import Image
 
 from mlx_locate import cache as cache_module
 from mlx_locate import compiled as compiled_module
-from mlx_locate import decode as decode_module
-from mlx_locate import locate as locate_module
-from mlx_locate.cache import KV_BUCKET, KVCache, kv_bucket
+from mlx_locate import engine as engine_module
+from mlx_locate.cache import KV_BUCKET, SlotCache, kv_bucket
 from mlx_locate.compiled import PREFILL_BUCKET, PREFILL_MIN, CompiledSteps, Phase, StepRunner, padded_rows
 from mlx_locate.config import ModelConfig
-from mlx_locate.decode import decode
+from mlx_locate.engine import Request, Schedule
 from mlx_locate.loader import DEMO_DIR, build_model
 from mlx_locate.locate import load
-from mlx_locate.masks import BLOCK
+from mlx_locate.masks import BLOCK, step_mask
 from mlx_locate.random_checkpoint import make_random_checkpoint
 
 ATOL = 1e-5
@@ -50,9 +49,9 @@ def net(request, golden, random_net):
     return golden.network if request.param == "golden" else random_net
 
 
-def new_cache(net) -> KVCache:
+def new_cache(net, slots: int = 1) -> SlotCache:
     t = net.config.text
-    return KVCache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, mx.float32)
+    return SlotCache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, mx.float32, slots)
 
 
 SHARED_STEPS: dict[int, CompiledSteps] = {}  # one set of compiled functions per network: each key traces once
@@ -134,7 +133,7 @@ def test_cached_ar_decode_equals_full_recompute(net):
         tail = rng.integers(0, 151643, n_tail).tolist()
         ref.commit(tail)
         close(run.step(tail, block=False), ref.causal_last())
-    assert run.cache.offset == ref.embeds.shape[1]
+    assert run.offset == ref.embeds.shape[1]
 
 
 @pytest.mark.parametrize("tail_len", [1, 3, 6])
@@ -147,7 +146,7 @@ def test_block_step_equals_full_recompute(net, tail_len):
     tail = rng.integers(0, 151643, tail_len).tolist()
     ref.commit(tail)
     close(run.step(block_ids(net, tail, tail[-1]), block=True), ref.block())
-    assert run.cache.offset == len(ids) + tail_len  # the window slots are dropped
+    assert run.offset == len(ids) + tail_len  # the window slots are dropped
     tail = rng.integers(0, 151643, 6 - tail_len + 1).tolist()
     ref.commit(tail)
     close(run.step(block_ids(net, tail, tail[-1]), block=True), ref.block())
@@ -173,7 +172,7 @@ def test_prefill_in_two_parts_equals_one(golden, split):
     run.prefill(embeds[:, :split])
     ref = FullRecompute(net, embeds)
     close(run.prefill(embeds[:, split:]), ref.causal_last())
-    assert run.cache.offset == 150
+    assert run.offset == 150
     close(run.step(block_ids(net, [], ids[-1]), block=True), ref.block())
 
 
@@ -281,11 +280,11 @@ class NumpySpy:
 @pytest.mark.parametrize("mode", ["hybrid", "fast", "slow"])
 def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image, monkeypatch, mode):
     """Run `locate` twice: the second run traces nothing; each step reads the device exactly once, counted both by
-    DecodeStats and by a spy on the decode loop's conversions (decide.py is numpy-only, so it cannot read)."""
+    the stats and by a spy on the engine's conversions (decide.py and decode.py get host arrays only)."""
     golden.steps = CompiledSteps(golden.network)  # count this mode's functions alone
     for run in range(2):
         spy = NumpySpy()
-        monkeypatch.setattr(decode_module, "np", spy)
+        monkeypatch.setattr(engine_module, "np", spy)
         result = golden.locate(image, "red box", mode=mode, max_tokens=16)
         stats = result.stats
         assert stats["steps"] == stats["block_steps"] + stats["ar_steps"] > 0
@@ -302,76 +301,121 @@ def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image,
 
 @pytest.mark.parametrize("mode", ["slow", "fast", "hybrid"])
 def test_steps_queued_ahead_change_nothing(monkeypatch, mode):
-    """With `retract`, every AR step queues the next one fed the token still on the device; the tokens, their
-    probabilities, the reads and the cache's final offset equal a run that feeds host lists only. For this query
-    the demo model's hybrid run falls back to AR and back to blocks: a queued step is dropped (retracted) too.
-    Block steps queue nothing (fast mode feeds host lists only)."""
+    """An all-AR step queues the next AR forward fed the tokens still on the device; the tokens, their
+    probabilities and the reads equal a run that queues nothing. For this query the demo model's hybrid run falls
+    back to AR and back to blocks: the queued forward is dropped there. Block steps queue nothing."""
     model = load("demo")
     image = DEMO_DIR / "example.png"
     runs = {}
+    run_step = model.steps.run
     for queue_ahead in (False, True):
-        fed, offsets = [], []
+        fed = []
 
-        def spy(step, *args, queue=queue_ahead, fed=fed, offsets=offsets):  # args end with retract
-            runner = step.__self__
+        def spy(phase, *args, fed=fed, **kwargs):
+            fed.append(phase)
+            return run_step(phase, *args, **kwargs)
 
-            def counted(x, block):
-                fed.append(("device" if isinstance(x, mx.array) else "host", block))
-                return step(x, block)
-
-            out = decode(counted, *args[:-1], args[-1] if queue else None)
-            offsets.append(runner.cache.offset)
-            return out
-
-        monkeypatch.setattr(locate_module, "decode", spy)
-        result = model.locate(image, "red square", task="refer", mode=mode, max_tokens=40)
-        runs[queue_ahead] = result, offsets[0], fed
-    (plain, plain_offset, plain_fed), (ahead, ahead_offset, ahead_fed) = runs[False], runs[True]
+        monkeypatch.setattr(model.steps, "run", spy)
+        schedule = Schedule(mixed=False, dense=False, queue_ahead=queue_ahead)
+        engine = model.engine(1, schedule)
+        handle = engine.submit(Request(image, "red square", task="refer", mode=mode, max_tokens=40))
+        engine.run()
+        runs[queue_ahead] = handle.result, fed, engine
+    (plain, plain_fed, plain_engine), (ahead, ahead_fed, ahead_engine) = runs[False], runs[True]
     assert ahead.token_ids == plain.token_ids and ahead.token_probs == plain.token_probs
     assert plain.objects and ahead.objects == plain.objects
     for key in ("host_reads", "ar_steps", "block_steps"):
         assert ahead.stats[key] == plain.stats[key], key
-    assert ahead_offset == plain_offset
-    assert not any(kind == "device" for kind, _ in plain_fed) and ("device", True) not in ahead_fed
-    assert (("device", False) in ahead_fed) == (mode != "fast")
+    assert ahead_engine.host_reads == plain_engine.host_reads == plain.stats["host_reads"]
+    wasted = ahead_fed.count(Phase.AR) - plain_fed.count(Phase.AR)  # queued at a stop or a switch to blocks
+    assert (wasted > 0) == (mode != "fast") and ahead_fed.count(Phase.BLOCK) == plain_fed.count(Phase.BLOCK)
     if mode == "hybrid":
         assert plain.stats["block_steps"] > 0 and plain.stats["fallbacks"] > 0  # block -> AR -> block
+
+
+# ---------------------------------------------------------------- batched steps
+
+
+def test_batched_mask_is_the_formula_per_sequence():
+    """Three sequences in one block-shaped step: a block row with a 3-token tail, an AR row with a 2-token tail,
+    a block row with no tail; and a padding entry (q = 0) that sees slot 0 only."""
+    c, q, block, Q, U = [5, 9, 3, 0], [9, 2, 6, 0], [True, False, True, False], 12, 24
+    mask = np.array(step_mask(mx.array(c), mx.array(q), Q, U, mx.array(block)))[:, 0]
+    for r in range(3):
+        kv_len = c[r] + q[r]
+        want = step_mask_formula(kv_len, q[r], block[r])
+        np.testing.assert_array_equal(mask[r, : q[r], :kv_len], want)
+        assert not mask[r, : q[r], kv_len:].any()
+        assert (mask[r, q[r] :] == (np.arange(U) == 0)).all()
+    assert (mask[3] == (np.arange(U) == 0)).all()
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_batched_step_equals_each_sequence_alone(net, dense):
+    """Sequences of different lengths in one cache, one forward: a block row, an AR row with a tail and a block
+    row with an empty tail give each the logits it gives alone; in the gathered form the sequences sit in other
+    cache rows than their entries, padded with a scratch-row entry."""
+    rng = np.random.default_rng(21)
+    prompts = [make_prompt(net, n, seed=n) for n in (40, 23, 57)]
+    tails = [rng.integers(0, 151643, 3).tolist(), rng.integers(0, 151643, 2).tolist(), []]
+    feeds = [
+        block_ids(net, tails[0], tails[0][-1]),
+        tails[1],
+        block_ids(net, [], prompts[2][0][-1]),
+    ]
+    blocks = [True, False, True]
+    alone = []
+    for (_ids, embeds), tail, feed, block in zip(prompts, tails, feeds, blocks, strict=True):
+        run = runner(net)
+        run.prefill(embeds)
+        if tail and block:
+            run.prefill(net.language_model.model.embed_tokens(mx.array(tail))[None])
+            run.offset -= len(tail)  # the block step feeds the tail itself
+        alone.append(np.array(run.step(feed, block))[-1 if not block else slice(None)])
+    steps = SHARED_STEPS.setdefault(id(net), CompiledSteps(net))
+    cache = new_cache(net, slots=3 if dense else 4)
+    rows = [0, 1, 2] if dense else [3, 0, 2]
+    for row, (_ids, embeds) in zip(rows, prompts, strict=True):
+        steps.run(Phase.PREFILL, cache, mx.pad(embeds, [(0, 0), (0, 64 - embeds.shape[1]), (0, 0)]), [row],
+                  [0], [embeds.shape[1]], dense=False)  # fmt: skip
+    Q = 12
+    inputs = np.zeros((4 if not dense else 3, Q), dtype=np.int32)
+    for i, f in enumerate(feeds):
+        inputs[i, : len(f)] = f
+    c = [len(ids) for ids, _ in prompts]
+    q = [len(f) for f in feeds]
+    entries, pad = (rows, 0) if dense else (rows + [cache.scratch], 1)
+    logits = steps.run(
+        Phase.BLOCK, cache, mx.array(inputs), entries, c + [0] * pad, q + [0] * pad, blocks + [False] * pad, dense
+    )
+    for i, want in enumerate(alone):
+        got = np.array(logits[i])
+        close(mx.array(got[-1] if not blocks[i] else got), mx.array(want))
 
 
 # ---------------------------------------------------------------- the KV cache
 
 
-def test_fork_shares_buffers_and_copies_on_write(golden):
-    net = golden.network
-    ids, embeds = make_prompt(net, 30, seed=9)
-    run = runner(net)
-    run.prefill(embeds)
-    before = [np.array(buffer) for buffer in run.cache.kv]
-    fork = run.cache.fork()
-    assert fork.offset == run.cache.offset and fork.capacity == run.cache.capacity
-    assert all(a is b for a, b in zip(fork.kv, run.cache.kv, strict=True))
-
-    branch = StepRunner(run.steps, fork)
-    branch_rows = branch.step(block_ids(net, [7, 8, 9], 9), block=True)
-    assert fork.offset == run.cache.offset + 3
-    for buffer, old in zip(run.cache.kv, before, strict=True):
-        np.testing.assert_array_equal(np.array(buffer), old)  # the original is unchanged
-    # the original goes on as if the fork never happened, and the fork still gives its own result
-    other = run.cache.fork()
-    ref = FullRecompute(net, embeds)
-    ref.commit([5])
-    close(run.step([5], block=False), ref.causal_last())
-    for buffer, old in zip(other.kv, before, strict=True):
-        np.testing.assert_array_equal(np.array(buffer), old)  # and a write to the original leaves a fork unchanged
-    ref = FullRecompute(net, embeds)
-    ref.commit([7, 8, 9])
-    close(branch_rows, ref.block())
+def test_prefix_copies_are_their_own():
+    """A prefix copied out of a cache row is an array of its own: writes to the row leave it unchanged; copied
+    into another row it lands at slots 0..P-1 of that row only."""
+    cache = SlotCache(num_layers=2, kv_heads=2, head_dim=4, dtype=mx.float32, slots=3)
+    cache.reserve(8)
+    cache.kv = [b + mx.arange(cache.buffer_rows, dtype=mx.float32)[:, None, None, None, None] for b in cache.kv]
+    prefix = cache.copy_out(1, 5)
+    assert [p.shape for p in prefix] == [(1, 2, 2, 5, 4)] * 2
+    cache.kv = [b * 0 for b in cache.kv]
+    assert all((np.array(p) == 1).all() for p in prefix)
+    cache.copy_in(2, prefix)
+    for b in cache.kv:
+        b = np.array(b)
+        assert (b[2, :, :, :5] == 1).all() and not b[2, :, :, 5:].any() and not b[[0, 1, 3]].any()
 
 
 def test_cache_grows_by_buckets():
     assert [kv_bucket(n) for n in (0, 1, 255, 256, 257, 600)] == [0, 256, 256, 256, 512, 768]
-    cache = KVCache(num_layers=2, kv_heads=2, head_dim=4, dtype=mx.bfloat16)
-    assert cache.capacity == 0 and cache.nbytes == 0
+    cache = SlotCache(num_layers=2, kv_heads=2, head_dim=4, dtype=mx.bfloat16)
+    assert cache.capacity == 0 and cache.nbytes == 0 and cache.buffer_rows == 1
     assert cache.reserve(10) == 256
     cache.kv = [buffer + mx.array([1, 2], mx.bfloat16)[:, None, None, None] for buffer in cache.kv]  # K 1, V 2
     assert cache.reserve(256) == 256  # fits: no growth
@@ -383,6 +427,10 @@ def test_cache_grows_by_buckets():
         assert not k[:, 256:].any() and not v[:, 256:].any()  # zero padding
     assert cache.nbytes == 2 * 2 * (2 * 512 * 4) * 2
     assert cache.reserve(100) == 512  # never shrinks
+    cache.grow(4)  # four sequences and the scratch row; the first keeps its place
+    for buffer in cache.kv:
+        assert buffer.shape == (5, 2, 2, 512, 4)
+        assert (np.array(buffer[0, 0, :, :256].astype(mx.float32)) == 1).all() and not np.array(buffer[1:].astype(mx.float32)).any()
 
 
 def test_runner_grows_the_cache_across_a_request(golden):
@@ -394,6 +442,6 @@ def test_runner_grows_the_cache_across_a_request(golden):
     tail = [1, 2, 3, 4, 5, 6]
     run.step(block_ids(net, [], ids[-1]), block=True)  # reserves 240 + 12 slots
     run.step(block_ids(net, tail, 6), block=True)  # 240 + 12 again: still 256
-    assert run.cache.offset == 246 and run.cache.capacity == 256
+    assert run.offset == 246 and run.cache.capacity == 256
     run.step(block_ids(net, tail, 6), block=True)  # 246 + 12 > 256
-    assert run.cache.offset == 252 and run.cache.capacity == 512
+    assert run.offset == 252 and run.cache.capacity == 512

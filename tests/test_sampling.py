@@ -24,11 +24,41 @@ from mlx_locate.decide import (
     decide_block,
     special_ids,
 )
-from mlx_locate.sampling import F32_MIN, Sampling, ar_summary, block_summary, mark_seen, softmax, transform_logits
+from mlx_locate.sampling import (
+    F32_MIN,
+    Features,
+    RowSampling,
+    Sampling,
+    ar_summary,
+    block_summary,
+    softmax,
+    transform_logits,
+)
 
 IDS = golden_token_ids()
 V = IDS.vocab_size
-KEY = mx.random.key(7)
+KEY = mx.array([[7, 0]], dtype=mx.uint32)
+NOT_AR = mx.array([False])
+
+
+def transform(logits: np.ndarray, seen: np.ndarray, s: Sampling) -> np.ndarray:
+    """One sequence's (H, V) logits through the batched transform."""
+    out = transform_logits(mx.array(logits)[None], mx.array(seen)[None], RowSampling.of([s]), Features.of([s]))
+    return np.array(out)[0]
+
+
+def block_rows(logits: np.ndarray, seen: np.ndarray, s: Sampling, key: mx.array = KEY) -> np.ndarray:
+    """One sequence's block summary, (H, ROW_WIDTH)."""
+    out = block_summary(
+        mx.array(logits)[None], mx.array(seen)[None], key, RowSampling.of([s]), NOT_AR, f=Features.of([s]), ids=IDS
+    )
+    return np.array(out).reshape(-1, ROW_WIDTH)
+
+
+def ar_pair(logits: np.ndarray, seen: np.ndarray, s: Sampling, key: mx.array = KEY) -> tuple[int, float]:
+    out = ar_summary(mx.array(logits)[None], mx.array(seen)[None], key, RowSampling.of([s]), f=Features.of([s]))
+    token, p = np.array(out)[0].tolist()
+    return int(token), p
 
 
 def np_softmax(x: np.ndarray) -> np.ndarray:
@@ -63,7 +93,7 @@ def random_case(rows: int, vocab: int, seed: int) -> tuple[np.ndarray, np.ndarra
 
 
 def check_transform(logits: np.ndarray, seen: np.ndarray, s: Sampling) -> None:
-    ours = np.array(transform_logits(mx.array(logits), mx.array(seen), s))
+    ours = transform(logits, seen, s)
     want = np_transform(logits, seen, s)
     dropped = np.isinf(want)
     np.testing.assert_array_equal(ours == F32_MIN, dropped)
@@ -89,24 +119,39 @@ def test_transform_matches_float64(s, seed):
     check_transform(*random_case(3, 4000, seed), s)
 
 
+def test_batch_of_different_settings_matches_each_alone():
+    """Sequences with different settings in one batch: each row is transformed by its own settings only."""
+    settings = [Sampling(), Sampling.OFFICIAL, Sampling(top_k=7), Sampling(temperature=1.3, top_p=0.5)]
+    logits, seen = zip(*(random_case(3, 4000, seed) for seed in range(len(settings))), strict=True)
+    seen = np.stack(seen)
+    batch = transform_logits(
+        mx.array(np.stack(logits)), mx.array(seen), RowSampling.of(settings), Features.of(settings)
+    )
+    for row, x, sn, s in zip(np.array(batch), logits, seen, settings, strict=True):
+        want = np_transform(x, sn, s)
+        dropped = np.isinf(want)
+        np.testing.assert_array_equal(row == F32_MIN, dropped)
+        np.testing.assert_allclose(row[~dropped], want[~dropped], rtol=1e-6, atol=1e-6)
+
+
 def test_repetition_penalty_per_distinct_id():
     logits = np.array([[2.0, -2.0, 0.0, 3.0, -1.0]], dtype=np.float32)
-    seen = mark_seen(mx.zeros((5,), dtype=mx.bool_), [0, 0, 0, 1, 2, 1])
-    out = np.array(transform_logits(mx.array(logits), seen, Sampling(repetition_penalty=2.0)))
+    seen = np.zeros(5, dtype=bool)
+    seen[[0, 0, 0, 1, 2, 1]] = True
+    out = transform(logits, seen, Sampling(repetition_penalty=2.0))
     np.testing.assert_allclose(out, [[1.0, -4.0, 0.0, 3.0, -1.0]])
-    assert mark_seen(seen, []) is seen
 
 
 def test_top_p_keeps_the_crossing_token():
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]])).astype(np.float32)
     for top_p, kept in [(0.79, 2), (0.81, 3), (0.5, 2), (0.49, 1), (0.96, 4)]:
-        out = np.array(transform_logits(mx.array(logits), mx.zeros((4,), dtype=mx.bool_), Sampling(top_p=top_p)))
+        out = transform(logits, np.zeros(4, dtype=bool), Sampling(top_p=top_p))
         assert (out[0] > F32_MIN).sum() == kept, top_p
 
 
 def test_greedy_is_identity():
-    x = mx.array(random_case(2, 100, 3)[0])
-    assert transform_logits(x, mx.zeros((100,), dtype=mx.bool_), Sampling()) is x
+    x = mx.array(random_case(2, 100, 3)[0])[None]
+    assert transform_logits(x, None, RowSampling.of([Sampling()]), Features()) is x
 
 
 def test_settings():
@@ -123,14 +168,9 @@ def test_softmax_accuracy_on_full_vocabulary():
     np.testing.assert_allclose(np.array(softmax(mx.array(logits))), np_softmax(logits.astype(np.float64)), rtol=2e-5)
 
 
-def unpack(summary: np.ndarray) -> np.ndarray:
-    return np.asarray(summary).reshape(-1, ROW_WIDTH)
-
-
 def test_block_summary_greedy_matches_numpy():
     logits, _ = random_case(6, V, 5)
-    seen = mx.zeros((V,), dtype=mx.bool_)
-    rows = unpack(np.array(block_summary(mx.array(logits), seen, KEY, s=Sampling(), ids=IDS)))
+    rows = block_rows(logits, np.zeros(V, dtype=bool), Sampling())
     p = np_softmax(logits.astype(np.float64))
     top = np.argsort(-p, axis=-1, kind="stable")[:, :TOP_K]
     np.testing.assert_array_equal(rows[:, COL_X0], logits.argmax(axis=-1))
@@ -145,24 +185,26 @@ def test_block_summary_greedy_matches_numpy():
 def test_x0_is_the_first_maximum():
     logits = np.zeros((6, 300), dtype=np.float32)
     logits[:, [40, 10, 200]] = 5.0
-    seen = mx.zeros((300,), dtype=mx.bool_)
-    rows = unpack(np.array(block_summary(mx.array(logits), seen, KEY, s=Sampling(), ids=IDS)))
+    seen = np.zeros(300, dtype=bool)
+    rows = block_rows(logits, seen, Sampling())
     assert (rows[:, COL_X0] == 10).all()
-    assert np.array(ar_summary(mx.array(logits[:1]), seen, KEY, s=Sampling()))[0] == 10
+    assert ar_pair(logits[:1], seen, Sampling())[0] == 10
 
 
 @pytest.mark.parametrize("s", [Sampling(), Sampling.OFFICIAL, Sampling(temperature=1.0, top_k=50)])
 def test_compiled_equals_eager(s):
     logits, seen = random_case(6, V, 6)
-    logits, seen = mx.array(logits), mx.array(seen)
-    eager = unpack(np.array(block_summary(logits, seen, KEY, s=s, ids=IDS)))
-    compiled = unpack(np.array(mx.compile(partial(block_summary, s=s, ids=IDS))(logits, seen, KEY)))
+    args = (mx.array(logits)[None], mx.array(seen)[None], KEY, RowSampling.of([s]))
+    f = Features.of([s])
+    eager = np.array(block_summary(*args, NOT_AR, f=f, ids=IDS)).reshape(-1, ROW_WIDTH)
+    compiled = np.array(mx.compile(partial(block_summary, f=f, ids=IDS))(*args, NOT_AR)).reshape(-1, ROW_WIDTH)
     ids_cols = [COL_X0, *range(COL_TOP_IDS, COL_TOP_IDS + TOP_K)]
     np.testing.assert_array_equal(compiled[:, ids_cols], eager[:, ids_cols])
     np.testing.assert_allclose(compiled, eager, rtol=1e-6)
-    ar_eager = np.array(ar_summary(logits[:1], seen, KEY, s=s))
-    ar_compiled = np.array(mx.compile(partial(ar_summary, s=s))(logits[:1], seen, KEY))
-    assert ar_compiled[0] == ar_eager[0]
+    ar_args = (args[0][:, :1], *args[1:])
+    ar_eager = np.array(ar_summary(*ar_args, f=f))
+    ar_compiled = np.array(mx.compile(partial(ar_summary, f=f))(*ar_args))
+    assert ar_compiled[0, 0] == ar_eager[0, 0]
     np.testing.assert_allclose(ar_compiled, ar_eager, rtol=1e-6)
 
 
@@ -176,19 +218,37 @@ def test_sampling_draws_only_nucleus_tokens():
     p = np_softmax(np_transform(logits, seen, s))[0]
     nucleus = set(np.flatnonzero(p > 0).tolist())
     assert 2 < len(nucleus) < 50
-    block_fn = mx.compile(partial(block_summary, s=s, ids=IDS))
-    ar_fn = mx.compile(partial(ar_summary, s=s))
-    x6, seen_mx = mx.array(np.repeat(logits, 6, axis=0)), mx.array(seen)
     drawn = []
-    for key in mx.random.split(mx.random.key(0), 40):
-        rows = unpack(np.array(block_fn(x6, seen_mx, key)))
+    for step in range(40):
+        key = mx.array([[0, step]], dtype=mx.uint32)
+        rows = block_rows(np.repeat(logits, 6, axis=0), seen, s, key)
         drawn += rows[:, COL_X0].astype(int).tolist()
         np.testing.assert_allclose(rows[:, COL_P_X0], p[rows[:, COL_X0].astype(int)], rtol=1e-4)
-        token, p_token = np.array(ar_fn(x6[:1], seen_mx, key)).tolist()
-        drawn.append(int(token))
-        assert p_token == pytest.approx(p[int(token)], rel=1e-4)
+        token, p_token = ar_pair(logits, seen, s, key)
+        drawn.append(token)
+        assert p_token == pytest.approx(p[token], rel=1e-4)
     assert set(drawn) <= nucleus
     assert len(set(drawn)) > 2
+
+
+def test_draws_depend_on_the_sequence_alone():
+    """A sequence's draws come from its own key and rows: the same in a batch of 4 as alone, and an AR
+    sequence in a block-shaped step draws its last row as the AR-shaped step would."""
+    s = Sampling(temperature=1.0)
+    logits = [random_case(6, 2000, seed)[0] for seed in range(4)]
+    keys = mx.array([[3, i] for i in range(4)], dtype=mx.uint32)
+    settings = RowSampling.of([s] * 4)
+    ar_rows = mx.array([False, True, False, True])
+    batch = block_summary(mx.array(np.stack(logits)), None, keys, settings, ar_rows, f=Features.of([s]), ids=IDS)
+    batch = np.array(batch).reshape(4, -1, ROW_WIDTH)
+    for i, x in enumerate(logits):
+        alone = block_rows(x, np.zeros(2000, dtype=bool), s, keys[i : i + 1])
+        np.testing.assert_array_equal(batch[i, :5, COL_X0], alone[:5, COL_X0])
+        if i % 2:
+            assert batch[i, 5, COL_X0] == ar_pair(x[5:], np.zeros(2000, dtype=bool), s, keys[i : i + 1])[0]
+        else:
+            assert batch[i, 5, COL_X0] == alone[5, COL_X0]
+    assert len({tuple(batch[i, :, COL_X0]) for i in range(4)}) == 4
 
 
 def peaked(probs: dict[int, float], vocab: int = V) -> np.ndarray:
@@ -207,12 +267,10 @@ def test_top_p_is_what_makes_the_reference_stop():
     rows = [peaked({IDS.im_end: 0.95, 1037: 0.01})]
     rows += [peaked({word: 0.95, **faint}) for _ in range(4)]
     rows += [peaked({IDS.null: 0.95, 1037: 0.01})]
-    logits, seen = mx.array(np.stack(rows)), mx.zeros((V,), dtype=mx.bool_)
-    greedy = decide_block(
-        np.array(block_summary(logits, seen, KEY, s=Sampling(), ids=IDS)), Mode.FAST, IDS, guards=Guards.STRICT
-    )
+    logits, seen = np.stack(rows), np.zeros(V, dtype=bool)
+    greedy = decide_block(block_rows(logits, seen, Sampling()).reshape(-1), Mode.FAST, IDS, guards=Guards.STRICT)
     assert greedy.source is Source.D_BOX and greedy.next is Next.BLOCK
-    official = np.array(block_summary(logits, seen, KEY, s=Sampling.OFFICIAL, ids=IDS))
-    assert (unpack(official)[1:5, COL_TOP_PROBS + 1 : COL_TOP_PROBS + TOP_K] == 0).all()
-    d = decide_block(official, Mode.FAST, IDS, guards=Guards.STRICT)
+    official = block_rows(logits, seen, Sampling.OFFICIAL)
+    assert (official[1:5, COL_TOP_PROBS + 1 : COL_TOP_PROBS + TOP_K] == 0).all()
+    d = decide_block(official.reshape(-1), Mode.FAST, IDS, guards=Guards.STRICT)
     assert (d.source, d.tokens, d.next) == (Source.X0, [IDS.im_end], Next.STOP)
