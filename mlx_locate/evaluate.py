@@ -306,7 +306,10 @@ def resume_lines(path: Path, bench: Benchmark) -> set[int]:
                 f"{path}:{number} is not JSON ({e}); fix or remove that line, or use another --out"
             ) from None
         i = entry.get("sample_index") if isinstance(entry, dict) else None
-        if not isinstance(i, int) or i >= len(bench.samples) or bench.samples[i].image_path != entry.get("image_path"):
+        s = bench.samples[i] if isinstance(i, int) and 0 <= i < len(bench.samples) else None
+        if s is None or (s.image_path, s.task_name, s.dataset_name, s.categories) != tuple(
+            entry.get(k) for k in ("image_path", "task_name", "dataset_name", "categories")
+        ):
             raise ValueError(f"{path}:{number} is not an answer to {bench.name} (sample {i}); use another --out")
         done.add(i)
     return done
@@ -835,8 +838,8 @@ def export_benchmark(folder: str | Path, n: int, seed: int = 0, overwrite: bool 
             gt = {c: [list(t.box) for t in task.targets if t.label == c] for c in task.query}
             entry.update(categories=list(task.query), gt=gt, task_name="common_object_detection")
         elif task.task == "point":
-            matched = [o for o in scene.objects if o.box in {t.box for t in task.targets}]
-            gt = {"gt_mask": {task.query: [_rle(_mask(scene, o)) for o in matched]}}
+            objects = {o.box: o for o in scene.objects}
+            gt = {"gt_mask": {task.query: [_rle(_mask(scene, objects[t.box])) for t in task.targets]}}
             entry.update(categories=[task.query], gt=gt, task_name="pointing")
         else:
             gt = {task.query: [list(t.box) for t in task.targets]}
@@ -878,8 +881,8 @@ def build_parser() -> argparse.ArgumentParser:
         "path and mAP) on its benchmark formats: run a model, score answer files, compare runs.",
     )
     what = p.add_argument_group("what to do (one of --data, --predictions, --compare, --export)")
-    what.add_argument("--data", action="append", metavar="PATH", help="benchmark to run the model on (repeatable)")
-    what.add_argument("--predictions", action="append", metavar="FILE", help="answer JSONL to score (repeatable)")
+    what.add_argument("--data", action="extend", nargs="+", metavar="PATH", help="benchmarks to run the model on")
+    what.add_argument("--predictions", action="extend", nargs="+", metavar="FILE", help="answer JSONL files to score")
     what.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two report.json files: print the differences")
     what.add_argument("--export", metavar="DIR", help="write the synthetic benchmark in every input format")
     p.add_argument("--images", help="root of the benchmark's image paths (default: the data file's folder)")
@@ -943,6 +946,9 @@ def run(args: argparse.Namespace) -> int:
 
         benches = [load_benchmark(d, args.images, args.format) for d in args.data]
         out.mkdir(parents=True, exist_ok=True)
+        for bench in benches:  # an answer file of another benchmark fails before the model loads
+            for mode in args.modes:
+                resume_lines(out / f"{bench.name}_{mode}.jsonl", bench)
         model = load(args.model, dtype=args.dtype)
         for bench in benches:
             for mode in args.modes:
