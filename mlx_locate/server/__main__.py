@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import sys
+from pathlib import Path
 
 from ..generate import DEFAULT_MODEL, DTYPES, positive_int
 from ..loader import resolve
@@ -22,6 +23,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared with `mlx-locate-mcp`: what to load and what one request may cost."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder, hub id or 'demo' (default: demo)")
     p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+    p.add_argument("--adapter", metavar="PATH", help="a LoRA adapter folder applied on top of --model")
     p.add_argument(
         "--max-pixels",
         type=positive_int,
@@ -86,7 +88,9 @@ def model_loader(args: argparse.Namespace):
     from ..locate import load
 
     folder = resolve(args.model)
-    return lambda: load(folder, dtype=args.dtype)
+    if args.adapter is not None and not Path(args.adapter).is_dir():
+        raise FileNotFoundError(f"adapter folder {args.adapter!r} does not exist")
+    return lambda: load(folder, dtype=args.dtype, adapter_path=args.adapter)
 
 
 def main(argv: list[str] | None = None) -> int:

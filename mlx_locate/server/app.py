@@ -12,9 +12,11 @@ import asyncio
 import hmac
 import json
 import secrets
+import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from importlib.resources import files
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -418,6 +420,29 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
         return await chat_stream(worker, job_requests, settings, completion_id, created, usage)
 
     return app
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Run `app` under uvicorn on a background thread (tests, the load benchmark); yields its base URL once
+    the model is loaded, and shuts it down on exit."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start (see the log above)")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 # -- running jobs -----------------------------------------------------------------------------------------
