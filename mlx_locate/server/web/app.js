@@ -22,6 +22,15 @@ function showImage(dataUrl) {
   clearResults();
 }
 
+// Show the image as large as the stage allows (small images scale up, large ones down); the overlay follows.
+function fitImage() {
+  const img = $("image");
+  if (!img.naturalWidth) return;
+  const stage = $("drop").clientWidth - 24;
+  const scale = Math.min(stage / img.naturalWidth, (0.72 * window.innerHeight) / img.naturalHeight);
+  img.style.width = `${Math.floor(img.naturalWidth * scale)}px`;
+}
+
 function readFile(file) {
   const reader = new FileReader();
   reader.onload = () => showImage(reader.result);
@@ -139,7 +148,11 @@ async function locate(event) {
         count += 1;
         setStatus(`${count} found so far (${seconds.toFixed(2)} s)`);
       } else if (kind === "empty") {
-        setStatus(`${data.label ?? data.query}: not found`);
+        const row = $("objects").tBodies[0].insertRow();
+        row.insertCell();
+        row.insertCell().textContent = data.label ?? data.query;
+        row.insertCell().textContent = "not found";
+        row.cells[2].colSpan = 3;
       } else if (kind === "done") {
         const results = data.queries ?? [data];
         const s = results[0].stats;
@@ -173,5 +186,7 @@ $("example").addEventListener("click", async (e) => {
   readFile(blob);
 });
 $("controls").addEventListener("submit", locate);
+$("image").addEventListener("load", fitImage);
+window.addEventListener("resize", fitImage);
 fetch("/health").then((r) => r.json()).then((h) => { $("model").textContent = `model: ${h.model}`; })
   .catch(() => { $("model").textContent = "server unreachable"; });
