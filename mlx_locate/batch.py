@@ -524,7 +524,7 @@ def run(args: argparse.Namespace) -> int:
 
         cluster.require_ray()
     if not pending:
-        lines = iter(())
+        lines = None
     elif args.ray is not None:
         lines = cluster.ray_lines(
             args.ray or None, pending, args.model, args.dtype, settings, args.actors, args.images_per_task
@@ -537,31 +537,12 @@ def run(args: argparse.Namespace) -> int:
         for line in output_lines(out):
             if line["image"] in in_part and "results" in line and not drawing_path(args.draw, line["image"]).exists():
                 draw_line(line, None, args.draw, args.max_pixels, overwrite=False)
-
-    jsonl = Jsonl(out)
-    written, errors, workers = 0, 0, set()
-    try:
+    workers = set()
+    if lines is not None:
         with tqdm(total=len(part), initial=len(part) - len(pending), unit="image") as bar:
-            for line, image, worker in lines:
-                if line["image"] in done:  # a task redone after a Ray worker died
-                    continue
-                jsonl.write(line)
-                done[line["image"]] = "results" in line
-                written, errors = written + 1, errors + ("error" in line)
-                workers.add(worker)
-                if args.draw and "results" in line:
-                    draw_line(line, image, args.draw, args.max_pixels, args.overwrite)
-                bar.set_postfix(errors=errors, refresh=False)
-                bar.update()
-    except KeyboardInterrupt:
-        print(f"interrupted: {written} lines written to {out}; run the same command again to resume", file=sys.stderr)
-        return 130
-    except OutputError as e:
-        return stopped(str(e), written, out)
-    except Exception as e:  # the model (or the cluster) failed: say so, without a traceback
-        return stopped(f"the run stopped: {type(e).__name__}: {e}", written, out)
-    finally:
-        jsonl.close()
+            code = write_lines(lines, out, done, args, bar, workers)
+        if code:
+            return code
 
     if args.coco:
         ids = {path: i for i, path in enumerate(images, start=1)}
@@ -571,6 +552,37 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{len(part)} images ({len(pending)} run now{where}), {failed} with errors; results in {out}", file=sys.stderr
     )
+    return 0
+
+
+def write_lines(
+    lines: Iterator[Annotated], out: Path, done: dict[str, bool], args: argparse.Namespace, bar: tqdm, workers: set
+) -> int:
+    """Append each new line to `out` (and draw it) as it comes; 0, or the exit status of a stopped run."""
+    jsonl = Jsonl(out)
+    written = errors = 0
+    try:
+        for line, image, worker in lines:
+            if line["image"] in done:  # a task redone after a Ray worker died
+                continue
+            jsonl.write(line)
+            done[line["image"]] = "results" in line
+            written, errors = written + 1, errors + ("error" in line)
+            workers.add(worker)
+            if args.draw and "results" in line:
+                draw_line(line, image, args.draw, args.max_pixels, args.overwrite)
+            bar.set_postfix(errors=errors, refresh=False)
+            bar.update()
+    except KeyboardInterrupt:
+        print(f"interrupted: {written} lines written to {out}; run the same command again to resume", file=sys.stderr)
+        return 130
+    except OutputError as e:
+        return stopped(str(e), written, out)
+    except Exception as e:  # the model (or the cluster) failed: say so, without a traceback
+        return stopped(f"the run stopped: {type(e).__name__}: {e}", written, out)
+    finally:
+        lines.close()  # stops a Ray run's workers now, not when the generator is collected
+        jsonl.close()
     return 0
 
 
