@@ -43,11 +43,12 @@ from tqdm import tqdm
 from .decide import Mode
 from .draw import draw_objects
 from .engine import EventKind, Request
-from .generate import DEFAULT_MODEL, DTYPES, positive_int
+from .generate import DEFAULT_MODEL, DTYPES, positive_int, tiles_arg
 from .locate import LocateModel, Result, load
 from .parse import LocatedObject
 from .preprocess import load_image
 from .prompts import TASKS, task_text
+from .tiles import check_tiling
 
 DEFAULT_TASK = "detect"
 DEFAULT_MODE = Mode.HYBRID.value
@@ -83,6 +84,9 @@ class Settings:
     max_tokens: int = DEFAULT_MAX_TOKENS
     strict: bool = False
     max_pixels: int | None = None
+    tiles: str | tuple[int, int] | None = None  # "auto" or (rows, cols): tiles decoded together and merged
+    tile_overlap: float = Request.tile_overlap
+    tile_whole: bool = Request.tile_whole
     full: bool = False  # keep LEAN_DROPPED
     batch_size: int | None = None  # engine rows; None: engine.default_rows()
 
@@ -97,6 +101,9 @@ class Settings:
                 max_tokens=self.max_tokens,
                 strict=self.strict,
                 max_pixels=self.max_pixels,
+                tiles=self.tiles,
+                tile_overlap=self.tile_overlap,
+                tile_whole=self.tile_whole,
                 tag=(path, i),
             )
             for i, q in enumerate(self.questions)
@@ -146,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-pixels", type=positive_int, help="largest image accepted, in pixels (default: Pillow's, about 89.5 M)"
     )
     p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder applied on top of --model")
+    p.add_argument(
+        "--tiles",
+        type=tiles_arg,
+        metavar="auto|ROWSxCOLS",
+        help="decode overlapping tiles (and the whole image) of each image as one batch and merge their objects",
+    )
+    p.add_argument("--tile-overlap", type=float, help="fraction of a tile shared with its neighbour (default: 0.2)")
+    p.add_argument("--no-tile-whole", action="store_true", help="decode the tiles only, not the whole image too")
     p.add_argument("--out", help="JSONL results, one line per image; an existing file is resumed")
     p.add_argument("--full", action="store_true", help=f"keep {' and '.join(LEAN_DROPPED)} in the JSONL")
     p.add_argument("--coco", metavar="PATH", help="also write COCO detection results (and PATH's .images.json)")
@@ -216,6 +232,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--overwrite only applies to --coco and --draw")
     if args.ray is None and args.actors is not None:
         parser.error("--actors only applies to --ray")
+    if args.tiles is None and (args.no_tile_whole or args.tile_overlap is not None):
+        parser.error("--tile-overlap and --no-tile-whole only apply with --tiles")
 
 
 def settings_of(args: argparse.Namespace) -> Settings:
@@ -228,12 +246,18 @@ def settings_of(args: argparse.Namespace) -> Settings:
     for q in questions:
         if q.prompt is None:
             task_text(q.task, q.query)
+    overlap = Request.tile_overlap if args.tile_overlap is None else args.tile_overlap
+    if args.tiles is not None:
+        check_tiling(args.tiles, overlap)
     return Settings(
         questions=questions,
         mode=args.mode,
         max_tokens=args.max_tokens,
         strict=args.strict,
         max_pixels=args.max_pixels,
+        tiles=args.tiles,
+        tile_overlap=overlap,
+        tile_whole=not args.no_tile_whole,
         full=args.full,
         batch_size=args.batch_size,
     )
@@ -526,11 +550,10 @@ def run(args: argparse.Namespace) -> int:
     if not pending:
         lines = None
     elif args.ray is not None:
-        lines = cluster.ray_lines(
-            args.ray or None, pending, args.model, args.dtype, settings, args.actors, args.images_per_task
-        )
+        model = {"path_or_hub_id": args.model, "dtype": args.dtype, "adapter_path": args.adapter}
+        lines = cluster.ray_lines(args.ray or None, pending, model, settings, args.actors, args.images_per_task)
     else:
-        lines = annotate(load(args.model, dtype=args.dtype), pending, settings)
+        lines = annotate(load(args.model, dtype=args.dtype, adapter_path=args.adapter), pending, settings)
 
     if args.draw and done:
         in_part = set(part)
@@ -539,8 +562,8 @@ def run(args: argparse.Namespace) -> int:
                 draw_line(line, None, args.draw, args.max_pixels, overwrite=False)
     workers = set()
     if lines is not None:
-        with tqdm(total=len(part), initial=len(part) - len(pending), unit="image") as bar:
-            code = write_lines(lines, out, done, args, bar, workers)
+        bar = {"total": len(part), "initial": len(part) - len(pending)}
+        code = write_lines(lines, out, done, args, bar, workers)
         if code:
             return code
 
@@ -556,42 +579,40 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_lines(
-    lines: Iterator[Annotated], out: Path, done: dict[str, bool], args: argparse.Namespace, bar: tqdm, workers: set
+    lines: Iterator[Annotated], out: Path, done: dict[str, bool], args: argparse.Namespace, bar: dict, workers: set
 ) -> int:
-    """Append each new line to `out` (and draw it) as it comes; 0, or the exit status of a stopped run."""
+    """Append each new line to `out` (and draw it) as it comes, under a progress bar (`bar`: tqdm's arguments);
+    0, or the exit status of a stopped run, said on stderr once the bar is closed."""
     jsonl = Jsonl(out)
     written = errors = 0
     try:
-        for line, image, worker in lines:
-            if line["image"] in done:  # a task redone after a Ray worker died
-                continue
-            jsonl.write(line)
-            done[line["image"]] = "results" in line
-            written, errors = written + 1, errors + ("error" in line)
-            workers.add(worker)
-            if args.draw and "results" in line:
-                draw_line(line, image, args.draw, args.max_pixels, args.overwrite)
-            bar.set_postfix(errors=errors, refresh=False)
-            bar.update()
+        with tqdm(unit="image", **bar) as progress:
+            for line, image, worker in lines:
+                if line["image"] in done:  # a task redone after a Ray worker died
+                    continue
+                jsonl.write(line)
+                done[line["image"]] = "results" in line
+                written, errors = written + 1, errors + ("error" in line)
+                workers.add(worker)
+                if args.draw and "results" in line:
+                    draw_line(line, image, args.draw, args.max_pixels, args.overwrite)
+                progress.set_postfix(errors=errors, refresh=False)
+                progress.update()
+        return 0
     except KeyboardInterrupt:
         print(f"interrupted: {written} lines written to {out}; run the same command again to resume", file=sys.stderr)
         return 130
-    except OutputError as e:
-        return stopped(str(e), written, out)
-    except Exception as e:  # the model (or the cluster) failed: say so, without a traceback
-        return stopped(f"the run stopped: {type(e).__name__}: {e}", written, out)
+    except Exception as e:  # the output, the model or the cluster failed: say so, without a traceback
+        reason = str(e) if isinstance(e, OutputError) else f"the run stopped: {type(e).__name__}: {e}"
+        print(
+            f"error: {reason}\n{written} lines written to {out} in this run are kept; run the same command again "
+            "to resume",
+            file=sys.stderr,
+        )
+        return 2
     finally:
         lines.close()  # stops a Ray run's workers now, not when the generator is collected
         jsonl.close()
-    return 0
-
-
-def stopped(reason: str, written: int, out: Path) -> int:
-    print(
-        f"error: {reason}\n{written} lines written to {out} in this run are kept; run the same command again to resume",
-        file=sys.stderr,
-    )
-    return 2
 
 
 def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> int:

@@ -39,9 +39,9 @@ class LocatePredictor:
     """One model copy on a Ray worker. MLX work runs on one thread of its own: Ray calls `__init__` and
     `__call__` on different threads, and MLX streams belong to the thread that made them."""
 
-    def __init__(self, model: str, dtype: str | None, settings: Settings):
+    def __init__(self, model: dict, settings: Settings):
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
-        self.model = self.thread.submit(load, model, dtype=dtype).result()
+        self.model = self.thread.submit(load, **model).result()
         self.settings = settings
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -75,14 +75,14 @@ def actor_options() -> dict:
 def ray_lines(
     address: str | None,
     paths: list[str],
-    model: str,
-    dtype: str | None,
+    model: dict,
     settings: Settings,
     actors: int | None = None,
     images_per_task: int = 16,
 ) -> Iterator[Annotated]:
     """The lines of `paths`, annotated on the Ray cluster at `address` (None: the one found on this machine,
-    else a new local one), as they come back. A connection this call made is closed at the end."""
+    else a new local one), as they come back; each worker loads `load(**model)`. A connection this call made
+    is closed at the end."""
     ray = require_ray()
     started = not ray.is_initialized()
     if started:
@@ -95,7 +95,7 @@ def ray_lines(
             warnings.simplefilter("ignore", DeprecationWarning)  # actor_options(): said once, in the docs
             dataset = ray.data.from_items([{"image": p} for p in paths]).map_batches(
                 LocatePredictor,
-                fn_constructor_kwargs={"model": model, "dtype": dtype, "settings": settings},
+                fn_constructor_kwargs={"model": model, "settings": settings},
                 batch_size=images_per_task,
                 compute=ray.data.ActorPoolStrategy(size=size),
                 **resources,

@@ -72,10 +72,11 @@ class Runner:
     """`runner(*args)` -> (exit code, stderr) of `batch.main` with the module's model and the standard queries."""
 
     def __init__(self, model, capfd):
-        self.model, self.capfd, self.loads = model, capfd, []
+        self.model, self.capfd, self.loads, self.adapters = model, capfd, [], []
 
-    def load(self, path, dtype=None):
+    def load(self, path, dtype=None, adapter_path=None):
         self.loads.append(path)
+        self.adapters.append(adapter_path)
         return self.model
 
     def __call__(self, *args: str, questions=RUN) -> tuple[int, str]:
@@ -175,14 +176,32 @@ def test_flags_reach_every_request(run, folder, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Engine, "submit", submit)
     out = tmp_path / "flags.jsonl"
-    flags = ["--strict", "--max-pixels", "60000", "--mode", "slow", "--max-tokens", "3", "--batch-size", "3"]
+    flags = ["--strict", "--max-pixels", "60000", "--mode", "slow", "--max-tokens", "3", "--batch-size", "3",
+             "--adapter", "my-adapter"]  # fmt: skip
     code, err = run("--images", str(folder / "[ab].png"), "--out", str(out), *flags, questions=["--query", "star"])
     assert code == 0, err
     assert len(seen) == 2 and {r.tag[0] for _, r in seen} == {str(folder / "a.png"), str(folder / "b.png")}
     for rows, r in seen:
-        assert (rows, r.query, r.task, r.strict, r.max_pixels, r.mode, r.max_tokens) == (
-            3, "star", "detect", True, 60_000, "slow", 3
-        )  # fmt: skip
+        options = (r.query, r.task, r.strict, r.max_pixels, r.mode, r.max_tokens, r.tiles)
+        assert rows == 3 and options == ("star", "detect", True, 60_000, "slow", 3, None)
+    assert run.adapters == ["my-adapter"]
+
+
+def test_tiled_lines_are_what_locate_with_tiles_returns(run, model, folder, tmp_path):
+    out = tmp_path / "tiles.jsonl"
+    questions = ["--query", "square", "--mode", "fast", "--max-tokens", "16"]
+    tiling = ["--tiles", "1x2", "--tile-overlap", "0.1", "--no-tile-whole"]
+    code, err = run("--images", str(folder / "a.png"), "--out", str(out), *tiling, questions=questions)
+    assert code == 0, err
+    (line,) = lines_of(out)
+    (result,) = line["results"]
+    assert result.pop("stats")["tile_grid"] == [1, 2]
+    image = Image.open(folder / "a.png")
+    tiled = model.locate(image, "square", tiles=(1, 2), tile_overlap=0.1, tile_whole=False, mode="fast", max_tokens=16)
+    tiled = json.loads(json.dumps(tiled.to_dict()))
+    for key in ("stats", *batch.LEAN_DROPPED):
+        del tiled[key]
+    assert result == {"task": "detect", "query": "square", **tiled}
 
 
 def test_max_pixels_applies_to_every_image(run, folder, tmp_path):

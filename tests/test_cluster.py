@@ -63,7 +63,7 @@ def single(folder):
     out, coco = folder.parent / "single.jsonl", folder.parent / "single_coco.json"
     with pytest.MonkeyPatch.context() as mp:
         model = load("demo")
-        mp.setattr(batch, "load", lambda path, dtype=None: model)
+        mp.setattr(batch, "load", lambda path, dtype=None, adapter_path=None: model)
         assert main("--images", str(folder), "--out", str(out), "--coco", str(coco)) == 0
     return out, coco
 
