@@ -1,23 +1,27 @@
-"""Folders of images: `mlx-locate-batch --model M --images DIR_OR_GLOB --query Q [--query ...] --out results.jsonl`.
+"""Folders of images: `mlx-locate-batch --images DIR_OR_GLOB_OR_LIST --query Q [--query ...] --out results.jsonl`.
 
-`python -m mlx_locate.batch` runs the same `main`. Each image is opened once (one `Session`) and asked every
-`--query` in turn. Output formats:
+`python -m mlx_locate.batch` runs the same `main`. Every (image x question) is a `Request` to one batched
+`Engine`; a bounded window of images is in flight, so memory does not grow with the folder. A question is a
+`--query` under `--task`, or a raw `--prompt`. Output formats:
 
-- `--out results.jsonl`: one line per image, written, flushed and fsynced as soon as the image is done:
-  `{"image": PATH, "size": [W, H], "results": [{"query": Q, ...Result.to_dict()}, ...]}` (lean: without
-  `prompt_ids` and `token_probs` unless `--full`). An image that cannot be read gets
-  `{"image": PATH, "error": "..."}` and the run goes on. Rerunning with the same `--out` resumes: images
-  already in the file (answered or errored) are skipped; a last line cut short by an interruption is dropped
-  and its image done again. Delete an error line to retry that image.
-- `--coco out.json`: COCO detection results for every answered image of the run, `[{"image_id", "category_id",
-  "bbox": [x, y, w, h], "score"}]`, in pixels; points are not boxes and are left out. `category_id` is the
-  1-based position of the query in `--query`; `image_id` the 1-based position of the image in the sorted list
-  of images. Both tables are written next to it as `out.images.json`: `{"images": [{"id", "file_name",
-  "width", "height"}], "categories": [{"id", "name"}]}`, COCO's dataset layout.
-- `--draw DIR`: `DIR/<image file name>.png` with every query's objects drawn. Images already in the JSONL whose
-  drawing is missing are drawn from their JSONL line, without the model.
+- `--out results.jsonl`: one line per image, written, flushed and fsynced as soon as all its questions are
+  answered (lines may come out of order): `{"image": PATH, "size": [W, H], "results": [{"task": T,
+  "query": Q} or {"prompt": P}, ...Result.to_dict()}, ...]}`, results in the order of the questions (lean:
+  without `prompt_ids` and `token_probs` unless `--full`). An image that cannot be read, decoded or
+  preprocessed, or whose prompt does not fit, gets `{"image": PATH, "error": "..."}` and the run goes on;
+  only a failure of the model or of the output stops it (exit 2; every line written stays). Rerunning with
+  the same `--out` resumes by image path: images already in the file are skipped; a last line cut short by
+  an interruption is dropped and its image done again. Delete an error line to retry that image.
+- `--coco out.json`: COCO detection results, `[{"image_id", "category_id", "bbox": [x, y, w, h], "score"}]`,
+  in pixels; points are not boxes and are left out. `category_id` is the 1-based position of the question;
+  `image_id` the 1-based position of the image in the sorted list of all images. The tables go next to it
+  as `out.images.json`: `{"images": [{"id", "file_name", "width", "height"}], "categories": [{"id", "name"}]}`.
+- `--draw DIR`: `DIR/<image file name>.png` with every question's objects drawn. Images already in the JSONL
+  whose drawing is missing are drawn from their JSONL line, without the model.
 
-`--overwrite` lets `--coco` and `--draw` replace existing files; the JSONL is never overwritten, only resumed.
+Many machines: `--shard I/N` runs the I-th of N disjoint parts (a stable hash of each path), `--merge OUT
+PART...` joins the parts' JSONL files, and `--ray [ADDRESS]` spreads the images over a Ray cluster
+(`cluster.py`). `--overwrite` lets `--coco` and `--draw` replace existing files; a JSONL is never overwritten.
 """
 
 from __future__ import annotations
@@ -25,83 +29,298 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from PIL import Image
 from tqdm import tqdm
 
 from .decide import Mode
 from .draw import draw_objects
-from .generate import DTYPES, positive_int
-from .locate import LocateModel, load
+from .engine import EventKind, Request
+from .generate import DEFAULT_MODEL, DTYPES, positive_int, tiles_arg
+from .locate import LocateModel, Result, load
 from .parse import LocatedObject
 from .preprocess import load_image
 from .prompts import TASKS, task_text
+from .tiles import check_tiling
 
 DEFAULT_TASK = "detect"
 DEFAULT_MODE = Mode.HYBRID.value
 DEFAULT_MAX_TOKENS = 512
+DEFAULT_IMAGES_PER_TASK = 16
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LEAN_DROPPED = ("prompt_ids", "token_probs")  # per-token fields left out of the JSONL unless --full
+QUESTION_KEYS = ("task", "query", "prompt")  # what a result entry says about its question
+
+
+class Question(NamedTuple):
+    """One question asked of every image: `query` under `task`, or raw user text `prompt`."""
+
+    task: str | None
+    query: str | None
+    prompt: str | None = None
+
+    def key(self) -> dict:
+        """How the JSONL names this question in each result entry."""
+        return {"prompt": self.prompt} if self.prompt is not None else {"task": self.task, "query": self.query}
+
+    def name(self) -> str:
+        """The COCO category name."""
+        return next(v for v in (self.prompt, self.query, self.task) if v is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything one image's requests and its JSONL line depend on (sent to Ray workers as is)."""
+
+    questions: tuple[Question, ...]
+    mode: str = DEFAULT_MODE
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    strict: bool = False
+    max_pixels: int | None = None
+    tiles: str | tuple[int, int] | None = None  # "auto" or (rows, cols): tiles decoded together and merged
+    tile_overlap: float = Request.tile_overlap
+    tile_whole: bool = Request.tile_whole
+    full: bool = False  # keep LEAN_DROPPED
+    batch_size: int | None = None  # engine rows; None: engine.default_rows()
+
+    def requests(self, image: Image.Image, path: str) -> list[Request]:
+        return [
+            Request(
+                image,
+                q.query,
+                task=q.task or DEFAULT_TASK,
+                prompt=q.prompt,
+                mode=self.mode,
+                max_tokens=self.max_tokens,
+                strict=self.strict,
+                max_pixels=self.max_pixels,
+                tiles=self.tiles,
+                tile_overlap=self.tile_overlap,
+                tile_whole=self.tile_whole,
+                tag=(path, i),
+            )
+            for i, q in enumerate(self.questions)
+        ]
+
+
+class Annotated(NamedTuple):
+    line: dict  # the image's JSONL line
+    image: Image.Image | None  # the decoded image (for drawing); None for an error line or a remote one
+    worker: str | None = None  # "host:pid" of the Ray worker that made the line
+
+
+class OutputError(Exception):
+    """Writing the results failed (disk full, permission): the run stops, the lines written stay."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlx-locate-batch",
-        description="Run LocateAnything queries over a folder of images; resumable JSONL, COCO results, drawings.",
+        description="Run LocateAnything questions over a folder of images; resumable JSONL, COCO results, drawings; "
+        "shards, merging and Ray clusters for many machines.",
     )
-    p.add_argument("--model", required=True, help="checkpoint folder or Hugging Face hub id")
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint folder, Hugging Face hub id or 'demo' (default: demo, the bundled tiny model)",
+    )
     p.add_argument(
         "--images",
-        required=True,
-        help=f"a folder (its files ending in {', '.join(IMAGE_SUFFIXES)}) or a glob pattern ('**' recurses)",
+        help=f"a folder (its files ending in {', '.join(IMAGE_SUFFIXES)}), a glob pattern ('**' recurses) or a "
+        '.jsonl list of paths (one JSON string or {"image": PATH} per line; relative to the list\'s folder)',
     )
-    p.add_argument("--task", choices=TASKS, default=DEFAULT_TASK, help="prompt template (default: %(default)s)")
-    p.add_argument("--query", action="append", help="what to find; repeat for several queries (COCO categories)")
+    p.add_argument("--task", choices=TASKS, help=f"prompt template for --query (default: {DEFAULT_TASK})")
+    p.add_argument("--query", action="append", help="what to find; repeat for several questions (COCO categories)")
+    p.add_argument("--prompt", action="append", help="raw user text, sent as is; repeatable; replaces --task/--query")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=DEFAULT_MODE, help="(default: %(default)s)")
     p.add_argument(
         "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="generated tokens (default: %(default)s)"
     )
+    p.add_argument("--strict", action="store_true", help="the reference's decisions exactly: every guard off")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help="requests decoded together in one engine (default: sized for the machine, 16 on a GPU, 4 on a CPU)",
+    )
+    p.add_argument(
+        "--max-pixels", type=positive_int, help="largest image accepted, in pixels (default: Pillow's, about 89.5 M)"
+    )
     p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
-    p.add_argument("--out", required=True, help="JSONL results, one line per image; an existing file is resumed")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder applied on top of --model")
+    p.add_argument(
+        "--tiles",
+        type=tiles_arg,
+        metavar="auto|ROWSxCOLS",
+        help="decode overlapping tiles (and the whole image) of each image as one batch and merge their objects",
+    )
+    p.add_argument("--tile-overlap", type=float, help="fraction of a tile shared with its neighbour (default: 0.2)")
+    p.add_argument("--no-tile-whole", action="store_true", help="decode the tiles only, not the whole image too")
+    p.add_argument("--out", help="JSONL results, one line per image; an existing file is resumed")
     p.add_argument("--full", action="store_true", help=f"keep {' and '.join(LEAN_DROPPED)} in the JSONL")
     p.add_argument("--coco", metavar="PATH", help="also write COCO detection results (and PATH's .images.json)")
     p.add_argument("--draw", metavar="DIR", help="save each image with its objects drawn as DIR/<name>.png")
     p.add_argument("--overwrite", action="store_true", help="let --coco and --draw replace existing files")
+
+    m = p.add_argument_group("many machines")
+    m.add_argument("--shard", type=shard_spec, metavar="I/N", help="run only part I of N (1-based; a hash of the path)")
+    m.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="PATH",
+        help="OUT PART [PART ...]: join the JSONL files of shards into OUT without duplicates (with --coco: "
+        "write the COCO files of the joined lines)",
+    )
+    m.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run on a Ray cluster (pip install 'mlx-locate[cluster]'): the cluster at ADDRESS, or without it "
+        "the one `ray start` made on this machine, else a local one",
+    )
+    m.add_argument(
+        "--actors", type=positive_int, help="Ray: model copies (default: one per 'mlx' resource, GPU or node)"
+    )
+    m.add_argument(
+        "--images-per-task",
+        type=positive_int,
+        default=DEFAULT_IMAGES_PER_TASK,
+        help="Ray: images sent to a worker at once; a dead worker's task is redone elsewhere (default: %(default)s)",
+    )
     return p
 
 
-def list_images(pattern: str) -> list[Path]:
-    """The files of folder `pattern` with an image suffix, or the files matching glob `pattern`; sorted."""
-    folder = Path(pattern).expanduser()
-    if folder.is_dir():
-        found = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+def shard_spec(text: str) -> tuple[int, int]:
+    """`"I/N"` -> (I, N) with 1 <= I <= N."""
+    try:
+        index, count = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 1/4, got {text!r}") from None
+    if not 1 <= index <= count:
+        raise argparse.ArgumentTypeError(f"I/N needs 1 <= I <= N, got {text!r}")
+    return index, count
+
+
+def shard_of(path: str, count: int) -> int:
+    """The 1-based shard of image `path` among `count`: a hash of the path's UTF-8 bytes, the same in every
+    process and on every machine (unlike Python's salted `hash`)."""
+    digest = hashlib.blake2b(path.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % count + 1
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flag combinations argparse cannot express; each exits with status 2 through `parser.error`."""
+    if args.merge is not None:
+        used = [f"--{n}" for n in ("images", "out", "query", "prompt", "draw", "shard", "ray") if getattr(args, n)]
+        if used:
+            parser.error(f"--merge joins finished outputs; drop {', '.join(used)}")
+        if len(args.merge) < 2:
+            parser.error("--merge needs OUT and at least one PART")
+        return
+    if args.images is None or args.out is None:
+        parser.error("--images and --out are required (or --merge OUT PART...)")
+    if args.prompt is not None and (args.task is not None or args.query):
+        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
+    if args.overwrite and not (args.coco or args.draw):
+        parser.error("--overwrite only applies to --coco and --draw")
+    if args.ray is None and args.actors is not None:
+        parser.error("--actors only applies to --ray")
+    if args.tiles is None and (args.no_tile_whole or args.tile_overlap is not None):
+        parser.error("--tile-overlap and --no-tile-whole only apply with --tiles")
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The run's settings; every question's prompt text is checked (`ValueError`) before the model loads."""
+    if args.prompt is not None:
+        questions = tuple(Question(None, None, prompt) for prompt in args.prompt)
     else:
-        found = [Path(p) for p in glob.glob(str(folder), recursive=True) if Path(p).is_file()]
+        task = args.task or DEFAULT_TASK
+        questions = tuple(Question(task, query) for query in (args.query or [None]))
+    for q in questions:
+        if q.prompt is None:
+            task_text(q.task, q.query)
+    overlap = Request.tile_overlap if args.tile_overlap is None else args.tile_overlap
+    if args.tiles is not None:
+        check_tiling(args.tiles, overlap)
+    return Settings(
+        questions=questions,
+        mode=args.mode,
+        max_tokens=args.max_tokens,
+        strict=args.strict,
+        max_pixels=args.max_pixels,
+        tiles=args.tiles,
+        tile_overlap=overlap,
+        tile_whole=not args.no_tile_whole,
+        full=args.full,
+        batch_size=args.batch_size,
+    )
+
+
+def list_images(spec: str) -> list[str]:
+    """The images of a folder (files with an image suffix), a glob pattern or a .jsonl list; sorted, unique."""
+    source = Path(spec).expanduser()
+    if source.is_dir():
+        found = [p for p in source.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+    elif source.suffix == ".jsonl" and source.is_file():
+        found = read_manifest(source)
+    else:
+        found = [Path(p) for p in glob.glob(str(source), recursive=True) if Path(p).is_file()]
     if not found:
-        raise FileNotFoundError(f"no image files in {pattern!r}; give a folder or a glob such as 'photos/*.jpg'")
-    return sorted(found)
+        raise FileNotFoundError(
+            f"no image files in {spec!r}; give a folder, a glob such as 'photos/*.jpg' or a .jsonl list of paths"
+        )
+    return [str(p) for p in sorted(set(found))]
 
 
-def drawing_path(folder: str | Path, image: Path) -> Path:
-    return Path(folder) / f"{image.name}.png"
+def read_manifest(path: Path) -> list[Path]:
+    """The paths of a JSONL list: each line a JSON string or an object with an "image" key (so an output
+    JSONL is a list too); relative paths are taken from the list's folder."""
+    paths = []
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not text.strip():
+            continue
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number} is not JSON ({e})") from None
+        image = entry.get("image") if isinstance(entry, dict) else entry
+        if not isinstance(image, str) or not image:
+            raise ValueError(f'{path}:{number} is neither a path string nor an object with an "image" path')
+        paths.append(path.parent / Path(image).expanduser())
+    return paths
 
 
-def read_done(path: Path) -> dict[str, dict]:
-    """The lines already in the JSONL at `path`, by image; a last line without its newline (an interrupted
-    write) is cut off the file. A complete line that is not JSON raises `ValueError`: nothing is rewritten."""
+def drawing_path(folder: str | Path, image: str) -> Path:
+    return Path(folder) / f"{Path(image).name}.png"
+
+
+def question_keys(entry: dict) -> list[dict]:
+    return [{k: r[k] for k in QUESTION_KEYS if k in r} for r in entry["results"]]
+
+
+def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool = True) -> dict[str, bool]:
+    """The images already in the JSONL at `path`, each mapped to whether it was answered (False: error line).
+
+    A last line without its newline (an interrupted write) is cut off the file (`repair`) or ignored. A
+    complete line that is not JSON, or that answers other questions than `questions`, raises `ValueError`:
+    nothing is rewritten."""
     if not path.exists():
         return {}
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) < len(data):
+    if repair and len(complete) < len(data):
         with path.open("r+b") as f:
             f.truncate(len(complete))
             f.flush()
             os.fsync(f.fileno())
+    expected = None if questions is None else [q.key() for q in questions]
     done = {}
     for number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
         try:
@@ -110,42 +329,92 @@ def read_done(path: Path) -> dict[str, dict]:
             raise ValueError(
                 f"{path}:{number} is not JSON ({e}); fix or remove that line, or use another --out"
             ) from None
-        if not isinstance(entry, dict) or "image" not in entry:
+        if not isinstance(entry, dict) or "image" not in entry or not ("results" in entry or "error" in entry):
             raise ValueError(f"{path}:{number} is not a line of mlx-locate-batch; use another --out")
-        done[entry["image"]] = entry
+        if "results" in entry and expected is not None and question_keys(entry) != expected:
+            raise ValueError(
+                f"{path} holds answers to {question_keys(entry)}, not {expected}; use another --out to start over"
+            )
+        done[entry["image"]] = "results" in entry
     return done
 
 
-def check_queries(path: Path, done: dict[str, dict], queries: list[str | None]) -> None:
-    for entry in done.values():
-        if "results" in entry and [r["query"] for r in entry["results"]] != queries:
-            found = [r["query"] for r in entry["results"]]
-            raise ValueError(f"{path} holds answers to queries {found}, not {queries}; use another --out to start over")
+def output_lines(path: Path) -> Iterator[dict]:
+    """The complete lines of a JSONL that `scan_output` accepted, one at a time."""
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.endswith("\n"):
+                yield json.loads(line)
 
 
-def image_line(
-    model: LocateModel, image_path: Path, queries: list[str | None], args: argparse.Namespace
-) -> tuple[dict, Image.Image | None, list[LocatedObject]]:
-    """The JSONL entry of one image, the image and its objects; an unreadable image gives an error entry."""
+def result_entry(question: Question, result: Result, full: bool) -> dict:
+    entry = {**question.key(), **result.to_dict()}
+    if not full:
+        for key in LEAN_DROPPED:
+            del entry[key]
+    return entry
+
+
+def error_line(path: str, error: Exception) -> dict:
+    return {"image": path, "error": str(error)}
+
+
+def read_image(path: str, max_pixels: int | None) -> Image.Image | dict:
+    """The decoded image, or its error line."""
     try:
-        image = load_image(image_path)
-        session = model.session(image)
-        results = [session.locate(q, task=args.task, mode=args.mode, max_tokens=args.max_tokens) for q in queries]
-    except (OSError, ValueError) as e:
-        return {"image": str(image_path), "error": str(e)}, None, []
-    entries = []
-    for query, result in zip(queries, results, strict=True):
-        entry = result.to_dict()
-        if not args.full:
-            for key in LEAN_DROPPED:
-                del entry[key]
-        entries.append({"query": query, **entry})
-    line = {"image": str(image_path), "size": list(results[0].image_size), "results": entries}
-    return line, image, [obj for r in results for obj in r.objects]
+        return load_image(path, max_pixels)
+    except (FileNotFoundError, ValueError) as e:
+        return error_line(path, e)
+    except Exception as e:  # Pillow's plugins raise many types on corrupt files; they concern this image only
+        return error_line(path, ValueError(f"{path} is not a readable image: {type(e).__name__}: {e}"))
+
+
+def annotate(model: LocateModel, paths: Iterable[str], settings: Settings) -> Iterator[Annotated]:
+    """Every image's line as soon as all its questions are answered (in completion order).
+
+    All requests go to one engine; at most `ceil(rows / questions)` images are decoded and held at once. An
+    image that cannot be read, or a request that fails (`RequestError`), gives that image's error line; any
+    other exception is a failure of the model and propagates."""
+    engine = model.engine(settings.batch_size)
+    window = max(1, -(-engine.max_rows // len(settings.questions)))
+    paths = iter(paths)
+    flight: dict[str, tuple[Image.Image, list]] = {}  # path -> (image, its results or RequestErrors so far)
+    while True:
+        while len(flight) < window and (path := next(paths, None)) is not None:
+            image = read_image(path, settings.max_pixels)
+            if isinstance(image, dict):
+                yield Annotated(image, None)
+                continue
+            flight[path] = (image, [None] * len(settings.questions))
+            for request in settings.requests(image, path):
+                engine.submit(request)
+        if not flight:
+            return
+        assert not engine.idle, "images in flight but no request left in the engine"
+        for event in engine.step():
+            if event.kind not in (EventKind.DONE, EventKind.ERROR):
+                continue
+            path, index = event.handle.request.tag
+            image, answers = flight[path]
+            answers[index] = event.result if event.kind is EventKind.DONE else event.error
+            if all(a is not None for a in answers):
+                del flight[path]
+                yield image_line(path, image, answers, settings)
+
+
+def image_line(path: str, image: Image.Image, answers: list, settings: Settings) -> Annotated:
+    """The line of an image whose every question is answered: its results in question order, or the first
+    failure (named by its question when there are several)."""
+    for question, answer in zip(settings.questions, answers, strict=True):
+        if not isinstance(answer, Result):
+            where = f"{question.name()!r}: " if len(settings.questions) > 1 else ""
+            return Annotated(error_line(path, ValueError(f"{where}{answer}")), None)
+    results = [result_entry(q, r, settings.full) for q, r in zip(settings.questions, answers, strict=True)]
+    return Annotated({"image": path, "size": list(answers[0].image_size), "results": results}, image)
 
 
 def objects_of(entry: dict) -> list[LocatedObject]:
-    """The objects of a JSONL line, as `LocatedObject`s again (for drawing a resumed run)."""
+    """The objects of a JSONL line, as `LocatedObject`s again (for drawing without the model)."""
     names = [f.name for f in dataclasses.fields(LocatedObject)]
     return [
         LocatedObject(**{n: tuple(o[n]) if isinstance(o.get(n), list) else o.get(n) for n in names})
@@ -154,27 +423,42 @@ def objects_of(entry: dict) -> list[LocatedObject]:
     ]
 
 
-def coco_tables(images: list[Path], done: dict[str, dict], queries: list[str | None], task: str) -> tuple[list, dict]:
-    """COCO detection results and the image and category tables they refer to."""
-    detections, table = [], []
-    for image_id, path in enumerate(images, start=1):
-        entry = done.get(str(path))
-        if entry is None or "results" not in entry:
-            continue
-        width, height = entry["size"]
-        table.append({"id": image_id, "file_name": str(path), "width": width, "height": height})
-        for category_id, result in enumerate(entry["results"], start=1):
-            for obj in result["objects"]:
-                if "box" not in obj:
-                    continue
-                x1, y1, x2, y2 = obj["box"]
-                x, y = min(x1, x2), min(y1, y2)
-                bbox = [round(v, 2) for v in (x, y, abs(x2 - x1), abs(y2 - y1))]
-                detections.append(
-                    {"image_id": image_id, "category_id": category_id, "bbox": bbox, "score": obj["confidence"]}
-                )
-    categories = [{"id": i, "name": q if q is not None else task} for i, q in enumerate(queries, start=1)]
-    return detections, {"images": table, "categories": categories}
+def draw_line(line: dict, image: Image.Image | None, folder: str, max_pixels: int | None, overwrite: bool) -> None:
+    """Draw an answered line's objects; `image` None reads it again (a resumed or remote line)."""
+    if image is None:
+        image = read_image(line["image"], max_pixels)
+        if isinstance(image, dict):
+            print(f"warning: not drawn: {image['error']}", file=sys.stderr)
+            return
+    try:
+        draw_objects(image, objects_of(line), drawing_path(folder, line["image"]), overwrite=overwrite)
+    except OSError as e:
+        raise OutputError(f"cannot write {drawing_path(folder, line['image'])}: {e}") from e
+
+
+class Jsonl:
+    """The output JSONL, opened for appending: each line is written, flushed and fsynced at once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.file = path.open("a", encoding="utf-8")
+        except OSError as e:
+            raise OutputError(f"cannot write {path}: {e}") from e
+
+    def write(self, line: dict) -> None:
+        try:
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        except OSError as e:
+            raise OutputError(f"cannot write {self.path}: {e}") from e
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError:  # the write that failed was reported; the lines before it are on disk
+            pass
 
 
 def coco_tables_path(coco: str | Path) -> Path:
@@ -182,65 +466,202 @@ def coco_tables_path(coco: str | Path) -> Path:
     return coco.with_name(f"{coco.stem}.images.json")
 
 
+def coco_detections(line: dict, image_id: int) -> Iterator[dict]:
+    """COCO results of one answered line: boxes as [x, y, w, h] in pixels, points left out."""
+    for category_id, result in enumerate(line["results"], start=1):
+        for obj in result["objects"]:
+            if "box" not in obj:
+                continue
+            x1, y1, x2, y2 = obj["box"]
+            bbox = [round(v, 2) for v in (min(x1, x2), min(y1, y2), abs(x2 - x1), abs(y2 - y1))]
+            yield {"image_id": image_id, "category_id": category_id, "bbox": bbox, "score": obj["confidence"]}
+
+
+def write_coco(coco: Path, lines: Iterable[dict], ids: dict[str, int], categories: list[str]) -> None:
+    """Stream the COCO results and tables of `lines` (images outside `ids` skipped); each file is written
+    under a temporary name and renamed, so an existing one is replaced whole or not at all."""
+    tables = coco_tables_path(coco)
+    staged = [coco.with_name(coco.name + ".partial"), tables.with_name(tables.name + ".partial")]
+    try:
+        with staged[0].open("w") as results, staged[1].open("w") as images:
+            results.write("[")
+            images.write('{"images": [')
+            first_detection = first_image = True
+            for line in lines:
+                image_id = ids.get(line["image"])
+                if image_id is None or "results" not in line:
+                    continue
+                width, height = line["size"]
+                entry = {"id": image_id, "file_name": line["image"], "width": width, "height": height}
+                images.write(("" if first_image else ",\n") + json.dumps(entry))
+                first_image = False
+                for detection in coco_detections(line, image_id):
+                    results.write(("" if first_detection else ", ") + json.dumps(detection))
+                    first_detection = False
+            results.write("]")
+            table = [{"id": i, "name": name} for i, name in enumerate(categories, start=1)]
+            images.write(f'],\n"categories": {json.dumps(table)}}}\n')
+        os.replace(staged[0], coco)
+        os.replace(staged[1], tables)
+    except OSError as e:
+        raise OutputError(f"cannot write {coco}: {e}") from e
+
+
+def check_new(paths: Iterable[Path], overwrite: bool, what: str) -> None:
+    clash = next((p for p in paths if p.exists()), None)
+    if clash is not None and not overwrite:
+        raise FileExistsError(f"{clash} already exists; pass --overwrite to replace {what}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.overwrite and not (args.coco or args.draw):
-        parser.error("--overwrite only applies to --coco and --draw")
-    queries = list(args.query or [None])
-    out = Path(args.out)
+    check_args(parser, args)
     try:
-        # Everything the user gave is checked before the (slow) model load.
-        for query in queries:
-            task_text(args.task, query)
-        images = list_images(args.images)
-        done = read_done(out)
-        check_queries(out, done, queries)
-        pending = [p for p in images if str(p) not in done]
-        if args.coco and not args.overwrite:
-            for path in (Path(args.coco), coco_tables_path(args.coco)):
-                if path.exists():
-                    raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
-        if args.draw:
-            names = [drawing_path(args.draw, p) for p in images]
-            if len(set(names)) < len(names):
-                raise ValueError(f"two images in {args.images!r} share a file name; --draw needs distinct names")
-            clash = next((drawing_path(args.draw, p) for p in pending if drawing_path(args.draw, p).exists()), None)
-            if clash is not None and not args.overwrite:
-                raise FileExistsError(f"{clash} already exists; pass --overwrite to replace drawings")
-            Path(args.draw).mkdir(parents=True, exist_ok=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        model = load(args.model, dtype=args.dtype) if pending else None
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        if args.merge is not None:
+            return merge(Path(args.merge[0]), [Path(p) for p in args.merge[1:]], args.coco, args.overwrite)
+        return run(args)
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    if args.draw:
-        for path in images:
-            entry = done.get(str(path), {})
-            if "results" in entry and not drawing_path(args.draw, path).exists():
-                draw_objects(load_image(path), objects_of(entry), drawing_path(args.draw, path))
 
-    errors = 0
-    with out.open("a", encoding="utf-8") as f, tqdm(total=len(images), initial=len(images) - len(pending)) as bar:
-        for path in pending:
-            line, image, objects = image_line(model, path, queries, args)
-            f.write(json.dumps(line) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-            done[str(path)] = line
-            errors += "error" in line
-            if args.draw and image is not None:
-                draw_objects(image, objects, drawing_path(args.draw, path), overwrite=args.overwrite)
-            bar.set_postfix(errors=errors)
-            bar.update()
+def run(args: argparse.Namespace) -> int:
+    # Everything the user gave is checked before the (slow) model load.
+    settings = settings_of(args)
+    images = list_images(args.images)
+    part = images if args.shard is None else [p for p in images if shard_of(p, args.shard[1]) == args.shard[0]]
+    out = Path(args.out)
+    done = scan_output(out, settings.questions)
+    pending = [p for p in part if p not in done]
+    if args.coco:
+        check_new([Path(args.coco), coco_tables_path(args.coco)], args.overwrite, "it")
+    if args.draw:
+        names = {drawing_path(args.draw, p) for p in part}
+        if len(names) < len(part):
+            raise ValueError(f"two images in {args.images!r} share a file name; --draw needs distinct names")
+        check_new((drawing_path(args.draw, p) for p in pending), args.overwrite, "drawings")
+        Path(args.draw).mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.ray is not None:
+        from . import cluster
+
+        cluster.require_ray()
+    if not pending:
+        lines = None
+    elif args.ray is not None:
+        model = {"path_or_hub_id": args.model, "dtype": args.dtype, "adapter_path": args.adapter}
+        lines = cluster.ray_lines(args.ray or None, pending, model, settings, args.actors, args.images_per_task)
+    else:
+        lines = annotate(load(args.model, dtype=args.dtype, adapter_path=args.adapter), pending, settings)
+
+    if args.draw and done:
+        in_part = set(part)
+        for line in output_lines(out):
+            if line["image"] in in_part and "results" in line and not drawing_path(args.draw, line["image"]).exists():
+                draw_line(line, None, args.draw, args.max_pixels, overwrite=False)
+    workers = set()
+    if lines is not None:
+        bar = {"total": len(part), "initial": len(part) - len(pending)}
+        code = write_lines(lines, out, done, args, bar, workers)
+        if code:
+            return code
 
     if args.coco:
-        detections, tables = coco_tables(images, done, queries, args.task)
-        Path(args.coco).write_text(json.dumps(detections))
-        coco_tables_path(args.coco).write_text(json.dumps(tables, indent=1))
-    failed = sum("error" in done[str(p)] for p in images)
-    print(f"{len(images)} images ({len(pending)} run now), {failed} unreadable; results in {out}", file=sys.stderr)
+        ids = {path: i for i, path in enumerate(images, start=1)}
+        write_coco(Path(args.coco), output_lines(out), ids, [q.name() for q in settings.questions])
+    failed = sum(not done[p] for p in part)
+    where = f" by {len(workers)} Ray workers" if args.ray is not None and pending else ""
+    print(
+        f"{len(part)} images ({len(pending)} run now{where}), {failed} with errors; results in {out}", file=sys.stderr
+    )
+    return 0
+
+
+def write_lines(
+    lines: Iterator[Annotated], out: Path, done: dict[str, bool], args: argparse.Namespace, bar: dict, workers: set
+) -> int:
+    """Append each new line to `out` (and draw it) as it comes, under a progress bar (`bar`: tqdm's arguments);
+    0, or the exit status of a stopped run, said on stderr once the bar is closed."""
+    jsonl = Jsonl(out)
+    written = errors = 0
+    try:
+        with tqdm(unit="image", **bar) as progress:
+            for line, image, worker in lines:
+                if line["image"] in done:  # a task redone after a Ray worker died
+                    continue
+                jsonl.write(line)
+                done[line["image"]] = "results" in line
+                written, errors = written + 1, errors + ("error" in line)
+                workers.add(worker)
+                if args.draw and "results" in line:
+                    draw_line(line, image, args.draw, args.max_pixels, args.overwrite)
+                progress.set_postfix(errors=errors, refresh=False)
+                progress.update()
+        return 0
+    except KeyboardInterrupt:
+        print(f"interrupted: {written} lines written to {out}; run the same command again to resume", file=sys.stderr)
+        return 130
+    except Exception as e:  # the output, the model or the cluster failed: say so, without a traceback
+        reason = str(e) if isinstance(e, OutputError) else f"the run stopped: {type(e).__name__}: {e}"
+        print(
+            f"error: {reason}\n{written} lines written to {out} in this run are kept; run the same command again "
+            "to resume",
+            file=sys.stderr,
+        )
+        return 2
+    finally:
+        lines.close()  # stops a Ray run's workers now, not when the generator is collected
+        jsonl.close()
+
+
+def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> int:
+    """Join the JSONL outputs `parts` into `out`: one line per image (an answered line wins over an error
+    line, else the first); with `coco`, the COCO files of the joined lines (ids: positions in their sorted
+    list of images, the same as a single run over the whole folder)."""
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; --merge writes a new file")
+    for part in parts:
+        if not part.is_file():
+            raise FileNotFoundError(f"no such JSONL file: {part}")
+    if coco:
+        check_new([Path(coco), coco_tables_path(coco)], overwrite, "it")
+    answered, questions = set(), None
+    for part in parts:
+        for image, ok in scan_output(part, None, repair=False).items():
+            answered.update([image] if ok else [])
+        for line in output_lines(part):
+            if "results" in line:
+                if questions is None:
+                    questions, first = question_keys(line), part
+                elif question_keys(line) != questions:
+                    raise ValueError(f"{part} answers {question_keys(line)}, {first} answers {questions}")
+                break
+
+    staged = out.with_name(out.name + ".partial")
+    written, duplicates = set(), 0
+    try:
+        with staged.open("w", encoding="utf-8") as f:
+            for part in parts:
+                for line in output_lines(part):
+                    image = line["image"]
+                    if image in written or ("results" not in line and image in answered):
+                        duplicates += 1
+                        continue
+                    f.write(json.dumps(line) + "\n")
+                    written.add(image)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(staged, out)
+    except OSError as e:
+        raise OutputError(f"cannot write {out}: {e}") from e
+    if coco:
+        ids = {path: i for i, path in enumerate(sorted(written, key=Path), start=1)}
+        names = [Question(q.get("task"), q.get("query"), q.get("prompt")).name() for q in questions or []]
+        write_coco(Path(coco), output_lines(out), ids, names)
+    print(
+        f"{len(written)} images from {len(parts)} files into {out} ({duplicates} duplicates dropped)", file=sys.stderr
+    )
     return 0
 
 

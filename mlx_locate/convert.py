@@ -40,7 +40,6 @@ from .compiled import StepRunner
 from .config import ModelConfig
 from .decide import Mode
 from .decode import DecodeOptions, decode
-from .eval import iou
 from .loader import (
     DTYPES,
     assemble_model,
@@ -55,6 +54,7 @@ from .loader import (
     write_index,
 )
 from .locate import LocateModel, load
+from .metrics import iou
 from .model import LocateAnything
 from .parse import LocatedObject, parse_tokens
 from .preprocess import preprocess, to_rgb

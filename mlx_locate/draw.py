@@ -34,10 +34,13 @@ def draw_objects(
     path: str | Path | None = None,
     *,
     overwrite: bool = False,
+    labels: Sequence[str | None] = (),
 ) -> Image.Image:
     """Return an RGB copy of `image` with every box and point drawn, one colour per label, captioned with
     the label and confidence when known. Saves to `path` when given; an existing file raises
     `FileExistsError` unless `overwrite=True`. `objects` must be in the image's original pixel frame.
+    `labels` fixes the colour order (other labels follow as they first appear): pass the same list for
+    every frame of a video and each label keeps its colour.
     """
     if path is not None and Path(path).exists() and not overwrite:
         raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
@@ -48,8 +51,8 @@ def draw_objects(
     line = max(2, round(min(width, height) / 200))
     radius = max(3, 2 * line)
 
-    labels = list(dict.fromkeys(obj.label for obj in objects))
-    colour_of = dict(zip(labels, _palette(len(labels)), strict=True))
+    order = list(dict.fromkeys([*labels, *(obj.label for obj in objects)]))
+    colour_of = dict(zip(order, _palette(len(order)), strict=True))
     for obj in objects:
         colour = colour_of[obj.label]
         if obj.box is not None:

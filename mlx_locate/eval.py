@@ -3,9 +3,11 @@
     python -m mlx_locate.eval --model demo --n 200 --seed 0 --modes slow fast hybrid --json eval.json
 
 Scenes come from `synthetic.make_sample(seed, i, split="eval")`, a stream the training never draws from.
-Box tasks (detect, refer, single) are scored as the reference evaluation does: predictions are matched to
-ground truth greedily by IoU (per category for detection), F1 at IoU 0.5 and the mean F1 over 0.5:0.95, and
-the mean IoU of the boxes matched at 0.5. Points count when they fall inside an unmatched ground-truth box.
+A quick check with pooled counts (the paper's per-sample metrics on the paper's formats are `mlx-locate-eval`;
+both take their rules from `metrics`): predictions of box tasks (detect, refer, single) are matched to ground
+truth greedily by descending IoU (per category for detection), F1 = 2 matches / (predictions + GT) at IoU 0.5
+and its mean over 0.5:0.95, and the mean IoU of the boxes matched at 0.5. Points count when they fall inside an
+unmatched ground-truth box.
 Each absent phrase or category should be answered `<box>None</box>`. Passes per box are decode forward steps
 (prefill excluded) per predicted box or point; "ended" means the stream stopped by itself, not at the cap.
 Seconds per sample cover the query's prefill and decoding; the image's vision and prefix run once per sample.
@@ -23,63 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .evaluate import MODES, SAMPLINGS
 from .locate import LocateModel, Result, load
+from .metrics import IOU_THRESHOLDS, greedy_match, iou, match_points
 from .sampling import Sampling
 from .tuner.synthetic import Sample, make_sample
 
-IOU_THRESHOLDS = tuple(round(0.5 + 0.05 * i, 2) for i in range(10))
-MODES = ("slow", "fast", "hybrid")
-# "greedy" is the default (its nucleus guard keeps block candidates inside each row's top-p 0.9 nucleus);
-# "nucleus" applies top-p 0.9 to the logits themselves; "official" samples as the model card does.
-SAMPLINGS = {
-    "greedy": Sampling(),
-    "nucleus": Sampling(top_p=0.9),
-    "official": Sampling.OFFICIAL,
-}
-
-
-def iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    w = min(a[2], b[2]) - max(a[0], b[0])
-    h = min(a[3], b[3]) - max(a[1], b[1])
-    if w <= 0 or h <= 0:
-        return 0.0
-    inter = w * h
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
-
-
-def greedy_match(preds: list[tuple[float, ...]], gts: list[tuple[float, ...]], floor: float) -> list[float]:
-    """IoUs of the pairs matched greedily by descending IoU (each box used once), keeping IoU >= floor.
-
-    Matching at a higher threshold keeps exactly the pairs of this list at or above it.
-    """
-    pairs = sorted(
-        ((iou(p, g), i, j) for i, p in enumerate(preds) for j, g in enumerate(gts)), key=lambda t: (-t[0], t[1], t[2])
-    )
-    used_p, used_g, matched = set(), set(), []
-    for value, i, j in pairs:
-        if value < floor:
-            break
-        if i not in used_p and j not in used_g:
-            used_p.add(i)
-            used_g.add(j)
-            matched.append(value)
-    return matched
-
-
-def match_points(points: list[tuple[float, float]], boxes: list[tuple[float, ...]]) -> int:
-    """Points inside a ground-truth box, matched greedily by distance to the box centre, each box once."""
-    pairs = []
-    for i, (x, y) in enumerate(points):
-        for j, (x1, y1, x2, y2) in enumerate(boxes):
-            if x1 <= x <= x2 and y1 <= y <= y2:
-                pairs.append((np.hypot(x - (x1 + x2) / 2, y - (y1 + y2) / 2), i, j))
-    used_p, used_g = set(), set()
-    for _, i, j in sorted(pairs):
-        if i not in used_p and j not in used_g:
-            used_p.add(i)
-            used_g.add(j)
-    return len(used_p)
+__all__ = ["evaluate", "greedy_match", "iou", "main", "match_points"]
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .locate import Result, load
 from .preprocess import load_image
 from .prompts import RENDERINGS, TASKS, task_text
 from .sampling import Sampling
+from .tiles import check_tiling, parse_tiles
 
 DEFAULT_MODEL = "demo"  # the bundled demo model (synthetic shapes); pass a folder or hub id for real images
 DEFAULT_TASK = "detect"
@@ -41,6 +42,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def tiles_arg(text: str) -> str | tuple[int, int]:
+    try:
+        return parse_tiles(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repetition-penalty", type=float, help="1 = off")
     s.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (default: %(default)s)")
 
+    t = p.add_argument_group("tiling (large or dense images)")
+    t.add_argument(
+        "--tiles",
+        type=tiles_arg,
+        metavar="auto|ROWSxCOLS",
+        help="decode overlapping tiles (and the whole image) as one batch and merge their objects; auto: the "
+        "fewest tiles the model sees unscaled",
+    )
+    t.add_argument("--tile-overlap", type=float, help="fraction of a tile shared with its neighbour (default: 0.2)")
+    t.add_argument("--no-tile-whole", action="store_true", help="decode the tiles only, not the whole image too")
+
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     o.add_argument("--draw", metavar="PATH", help="save the image with the boxes, points and labels drawn")
@@ -131,6 +150,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--strict turns every guard off; drop --box-start-guard")
     if args.overwrite and not args.draw:
         parser.error("--overwrite only applies to --draw")
+    if args.tiles is None and (args.no_tile_whole or args.tile_overlap is not None):
+        parser.error("--tile-overlap and --no-tile-whole only apply with --tiles")
 
 
 def task_and_queries(args: argparse.Namespace) -> tuple[str, list[str | list[str] | None]]:
@@ -210,22 +231,28 @@ def main(argv: list[str] | None = None) -> int:
         image = load_image(args.image)
         if args.draw and Path(args.draw).exists() and not args.overwrite:
             raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
+        tiling = {}
+        if args.tiles is not None:
+            tiling = {"tiles": args.tiles, "tile_whole": not args.no_tile_whole}
+            if args.tile_overlap is not None:
+                tiling["tile_overlap"] = args.tile_overlap
+            check_tiling(args.tiles, tiling.get("tile_overlap", 0))
         model = load(args.model, dtype=args.dtype)
-        session = model.session(image, rendering=args.rendering)
-        results = [
-            session.locate(
-                query,
-                task=task,
-                mode=args.mode,
-                max_tokens=args.max_tokens,
-                sampling=sampling,
-                strict=args.strict,
-                guards=guards_of(args),
-                redecode_labels=args.redecode_labels,
-                seed=args.seed,
-            )
-            for query in queries
-        ]
+        options = {
+            "task": task,
+            "mode": args.mode,
+            "max_tokens": args.max_tokens,
+            "sampling": sampling,
+            "strict": args.strict,
+            "guards": guards_of(args),
+            "redecode_labels": args.redecode_labels,
+            "seed": args.seed,
+        }
+        if tiling:
+            results = model.locate(image, queries, rendering=args.rendering, **tiling, **options)
+        else:
+            session = model.session(image, rendering=args.rendering)
+            results = [session.locate(query, **options) for query in queries]
         if args.draw:
             objects = [obj for result in results for obj in result.objects]
             draw_objects(image, objects, args.draw, overwrite=args.overwrite)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from functools import lru_cache
 
 import mlx.core as mx
@@ -97,9 +98,14 @@ class PatchEmbed(nn.Module):
 MAX_CPU_STREAMS = 4
 
 
-@lru_cache(maxsize=1)
+_thread_streams = threading.local()  # MLX streams belong to the thread that made them (a server's worker)
+
+
 def cpu_streams() -> tuple[mx.Stream, ...]:
-    return tuple(mx.new_stream(mx.cpu) for _ in range(min(os.cpu_count() or 1, MAX_CPU_STREAMS)))
+    """The calling thread's CPU streams, made on its first call."""
+    if not hasattr(_thread_streams, "cpu"):
+        _thread_streams.cpu = tuple(mx.new_stream(mx.cpu) for _ in range(min(os.cpu_count() or 1, MAX_CPU_STREAMS)))
+    return _thread_streams.cpu
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:

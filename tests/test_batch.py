@@ -1,9 +1,14 @@
-"""`mlx_locate.batch` over a small folder with the bundled demo model: JSONL lines, resume, COCO, drawings."""
+"""`mlx_locate.batch` over a small folder with the bundled demo model: JSONL lines through the batched engine,
+bad files as error lines, resume, COCO, drawings, shards and merging."""
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import shutil
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +16,31 @@ import pytest
 from PIL import Image
 
 from mlx_locate import batch
+from mlx_locate.engine import Engine
 from mlx_locate.loader import DEMO_DIR
 from mlx_locate.locate import load
+from mlx_locate.prompts import task_text
 
 IMAGE = DEMO_DIR / "example.png"
 QUERIES = ["square", "circle"]  # the demo model finds both on IMAGE
 RUN = ["--query", QUERIES[0], "--query", QUERIES[1], "--mode", "fast", "--max-tokens", "16"]
-GOOD = ["a.png", "b.png", "c.png"]
+GOOD = ["a.png", "b.png"]
+BAD = {  # file -> what its error line says
+    "bad.png": "not a readable image",
+    "bomb.png": "pixels",  # the wording is preprocess.load_image's (tests/test_preprocess.py)
+    "cut.jpg": "truncated",
+    "text.png": "not a readable image",
+}
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG whose header declares `width` x `height` RGB pixels, with no pixel data behind it."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +50,20 @@ def model():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """Three readable images (one flipped, so not every answer is the same), a corrupt one and a text file."""
+    """Two readable images (one flipped, so not every answer is the same) among four bad files: a corrupt
+    PNG, a decompression bomb (a header of 100,000 x 100,000 pixels), a truncated JPEG and a text file named
+    .png; and a .txt file that is not listed."""
     images = tmp_path_factory.mktemp("batch") / "images"
     images.mkdir()
     source = Image.open(IMAGE)
     source.save(images / "a.png")
     source.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(images / "b.png")
-    source.save(images / "c.png")
     (images / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    (images / "bomb.png").write_bytes(png_header(100_000, 100_000))
+    jpeg = io.BytesIO()
+    source.convert("RGB").save(jpeg, "JPEG")
+    (images / "cut.jpg").write_bytes(jpeg.getvalue()[: len(jpeg.getvalue()) // 2])
+    (images / "text.png").write_text("a text file, named like an image")
     (images / "notes.txt").write_text("not an image, and not listed")
     return images
 
@@ -43,16 +72,17 @@ class Runner:
     """`runner(*args)` -> (exit code, stderr) of `batch.main` with the module's model and the standard queries."""
 
     def __init__(self, model, capfd):
-        self.model, self.capfd, self.loads = model, capfd, 0
+        self.model, self.capfd, self.loads, self.adapters = model, capfd, [], []
 
-    def load(self, path, dtype=None):
-        self.loads += 1
+    def load(self, path, dtype=None, adapter_path=None):
+        self.loads.append(path)
+        self.adapters.append(adapter_path)
         return self.model
 
-    def __call__(self, *args: str) -> tuple[int, str]:
+    def __call__(self, *args: str, questions=RUN) -> tuple[int, str]:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(batch, "load", self.load)
-            code = batch.main(["--model", "demo", *RUN, *args])
+            code = batch.main([*questions, *args])
         return code, self.capfd.readouterr().err if self.capfd else ""
 
 
@@ -67,36 +97,47 @@ def finished(model, folder):
     root = folder.parent
     out, coco, drawings = root / "results.jsonl", root / "coco.json", root / "drawn"
     code, _ = Runner(model, None)(
-        "--images", str(folder), "--out", str(out), "--coco", str(coco), "--draw", str(drawings)
+        "--images", str(folder), "--out", str(out), "--coco", str(coco), "--draw", str(drawings), "--batch-size", "4"
     )
     assert code == 0
     return out, coco, drawings
 
 
 def lines_of(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
-def answers(path) -> list[dict]:
-    """The lines without their timings, which differ from run to run."""
-    lines = lines_of(path)
-    for line in lines:
+def answers(path) -> dict[str, dict]:
+    """The lines by image, without their timings, which differ from run to run."""
+    by_image = {}
+    for line in lines_of(path):
         for result in line.get("results", []):
             del result["stats"]
-    return lines
+        assert line["image"] not in by_image, f"{line['image']} has two lines"
+        by_image[line["image"]] = line
+    return by_image
 
 
-def test_lines_errors_and_lean_output(run, folder, finished, tmp_path):
+def test_lines_errors_and_lean_output(run, model, folder, finished, tmp_path):
     lines = answers(finished[0])
-    assert [line["image"] for line in lines] == [str(folder / n) for n in ["a.png", "b.png", "bad.png", "c.png"]]
-    bad = lines[2]
-    assert set(bad) == {"image", "error"} and "not a readable image" in bad["error"]
-    for line in lines[:2] + lines[3:]:
+    assert sorted(lines) == sorted(str(folder / n) for n in [*GOOD, *BAD])
+    for name, message in BAD.items():
+        line = lines[str(folder / name)]
+        assert set(line) == {"image", "error"} and message in line["error"] and name in line["error"]
+    for name in GOOD:
+        line = lines[str(folder / name)]
         assert line["size"] == list(Image.open(IMAGE).size)
-        assert [r["query"] for r in line["results"]] == QUERIES
+        assert [(r["task"], r["query"]) for r in line["results"]] == [("detect", q) for q in QUERIES]
         assert all("prompt_ids" not in r and "token_probs" not in r and r["mode"] == "fast" for r in line["results"])
-    assert lines[0]["results"][0]["objects"], "the demo model should find a square on its example image"
-    assert lines[3]["results"] == lines[0]["results"]  # same content: same answers
+        # Each result is what the single-request path decodes for its own query, in the order asked.
+        session = model.session(Image.open(folder / name))
+        for query, result in zip(QUERIES, line["results"], strict=True):
+            single = session.locate(query, mode="fast", max_tokens=16)
+            assert result["token_ids"] == single.token_ids and result["text"] == single.text
+    first = lines[str(folder / "a.png")]["results"]
+    assert first[0]["objects"], "the demo model should find a square on its example image"
+    assert first[0]["token_ids"] != first[1]["token_ids"]
+    assert lines[str(folder / "b.png")]["results"] != first
 
     full = tmp_path / "full.jsonl"
     code, err = run("--images", str(folder / "a.*"), "--out", str(full), "--full")
@@ -105,53 +146,176 @@ def test_lines_errors_and_lean_output(run, folder, finished, tmp_path):
     assert {"prompt_ids", "token_probs"} <= set(line["results"][0])
 
 
-def test_resume_neither_duplicates_nor_loses_lines(run, folder, finished, tmp_path, monkeypatch):
-    reference = finished[0].read_text().splitlines(keepends=True)
+def test_batch_size_1_and_4_write_the_same_lines(run, folder, finished, tmp_path):
+    one = tmp_path / "one.jsonl"
+    code, err = run("--images", str(folder), "--out", str(one), "--batch-size", "1")
+    assert code == 0, err
+    assert answers(one) == answers(finished[0])
+
+
+def test_prompts_keep_their_order(run, model, folder, tmp_path):
+    prompts = [task_text("detect", "circle"), task_text("detect", "square")]
+    out = tmp_path / "prompts.jsonl"
+    code, err = run("--images", str(folder / "a.png"), "--out", str(out), questions=["--prompt", prompts[0],
+                    "--prompt", prompts[1], "--mode", "fast", "--max-tokens", "16"])  # fmt: skip
+    assert code == 0, err
+    (line,) = lines_of(out)
+    assert [r["prompt"] for r in line["results"]] == prompts and "query" not in line["results"][0]
+    session = model.session(Image.open(folder / "a.png"))
+    expected = [session.locate(prompt=p, mode="fast", max_tokens=16).token_ids for p in prompts]
+    assert [r["token_ids"] for r in line["results"]] == expected and expected[0] != expected[1]
+
+
+def test_flags_reach_every_request(run, folder, tmp_path, monkeypatch):
+    seen = []
+    real_submit = Engine.submit
+
+    def submit(self, request, on_event=None):
+        seen.append((self.max_rows, request))
+        return real_submit(self, request, on_event)
+
+    monkeypatch.setattr(Engine, "submit", submit)
+    out = tmp_path / "flags.jsonl"
+    flags = ["--strict", "--max-pixels", "60000", "--mode", "slow", "--max-tokens", "3", "--batch-size", "3",
+             "--adapter", "my-adapter"]  # fmt: skip
+    code, err = run("--images", str(folder / "[ab].png"), "--out", str(out), *flags, questions=["--query", "star"])
+    assert code == 0, err
+    assert len(seen) == 2 and {r.tag[0] for _, r in seen} == {str(folder / "a.png"), str(folder / "b.png")}
+    for rows, r in seen:
+        options = (r.query, r.task, r.strict, r.max_pixels, r.mode, r.max_tokens, r.tiles)
+        assert rows == 3 and options == ("star", "detect", True, 60_000, "slow", 3, None)
+    assert run.adapters == ["my-adapter"]
+
+
+def test_tiled_lines_are_what_locate_with_tiles_returns(run, model, folder, tmp_path):
+    out = tmp_path / "tiles.jsonl"
+    questions = ["--query", "square", "--mode", "fast", "--max-tokens", "16"]
+    tiling = ["--tiles", "1x2", "--tile-overlap", "0.1", "--no-tile-whole"]
+    code, err = run("--images", str(folder / "a.png"), "--out", str(out), *tiling, questions=questions)
+    assert code == 0, err
+    (line,) = lines_of(out)
+    (result,) = line["results"]
+    assert result.pop("stats")["tile_grid"] == [1, 2]
+    image = Image.open(folder / "a.png")
+    tiled = model.locate(image, "square", tiles=(1, 2), tile_overlap=0.1, tile_whole=False, mode="fast", max_tokens=16)
+    tiled = json.loads(json.dumps(tiled.to_dict()))
+    for key in ("stats", *batch.LEAN_DROPPED):
+        del tiled[key]
+    assert result == {"task": "detect", "query": "square", **tiled}
+
+
+def test_max_pixels_applies_to_every_image(run, folder, tmp_path):
+    out = tmp_path / "small.jsonl"
+    code, err = run("--images", str(folder / "a.png"), "--out", str(out), "--max-pixels", "1000")
+    assert code == 0, err
+    (line,) = lines_of(out)
+    assert "224x224 = 50,176 pixels, over the limit of 1,000" in line["error"]
+
+
+def test_resume_after_an_interrupted_run(run, folder, finished, tmp_path, monkeypatch):
     expected = answers(finished[0])
-
-    # A run stopped during the third image: the first two lines are on disk.
     out = tmp_path / "results.jsonl"
-    real_image_line = batch.image_line
-    calls = []
 
-    def interrupted(*args):
-        calls.append(1)
-        if len(calls) == 3:
+    # A run stopped (Ctrl-C) while writing its third line: two lines are on disk, and it says how to go on.
+    real_write = batch.Jsonl.write
+
+    def interrupted(self, line):
+        if len(out.read_text().splitlines()) == 2:
             raise KeyboardInterrupt
-        return real_image_line(*args)
+        real_write(self, line)
 
-    monkeypatch.setattr(batch, "image_line", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run("--images", str(folder), "--out", str(out))
+    monkeypatch.setattr(batch.Jsonl, "write", interrupted)
+    code, err = run("--images", str(folder), "--out", str(out))
     monkeypatch.undo()
-    assert answers(out) == expected[:2]
+    assert code == 130 and "run the same command again to resume" in err
+    first_two = answers(out)
+    assert len(first_two) == 2 and all(expected[image] == line for image, line in first_two.items())
 
     # Then a third line cut mid-way, as a kill during the write leaves it: resuming drops it and redoes that
     # image, keeps the first two lines byte for byte, and adds the rest once.
     written = out.read_bytes()
+    missing = next(image for image in expected if image not in first_two)
     with out.open("a") as f:
-        f.write(reference[2][: len(reference[2]) // 2])
+        f.write(json.dumps(expected[missing])[:50])
     code, err = run("--images", str(folder), "--out", str(out))
     assert code == 0, err
-    assert "(2 run now)" in err
+    assert f"({len(expected) - 2} run now)" in err
     assert out.read_bytes().startswith(written) and answers(out) == expected
 
     # Everything is done: a rerun writes nothing and does not even load the model.
-    written, loads = out.read_bytes(), run.loads
-    assert run("--images", str(folder), "--out", str(out))[0] == 0
-    assert out.read_bytes() == written and run.loads == loads
+    written, loads = out.read_bytes(), len(run.loads)
+    code, err = run("--images", str(folder), "--out", str(out))
+    assert code == 0 and "(0 run now)" in err
+    assert out.read_bytes() == written and len(run.loads) == loads
 
 
-def test_resume_refuses_other_queries_and_foreign_lines(run, folder, finished, tmp_path):
+def test_model_failure_stops_and_keeps_what_was_written(run, folder, finished, tmp_path, monkeypatch):
     out = tmp_path / "results.jsonl"
-    out.write_text(finished[0].read_text().splitlines(keepends=True)[0])
+    real_step, steps = Engine.step, []
+
+    def failing(self):
+        steps.append(1)
+        if len(steps) > 2:  # both questions of the first image answered, then the model breaks
+            raise RuntimeError("[metal] command buffer failed")
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", failing)
+    code, err = run("--images", str(folder), "--out", str(out))
+    monkeypatch.undo()
+    assert code == 2 and err.splitlines()[-2].startswith("error: the run stopped: RuntimeError: [metal]")
+    assert "Traceback" not in err and "are kept" in err
+    kept = answers(out)
+    assert sum("results" in line for line in kept.values()) == 1  # the image done before the failure
+    assert run("--images", str(folder), "--out", str(out))[0] == 0
+    assert answers(out) == answers(finished[0])
+
+
+def test_output_failure_stops_and_keeps_what_was_written(run, folder, tmp_path, monkeypatch):
+    out = tmp_path / "results.jsonl"
+    real_fsync, calls = batch.os.fsync, []
+
+    def disk_full(fd):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(batch.os, "fsync", disk_full)
+    code, err = run("--images", str(folder), "--out", str(out))
+    monkeypatch.undo()
+    assert code == 2 and f"error: cannot write {out}: [Errno 28] No space left on device" in err
+    assert "Traceback" not in err and "1 lines written" in err
+    assert len(lines_of(out)[0]) >= 2  # the first line is whole
+
+
+def test_resume_refuses_other_questions_and_foreign_lines(run, folder, finished, tmp_path):
+    out = tmp_path / "results.jsonl"
+    first = next(line for line in finished[0].read_text().splitlines(keepends=True) if '"results"' in line)
+    out.write_text(first)
     before = out.read_bytes()
-    code = batch.main(["--model", "m", "--images", str(folder), "--query", "dog", "--out", str(out)])
-    assert code == 2 and "use another --out" in run.capfd.readouterr().err
+    code, err = run("--images", str(folder), "--out", str(out), questions=["--query", "dog"])
+    assert code == 2 and "use another --out" in err and run.loads == []
+    code, err = run("--images", str(folder), "--out", str(out), questions=["--prompt", "square"])
+    assert code == 2 and "use another --out" in err
     out.write_bytes(before + b"{not json}\n" + b'{"image": "x"}\n')
     code, err = run("--images", str(folder), "--out", str(out))
     assert code == 2 and ":2 is not JSON" in err
-    assert out.read_bytes() == before + b"{not json}\n" + b'{"image": "x"}\n'
+    out.write_bytes(before + b'{"image": "x"}\n')
+    code, err = run("--images", str(folder), "--out", str(out))
+    assert code == 2 and ":2 is not a line of mlx-locate-batch" in err
+    assert out.read_bytes() == before + b'{"image": "x"}\n'
+
+
+def coco_expected(lines: dict[str, dict], ids: dict[str, int]) -> list[tuple]:
+    """(image_id, category_id, [x, y, w, h], score) of every box, from the JSONL lines."""
+    expected = []
+    for image, line in lines.items():
+        for category_id, result in enumerate(line.get("results", []), start=1):
+            for obj in result["objects"]:
+                x1, y1, x2, y2 = obj["box"]
+                bbox = [min(x1, x2), min(y1, y2), abs(x2 - x1), abs(y2 - y1)]
+                expected.append((ids[image], category_id, bbox, obj["confidence"]))
+    return sorted(expected, key=lambda e: (e[0], e[1], e[3]))
 
 
 def test_coco_results_format(run, folder, finished):
@@ -159,31 +323,21 @@ def test_coco_results_format(run, folder, finished):
     detections = json.loads(coco.read_text())
     tables = json.loads(coco.with_name("coco.images.json").read_text())
     assert tables["categories"] == [{"id": i + 1, "name": q} for i, q in enumerate(QUERIES)]
+    # Image ids are positions in the sorted file list (a b bad bomb cut.jpg text); unreadable files have none.
     images = {entry["id"]: entry for entry in tables["images"]}
-    # Image ids are positions in the sorted file list; the unreadable bad.png (id 3) has no entry.
-    assert {i: e["file_name"] for i, e in images.items()} == {
-        1: str(folder / "a.png"),
-        2: str(folder / "b.png"),
-        4: str(folder / "c.png"),
-    }
+    assert {i: e["file_name"] for i, e in images.items()} == {1: str(folder / "a.png"), 2: str(folder / "b.png")}
     assert all(
         set(e) == {"id", "file_name", "width", "height"} and e["width"] == Image.open(IMAGE).width
         for e in images.values()
     )
 
     assert isinstance(detections, list) and detections
-    expected = []
-    for line in lines_of(out):
-        if "error" in line:
-            continue
-        image_id = next(i for i, e in images.items() if e["file_name"] == line["image"])
-        for category_id, result in enumerate(line["results"], start=1):
-            for obj in result["objects"]:
-                x1, y1, x2, y2 = obj["box"]
-                bbox = [min(x1, x2), min(y1, y2), abs(x2 - x1), abs(y2 - y1)]
-                expected.append((image_id, category_id, bbox, obj["confidence"]))
-    assert len(detections) == len(expected)
-    for det, (image_id, category_id, bbox, score) in zip(detections, expected, strict=True):
+    ids = {e["file_name"]: i for i, e in images.items()}
+    lines = {image: line for image, line in answers(out).items() if "results" in line}
+    got = sorted(detections, key=lambda d: (d["image_id"], d["category_id"], d["score"]))
+    expected = coco_expected(lines, ids)
+    assert len(got) == len(expected)
+    for det, (image_id, category_id, bbox, score) in zip(got, expected, strict=True):
         assert set(det) == {"image_id", "category_id", "bbox", "score"}
         assert type(det["image_id"]) is int and type(det["category_id"]) is int and isinstance(det["score"], float)
         assert (det["image_id"], det["category_id"], det["score"]) == (image_id, category_id, score)
@@ -195,7 +349,7 @@ def test_coco_results_format(run, folder, finished):
     code, err = run("--images", str(folder), "--out", str(out), "--coco", str(coco))
     assert code == 2 and "--overwrite" in err and coco.read_bytes() == before
     assert run("--images", str(folder), "--out", str(out), "--coco", str(coco), "--overwrite")[0] == 0
-    assert coco.read_bytes() == before and run.loads == 0
+    assert coco.read_bytes() == before and run.loads == []
 
 
 def test_coco_bbox_from_reversed_box():
@@ -204,9 +358,8 @@ def test_coco_bbox_from_reversed_box():
         "size": [100, 50],
         "results": [{"query": "q", "objects": [{"label": "q", "box": [30.0, 40.0, 10.0, 5.0], "confidence": 0.5}]}],
     }
-    detections, tables = batch.coco_tables([Path("x.png")], {"x.png": line}, ["q"], "detect")
-    assert detections == [{"image_id": 1, "category_id": 1, "bbox": [10.0, 5.0, 20.0, 35.0], "score": 0.5}]
-    assert tables["images"] == [{"id": 1, "file_name": "x.png", "width": 100, "height": 50}]
+    detections = list(batch.coco_detections(line, 7))
+    assert detections == [{"image_id": 7, "category_id": 1, "bbox": [10.0, 5.0, 20.0, 35.0], "score": 0.5}]
 
 
 def test_draw_writes_one_png_per_image_and_never_overwrites(run, folder, finished, tmp_path):
@@ -221,7 +374,7 @@ def test_draw_writes_one_png_per_image_and_never_overwrites(run, folder, finishe
     before = (drawings / "a.png.png").read_bytes()
     (drawings / "a.png.png").unlink()
     assert run("--images", str(folder), "--out", str(out), "--draw", str(drawings))[0] == 0
-    assert (drawings / "a.png.png").read_bytes() == before and run.loads == 0
+    assert (drawings / "a.png.png").read_bytes() == before and run.loads == []
 
     # An image still to do whose drawing exists: refused before any work unless --overwrite.
     fresh = tmp_path / "fresh.jsonl"
@@ -231,13 +384,92 @@ def test_draw_writes_one_png_per_image_and_never_overwrites(run, folder, finishe
     assert (drawings / "a.png.png").read_bytes() == before
 
 
+def test_model_defaults_to_demo(run, folder, finished):
+    assert run("--images", str(folder), "--out", str(finished[0]))[0] == 0  # nothing to do: no load
+    code, _ = run("--images", str(folder / "a.png"), "--out", str(finished[0].with_name("default.jsonl")))
+    assert code == 0 and run.loads == ["demo"]
+
+
+def test_a_jsonl_list_of_paths_is_a_manifest(run, folder, finished, tmp_path):
+    manifest = folder.parent / "list.jsonl"
+    names = [f"images/{name}" for name in [*GOOD, *BAD]]
+    manifest.write_text("".join(json.dumps(n if i % 2 else {"image": n}) + "\n" for i, n in enumerate(names)))
+    assert batch.list_images(str(manifest)) == batch.list_images(str(folder))
+    code, err = run("--images", str(manifest), "--out", str(finished[0]))
+    assert code == 0 and "(0 run now)" in err  # the same images as the folder: all done
+    assert batch.list_images(str(finished[0])) == batch.list_images(str(folder))  # an output is a list too
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('"a.png"\n{"path": "b.png"}\n')
+    code, err = run("--images", str(broken), "--out", str(tmp_path / "o.jsonl"))
+    assert code == 2 and 'broken.jsonl:2 is neither a path string nor an object with an "image" path' in err
+
+
+def test_shard_of_is_a_fixed_hash_of_the_path():
+    # Pinned values: a changed hash would re-shard folders that are half done on other machines.
+    paths = [f"photos/{i:04d}.jpg" for i in range(8)]
+    assert [batch.shard_of(p, 4) for p in paths] == [2, 4, 3, 1, 4, 4, 3, 4]
+    assert batch.shard_of("", 1) == 1
+
+
+def test_shards_are_disjoint_and_complete_and_merge_equals_one_run(run, folder, finished, tmp_path, monkeypatch):
+    monkeypatch.chdir(folder.parent)  # relative paths, so the shards (a hash of each path) are the same every run
+    parts = [tmp_path / f"part{i}.jsonl" for i in (1, 2, 3)]
+    for i, part in enumerate(parts, start=1):
+        code, err = run("--images", "images", "--out", str(part), "--shard", f"{i}/3", "--coco", f"{part}.coco.json")
+        assert code == 0, err
+    images = [{Path(image).name for image in answers(part)} for part in parts]
+    assert images == [{"b.png", "bomb.png"}, {"cut.jpg"}, {"a.png", "bad.png", "text.png"}]  # shard_of's
+
+    merged, coco = tmp_path / "merged.jsonl", tmp_path / "merged_coco.json"
+    code, err = run("--merge", str(merged), *map(str, parts), str(parts[2]), "--coco", str(coco), questions=[])
+    assert code == 0, err
+    assert "6 images from 4 files" in err and "(3 duplicates dropped)" in err
+    relative = tmp_path / "relative.jsonl"  # the single run, its paths relative to the working directory
+    relative.write_text(finished[0].read_text().replace(f"{folder.parent}/", ""))
+    assert answers(merged) == answers(relative)
+    detections = sorted(json.loads(finished[1].read_text()), key=json.dumps)
+    assert sorted(json.loads(coco.read_text()), key=json.dumps) == detections
+    tables = json.loads(coco.with_name("merged_coco.images.json").read_text())
+    single_tables = json.loads(finished[1].with_name("coco.images.json").read_text().replace(f"{folder.parent}/", ""))
+    assert sorted(tables["images"], key=json.dumps) == sorted(single_tables["images"], key=json.dumps)
+    assert tables["categories"] == single_tables["categories"]
+    # Each shard's own COCO file uses the image ids of the single run.
+    shard_detections = [d for part in parts for d in json.loads(Path(f"{part}.coco.json").read_text())]
+    assert sorted(shard_detections, key=json.dumps) == detections
+
+    code, err = run("--merge", str(merged), str(parts[0]), questions=[])
+    assert code == 2 and "already exists" in err
+
+
+def test_merge_prefers_an_answer_to_an_error_line(run, finished, tmp_path):
+    lines = finished[0].read_text().splitlines(keepends=True)
+    answered = next(line for line in lines if '"results"' in line)
+    image = json.loads(answered)["image"]
+    errored, whole = tmp_path / "errored.jsonl", tmp_path / "whole.jsonl"
+    errored.write_text(json.dumps({"image": image, "error": "disk was offline"}) + "\n")
+    whole.write_text(answered)
+    merged = tmp_path / "merged.jsonl"
+    assert run("--merge", str(merged), str(errored), str(whole), questions=[])[0] == 0
+    assert merged.read_text() == answered
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--images", "/nonexistent/*.png", "--out", "o.jsonl"], "no image files"),
         (["--images", ".", "--out", "o.jsonl", "--task", "ocr"], "takes no query"),
+        (["--images", ".", "--out", "o.jsonl", "--prompt", "x"], "cannot be combined with --task or --query"),
+        (["--images", "."], "--images and --out are required"),
+        (["--merge", "o.jsonl", "a.jsonl", "--images", "."], "drop --images"),
+        (["--merge", "o.jsonl"], "needs OUT and at least one PART"),
+        (["--images", ".", "--out", "o.jsonl", "--shard", "3/2"], "1 <= I <= N"),
+        (["--images", ".", "--out", "o.jsonl", "--actors", "2"], "--actors only applies to --ray"),
     ],
 )
 def test_user_errors_exit_2(run, args, message):
-    code, err = run(*args)
-    assert code == 2 and err.startswith("error:") and message in err
+    try:
+        code, err = run(*args, questions=[] if "--merge" in args else RUN)
+    except SystemExit as e:  # argparse's own errors
+        code, err = e.code, run.capfd.readouterr().err
+    assert code == 2 and "error:" in err and message in err, err

@@ -32,6 +32,7 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "orange": (240, 135, 25),
 }
 SHAPES = ("circle", "square", "triangle", "diamond", "star")
+NOVEL_SHAPE = "cross"  # drawn here but never in the demo's training data: what the fine-tuning test teaches
 SIDES = (112, 140, 168, 196, 224)  # image sides: multiples of 28, so preprocessing never resizes
 MAX_OBJECTS = 4
 SIZE_RANGE = (0.18, 0.40)  # object side, as a fraction of the image's shorter side
@@ -134,6 +135,13 @@ def _polygon(shape: str, box: tuple[int, int, int, int]) -> list[tuple[float, fl
         return [(cx, y1), (r, b), (x1, b)]
     if shape == "diamond":
         return [(cx, y1), (r, cy), (cx, b), (x1, cy)]
+    if shape == "cross":  # a plus sign, arms a third of the box wide
+        x3, y3 = (r - x1) / 3, (b - y1) / 3
+        xs, ys = (x1, x1 + x3, r - x3, r), (y1, y1 + y3, b - y3, b)
+        return [
+            (xs[1], ys[0]), (xs[2], ys[0]), (xs[2], ys[1]), (xs[3], ys[1]), (xs[3], ys[2]), (xs[2], ys[2]),
+            (xs[2], ys[3]), (xs[1], ys[3]), (xs[1], ys[2]), (xs[0], ys[2]), (xs[0], ys[1]), (xs[1], ys[1]),
+        ]  # fmt: skip
     if shape == "star":
         # Ten vertices scaled so that their extent is exactly the box.
         angles = [math.pi / 2 + k * math.pi / 5 for k in range(10)]
@@ -159,14 +167,22 @@ def _overlaps(a: tuple[int, ...], b: tuple[int, ...], margin: int = 3) -> bool:
     return a[0] < b[2] + margin and b[0] < a[2] + margin and a[1] < b[3] + margin and b[1] < a[3] + margin
 
 
-def make_scene(rng: np.random.Generator, n_objects: int | None = None) -> Scene:
-    """A W x H image (sides from SIDES) with `n_objects` (default 1-4, evenly) non-overlapping shapes."""
-    width, height = (int(rng.choice(SIDES)) for _ in range(2))
+def make_scene(
+    rng: np.random.Generator,
+    n_objects: int | None = None,
+    shapes: tuple[str, ...] = SHAPES,
+    required: tuple[str, ...] = (),
+    sides: tuple[int, ...] = SIDES,
+) -> Scene:
+    """A W x H image (sides from `sides`) with `n_objects` (default 1-4, evenly) non-overlapping shapes drawn
+    from a palette of `shapes` that holds `required`."""
+    width, height = (int(rng.choice(sides)) for _ in range(2))
     if n_objects is None:
         n_objects = int(rng.integers(1, MAX_OBJECTS + 1))
     # A small palette per scene, so that colours and shapes repeat and "all the red circles" means several.
     palette_colors = rng.choice(list(COLORS), size=int(rng.integers(1, 4)), replace=False).tolist()
-    palette_shapes = rng.choice(SHAPES, size=int(rng.integers(1, 4)), replace=False).tolist()
+    palette_shapes = rng.choice(shapes, size=int(rng.integers(1, 4)), replace=False).tolist()
+    palette_shapes += [s for s in required if s not in palette_shapes]
     short = min(width, height)
     objects: list[Obj] = []
     for _ in range(n_objects):
@@ -367,6 +383,41 @@ def make_sample(seed: int, index: int, split: str = "train") -> Sample:
     n_objects = 0 if rng.random() < 0.04 else None
     scene = make_scene(rng, n_objects)
     return Sample(scene, make_task(rng, scene))
+
+
+NOVEL_SPLITS = {"train": 2, "eval": 3}  # streams of their own, apart from the demo's
+NOVEL_SIDES = (112, 140, 168)
+
+
+def make_novel_sample(seed: int, index: int, split: str = "train", word: str = NOVEL_SHAPE) -> Sample:
+    """A detection sample about `word`, a shape the demo model never saw, among the shapes it knows.
+
+    Train: 70 % ask for `word` alone, 15 % for `word` and a present known shape (either order), 15 % for `word`
+    in a scene without one (`<box>None</box>`). Eval: always `word` alone in a scene that has at least one.
+    """
+    rng = np.random.default_rng([NOVEL_SPLITS[split], seed, index])
+    kind = rng.random() if split == "train" else 0.0
+    if kind < 0.85:
+        scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (word,), NOVEL_SIDES)
+        while not any(o.shape == word for o in scene.objects):  # the placement may drop every `word`
+            scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (word,), NOVEL_SIDES)
+    else:
+        scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (), NOVEL_SIDES)
+    categories = [word]
+    known = sorted({o.shape for o in scene.objects} - {word})
+    if 0.7 <= kind < 0.85 and known:
+        categories.insert(int(rng.integers(2)), known[int(rng.integers(len(known)))])
+    parts, targets = [], []
+    for category in categories:
+        matched = _order([o for o in scene.objects if o.shape == category])
+        for o in matched:
+            t = _target(category, o, scene.size)
+            targets.append(t)
+            parts.append(f"<ref>{category}</ref><box>{_coords_text(t.box_norm)}</box>")
+        if not matched:
+            parts.append(f"<ref>{category}</ref><box>None</box>")
+    negative = not any(o.shape == word for o in scene.objects)
+    return Sample(scene, Task("detect", categories, "".join(parts), tuple(targets), negative))
 
 
 # --- Blocks -----------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten, tree_map
 from tokenizers import Tokenizer as _Tokenizer
 
 from ..config import ModelConfig
+from ..language import DecoderLayer
 from ..loader import DEMO_DIR, read_weights, sanitize
 from ..masks import BLOCK
 from ..model import LocateAnything
@@ -279,9 +280,9 @@ class Encoded:
     own_lo: np.ndarray  # ... and own_lo[r] <= t < own_hi[r] (TRAINING.md §2.2)
     own_hi: np.ndarray
     image_slot: np.ndarray  # (R,) merged image row spliced at this row, or -1
-    pixels: np.ndarray  # (h*w, 3*p*p) uint8 patches in raster order (the preprocess layout)
-    grid: tuple[int, int]
     length: int  # L
+    pixels: np.ndarray | None = None  # (h*w, 3*p*p) uint8 patches in raster order (the synthetic path)
+    grid: tuple[int, int] | None = None
 
 
 def patchify(image, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int]]:
@@ -294,14 +295,12 @@ def patchify(image, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int
     return np.ascontiguousarray(patches.reshape(len(patches), -1)), grid
 
 
-def encode(sample: Sample, tokenizer: Tokenizer, ids: TokenIds) -> Encoded:
-    pixels, grid = patchify(sample.scene.image)
-    prompt = prompt_ids(tokenizer, task_text(sample.task.task, sample.task.query), [grid])
-    x = prompt + tokenizer.encode(sample.task.answer + "<|im_end|>\n")
-    s = len(prompt) - 1  # the "\n" after "assistant": anchors block 0
-    e = x.index(ids.im_end, s)  # the answer's <|im_end|>
+def encode_rows(x: list[int], anchors: list[int], ids: TokenIds) -> Encoded:
+    """The rows of a token sequence `x` whose answers start after `x[s]` for each s in `anchors` (the "\n"
+    after each turn's `assistant`) and end with their `<|im_end|>` (TRAINING.md §1-§2)."""
     L = len(x)
-    blocks = cut_blocks(x, s + 1, ids)
+    turns = [(s, x.index(ids.im_end, s)) for s in anchors]  # the answers' <|im_end|>
+    blocks = [block for s, _ in turns for block in cut_blocks(x, s + 1, ids)]
     R = L + BLOCK * len(blocks)
 
     rows = np.arange(R, dtype=np.int32)
@@ -314,15 +313,14 @@ def encode(sample: Sample, tokenizer: Tokenizer, ids: TokenIds) -> Encoded:
         own_lo=np.zeros(R, np.int32),
         own_hi=np.zeros(R, np.int32),
         image_slot=np.full(R, -1, np.int32),
-        pixels=pixels,
-        grid=grid,
         length=L,
     )
     out.ids[:L] = x
     out.positions[:L] = rows[:L]
     out.clean_lim[:L] = rows[:L] + 1  # causal
-    out.targets[s:e] = x[s + 1 : e + 1]  # rows s..e-1 predict the answer through <|im_end|>
-    out.kinds[s:e] = KIND_NTP
+    for s, e in turns:
+        out.targets[s:e] = x[s + 1 : e + 1]  # rows s..e-1 predict the answer through <|im_end|>
+        out.kinds[s:e] = KIND_NTP
     image_rows = np.flatnonzero(np.array(x) == ids.image)
     out.image_slot[image_rows] = np.arange(len(image_rows), dtype=np.int32)
     for k, block in enumerate(blocks):
@@ -337,8 +335,21 @@ def encode(sample: Sample, tokenizer: Tokenizer, ids: TokenIds) -> Encoded:
     return out
 
 
-def collate(samples: list[Encoded], tables: GridTables, pad_id: int) -> dict[str, np.ndarray]:
-    """Pad rows to a LENGTH_BUCKET multiple and patches to the largest grid; padding rows see only themselves."""
+def encode(sample: Sample, tokenizer: Tokenizer, ids: TokenIds) -> Encoded:
+    """A synthetic sample: its patches and rows (one turn)."""
+    pixels, grid = patchify(sample.scene.image)
+    prompt = prompt_ids(tokenizer, task_text(sample.task.task, sample.task.query), [grid])
+    x = prompt + tokenizer.encode(sample.task.answer + "<|im_end|>\n")
+    out = encode_rows(x, [len(prompt) - 1], ids)
+    out.pixels, out.grid = pixels, grid
+    return out
+
+
+ROW_FIELDS = ("ids", "positions", "targets", "kinds", "clean_lim", "own_lo", "own_hi", "image_slot")
+
+
+def collate_rows(samples: list[Encoded], pad_id: int) -> dict[str, np.ndarray]:
+    """The rows of `samples`, padded to a LENGTH_BUCKET multiple; padding rows see only themselves."""
     B = len(samples)
     T = -(-max(len(s.ids) for s in samples) // LENGTH_BUCKET) * LENGTH_BUCKET
     batch = {
@@ -350,13 +361,19 @@ def collate(samples: list[Encoded], tables: GridTables, pad_id: int) -> dict[str
         "own_lo": np.tile(np.arange(T, dtype=np.int32), (B, 1)),
         "own_hi": np.tile(np.arange(1, T + 1, dtype=np.int32), (B, 1)),
         "image_slot": np.full((B, T), -1, np.int32),
-        "pixels": np.zeros((B, tables.patches, samples[0].pixels.shape[1]), np.uint8),
-        "grid": np.array([tables.index(s.grid) for s in samples], np.int32),
     }
     for b, s in enumerate(samples):
-        R = len(s.ids)
-        for name in ("ids", "positions", "targets", "kinds", "clean_lim", "own_lo", "own_hi", "image_slot"):
-            batch[name][b, :R] = getattr(s, name)
+        for name in ROW_FIELDS:
+            batch[name][b, : len(s.ids)] = getattr(s, name)
+    return batch
+
+
+def collate(samples: list[Encoded], tables: GridTables, pad_id: int) -> dict[str, np.ndarray]:
+    """`collate_rows`, and the patches padded to the largest grid of `tables`."""
+    batch = collate_rows(samples, pad_id)
+    batch["pixels"] = np.zeros((len(samples), tables.patches, samples[0].pixels.shape[1]), np.uint8)
+    batch["grid"] = np.array([tables.index(s.grid) for s in samples], np.int32)
+    for b, s in enumerate(samples):
         batch["pixels"][b, : len(s.pixels)] = s.pixels
     return batch
 
@@ -412,18 +429,33 @@ def batches(maker: BatchMaker, start: int, steps: int, workers: int):
 def vision_features(model: LocateAnything, pixels: mx.array, grid: mx.array, tables: dict) -> mx.array:
     """(B, N, 3*p*p) uint8 patches of padded images -> (B, M, D) connector rows (merged raster order)."""
     tower = model.vision_model
-    B, N, _ = pixels.shape
+    table = tower.patch_embed.pos_emb.weight.astype(mx.float32).reshape(-1, tower.config.hidden_size)
     x = (pixels.astype(mx.float32) / 255.0 - 0.5) / 0.5  # the preprocess normalisation
-    x = tower.patch_embed.proj(x.astype(tower.patch_embed.proj.weight.dtype))
+    pos = tables["pos"][grid] @ table
+    return tower_features(
+        model, x, pos, tables["cos"][grid], tables["sin"][grid], tables["valid"][grid], tables["merge"][grid]
+    )
+
+
+def tower_features(
+    model: LocateAnything,
+    patches: mx.array,  # (B, N, 3*p*p) normalised
+    pos: mx.array,  # (B, N, C) position embeddings (the table resized to each grid)
+    cos: mx.array,  # (B, N, D/2) 2D RoPE
+    sin: mx.array,
+    valid: mx.array,  # (B, N) bool: the image's own patches
+    merge: mx.array,  # (B, 4M) int32: the 2 x 2 merge gather
+) -> mx.array:
+    """Padded images through the vision tower, merge and connector -> (B, M, D) connector rows."""
+    tower = model.vision_model
+    B = patches.shape[0]
+    x = tower.patch_embed.proj(patches.astype(tower.patch_embed.proj.weight.dtype))
     C = x.shape[-1]
-    table = tower.patch_embed.pos_emb.weight.astype(mx.float32).reshape(-1, C)
-    x = x + (tables["pos"][grid] @ table).astype(x.dtype)
-    cos, sin = tables["cos"][grid], tables["sin"][grid]  # (B, N, D/2)
-    mask = tables["valid"][grid][:, None, None, :]  # keys of the image's own patches only
+    x = x + pos.astype(x.dtype)
+    mask = valid[:, None, None, :]  # keys of the image's own patches only
     for block in tower.encoder.blocks:
         x = block(x, cos, sin, mask)
     x = tower.encoder.final_layernorm(x)
-    merge = tables["merge"][grid]  # (B, 4M)
     merged = mx.take_along_axis(x, merge[..., None], axis=1).reshape(B, merge.shape[1] // 4, 4 * C)
     return run_connector(model.mlp1, merged)
 
@@ -436,9 +468,16 @@ def training_mask_rows(clean_lim: mx.array, own_lo: mx.array, own_hi: mx.array) 
 
 
 def forward_hidden(model: LocateAnything, batch: dict, tables: dict) -> mx.array:
-    """Final hidden states (B, T, D), before the final norm, of a collated batch."""
+    """Final hidden states (B, T, D), before the final norm, of a collated batch: rows (`collate_rows`) and the
+    image input in one of three forms (see below)."""
     lm = model.language_model
-    features = vision_features(model, batch["pixels"], batch["grid"], tables)
+    if "merged" in batch:  # a frozen tower's merged rows (B, M, 4C), computed beforehand
+        features = run_connector(model.mlp1, batch["merged"])
+    elif "patches" in batch:  # float patches with their own tower inputs (any grids)
+        fields = ("patches", "pos", "cos", "sin", "valid", "merge")
+        features = tower_features(model, *(batch[k] for k in fields))
+    else:  # uint8 patches of the synthetic grids, tower inputs from `tables`
+        features = vision_features(model, batch["pixels"], batch["grid"], tables)
     embeds = lm.model.embed_tokens(batch["ids"])
     slot = batch["image_slot"]
     image = mx.take_along_axis(features, mx.maximum(slot, 0)[..., None], axis=1)
@@ -493,17 +532,48 @@ class TrainOptions:
     clip: float = 1.0
     compute_dtype: str = "float32"  # bfloat16: forward/backward in bf16 on float32 master weights
     compile: bool = True
+    grad_checkpoint: bool = False  # recompute each decoder layer's activations in the backward pass
+
+
+class CheckpointedLayer(DecoderLayer):
+    """A decoder layer under `mx.checkpoint`: its activations are recomputed for the gradient, not kept.
+    Steps with a KV cache (inference) run it as a plain layer."""
+
+    def __call__(self, x, cos, sin, mask, *cache):
+        if any(c is not None for c in cache):
+            return super().__call__(x, cos, sin, mask, *cache)
+
+        def run(params, x, cos, sin, mask):
+            self.update(params)
+            return DecoderLayer.__call__(self, x, cos, sin, mask)[0]
+
+        return mx.checkpoint(run)(self.trainable_parameters(), x, cos, sin, mask), None
+
+
+def checkpoint_layers(model: LocateAnything) -> None:
+    """Gradient checkpointing for every decoder layer (their parameters keep their names)."""
+    for layer in model.language_model.model.layers:
+        layer.__class__ = CheckpointedLayer
+
+
+def demo_tables(model: LocateAnything) -> dict[str, mx.array]:
+    """The tower inputs of the synthetic training grids for `model`'s vision config."""
+    v = model.config.vision
+    return GridTables.for_sides().arrays(v.init_pos_emb_height, v.head_dim, v.rope_theta)
 
 
 class Trainer:
-    """One compiled AdamW step per call; the learning rate is an input, so the schedule is plain Python."""
+    """One compiled AdamW step per call on `model.trainable_parameters()` (everything, or LoRA and what a
+    fine-tune unfroze); the learning rate is an input, so the schedule is plain Python. `tables`: the tower
+    inputs of batches that index them (default: the synthetic grids)."""
 
-    def __init__(self, model: LocateAnything, options: TrainOptions):
+    def __init__(self, model: LocateAnything, options: TrainOptions, tables: dict | None = None):
         self.model = model
-        v = model.config.vision
-        self.tables = GridTables.for_sides().arrays(v.init_pos_emb_height, v.head_dim, v.rope_theta)
+        self.tables = demo_tables(model) if tables is None else tables
         self.optimizer = optim.AdamW(learning_rate=options.lr, betas=[0.9, 0.999], weight_decay=options.weight_decay)
         self.optimizer.init(model.trainable_parameters())
+        if options.grad_checkpoint:
+            checkpoint_layers(model)
         compute = DTYPES[options.compute_dtype]
 
         def loss_fn(params, batch, tables):
@@ -522,8 +592,11 @@ class Trainer:
             self.optimizer.update(model, grads)
             return loss, stats, norm
 
-        state = [model.state, self.optimizer.state]
+        # The random state goes in and out too: LoRA dropout draws from it.
+        state = [model.state, self.optimizer.state, mx.random.state]
         self.step_fn = partial(mx.compile, inputs=state, outputs=state)(step) if options.compile else step
+        score = partial(loss_and_stats, model)
+        self.score_fn = partial(mx.compile, inputs=[model.state])(score) if options.compile else score
 
     def step(self, batch: dict[str, np.ndarray], lr: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """Queue one step; returns (loss, stats, grad norm) without waiting for them."""
@@ -533,6 +606,14 @@ class Trainer:
         out = self.step_fn(arrays, self.tables)
         mx.async_eval(out, self.model.state, self.optimizer.state)
         return out
+
+    def score(self, batch: dict[str, np.ndarray]) -> tuple[mx.array, mx.array]:
+        """(loss, stats) of a batch without a step (held-out data); the model in eval mode (no dropout)."""
+        self.model.eval()
+        try:
+            return self.score_fn({k: mx.array(v) for k, v in batch.items()}, self.tables)
+        finally:
+            self.model.train()
 
 
 def describe(stats: np.ndarray) -> dict:

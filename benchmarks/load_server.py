@@ -1,0 +1,383 @@
+"""Load on the server: 1, 4, 16 and 64 concurrent clients; requests/s, p50/p99 latency, every request answered
+and equal to the same request sent alone. `--soak` adds a long run with bad requests mixed in (memory, losses).
+
+    python benchmarks/load_server.py --http                          # this machine: mlx-locate-server, demo model
+    python benchmarks/load_server.py --http --soak 600 --json benchmarks/results/load_soak.json
+    python benchmarks/load_server.py --preset 3b --in-memory         # the GPU machine: no FastAPI needed
+
+Two ways to drive it:
+- `--http`: `mlx-locate-server` as a subprocess on 127.0.0.1 (a free port) and async HTTP clients here (httpx);
+  the whole path, JSON and base64 included. Needs the `[server]` extra.
+- in-process (the default): concurrent asyncio submitters drive the server's `Worker` (the one MLX thread and
+  its engine) directly, as the HTTP handlers do, without FastAPI or uvicorn: this is what runs where only numpy,
+  safetensors, tokenizers, pillow and mlx are installed. `--preset 3b --in-memory` draws the 3B architecture's
+  random weights on the device (bench.py's `in_memory_model`, on the worker thread).
+
+"Equal" compares the answer (text, objects, empty labels, truncated) with the same request sent alone through
+the same path before the load starts. Prints a table; `--json` writes everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import mlx_locate  # noqa: E402
+from mlx_locate import Request  # noqa: E402
+from mlx_locate.server.protocol import result_json  # noqa: E402
+from mlx_locate.server.worker import Job, Worker  # noqa: E402
+
+ANSWER = ("text", "objects", "empty_labels", "truncated")
+DEMO_QUERIES = ("square", "circle", "triangle", "star")
+PRESET_QUERIES = ("red box", "car", "the person on the left")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One distinct request of the pool."""
+
+    image: str  # a name in the image table
+    query: str
+    mode: str
+
+
+def demo_images() -> dict[str, Image.Image]:
+    from mlx_locate.tuner.synthetic import make_sample
+
+    images = {"example": Image.open(ROOT / "mlx_locate" / "demo" / "example.png").convert("RGB")}
+    for i in range(3):
+        images[f"scene{i}"] = make_sample(0, i, "eval").scene.image.convert("RGB")
+    return images
+
+
+def preset_images() -> dict[str, Image.Image]:
+    from bench import IMAGES, make_image
+
+    return {
+        "640x480": Image.open(IMAGES["640x480"]).convert("RGB"),
+        "1024x768": Image.open(make_image((1024, 768), ROOT / ".bench" / "1024x768.png")).convert("RGB"),
+    }
+
+
+def answer_of(d: dict) -> str:
+    return json.dumps({k: d[k] for k in ANSWER}, sort_keys=True)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+class InProcess:
+    """Submitters drive the server's worker directly (no HTTP)."""
+
+    def __init__(self, load, images: dict[str, Image.Image], max_tokens: int, max_queue: int):
+        self.images, self.max_tokens = images, max_tokens
+        self.worker = Worker(load, max_queue=max_queue).start()
+        self.worker.wait_ready()
+
+    async def ask(self, ask: Ask) -> dict:
+        request = Request(self.images[ask.image], ask.query, mode=ask.mode, max_tokens=self.max_tokens)
+        async with Job(self.worker, [request]) as job:
+            (result,) = await job.results()
+        return json.loads(json.dumps(result_json(result)))
+
+    def memory_mb(self) -> float:
+        return rss_mb(os.getpid())
+
+    def close(self) -> None:
+        self.worker.stop()
+
+
+class OverHttp:
+    """`mlx-locate-server` in a subprocess; requests as JSON with base64 images."""
+
+    def __init__(self, model: str, images: dict[str, Image.Image], max_tokens: int, max_queue: int):
+        import httpx
+
+        self.httpx = httpx
+        self.max_tokens = max_tokens
+        self.images = {name: png_base64(image) for name, image in images.items()}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "mlx_locate.server", "--model", model, "--port", str(port)]
+        command += ["--max-queue", str(max_queue), "--timeout", "600", "--log-level", "warning"]
+        self.process = subprocess.Popen(command, cwd=ROOT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).json()["status"] == "ok":
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.2)
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=600, limits=httpx.Limits(max_connections=128))
+
+    def body(self, ask: Ask) -> dict:
+        return {"image": self.images[ask.image], "query": ask.query, "mode": ask.mode, "max_tokens": self.max_tokens}
+
+    async def ask(self, ask: Ask) -> dict:
+        r = await self.client.post("/v1/locate", json=self.body(ask))
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
+        return r.json()
+
+    def memory_mb(self) -> float:
+        return rss_mb(self.process.pid)
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+def png_base64(image: Image.Image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def run_level(target, pool: list[Ask], alone: dict[Ask, str], clients: int, requests: int) -> dict:
+    """`clients` concurrent clients share `requests` requests drawn from the pool in order."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(pool[i % len(pool)])
+    latencies, equal, errors = [], 0, []
+
+    async def client() -> None:
+        nonlocal equal
+        while not queue.empty():
+            ask = queue.get_nowait()
+            t0 = time.perf_counter()
+            try:
+                answer = await target.ask(ask)
+            except Exception as e:  # noqa: BLE001 - counted and reported, the run goes on
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            latencies.append(time.perf_counter() - t0)
+            equal += answer_of(answer) == alone[ask]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    wall = time.perf_counter() - t0
+    return {
+        "clients": clients,
+        "requests": requests,
+        "answered": len(latencies),
+        "equal_to_alone": equal,
+        "errors": errors[:5],
+        "error_count": len(errors),
+        "wall_s": wall,
+        "requests_per_s": len(latencies) / wall,
+        "p50_s": percentile(latencies, 50),
+        "p99_s": percentile(latencies, 99),
+    }
+
+
+BAD_REQUESTS = {  # body -> the status the server must answer
+    "not an image": ({"image": base64.b64encode(b"hello").decode(), "query": "x"}, 400),
+    "unknown field": ({"image": "", "query": "x", "colour": "red"}, 400),
+    "bad mode": ({"image": "", "query": "x", "mode": "turbo"}, 400),
+    "no query": ({"image": "", "task": "detect"}, 400),
+    "remote image": ({"image": "http://127.0.0.1:9/x.png", "query": "x"}, 400),
+}
+
+
+async def soak(target: OverHttp, pool: list[Ask], alone: dict[Ask, str], seconds: float, clients: int) -> dict:
+    """`clients` loop for `seconds`: 4 in 5 good requests (checked against alone), the rest bad ones (each must
+    get its 4xx) or a stream the client drops after its first event. Samples the server's memory."""
+    httpx = target.httpx
+    rng = random.Random(0)
+    good_image = next(iter(target.images.values()))
+    counts = {"good": 0, "good_equal": 0, "bad": 0, "bad_as_expected": 0, "dropped_streams": 0, "lost": 0}
+    lost: list[str] = []
+    memory: list[tuple[float, float]] = []
+    t_start = time.perf_counter()
+    deadline = t_start + seconds
+
+    async def client(client_id: int) -> None:
+        async with httpx.AsyncClient(base_url=target.url, timeout=600) as http:
+            while time.perf_counter() < deadline:
+                roll = rng.random()
+                try:
+                    if roll < 0.8:
+                        ask = rng.choice(pool)
+                        r = await http.post("/v1/locate", json=target.body(ask))
+                        counts["good"] += 1
+                        if r.status_code != 200:
+                            raise RuntimeError(f"good request answered {r.status_code}: {r.text[:200]}")
+                        counts["good_equal"] += answer_of(r.json()) == alone[ask]
+                    elif roll < 0.95:
+                        name, (body, status) = rng.choice(sorted(BAD_REQUESTS.items()))
+                        body = {**body, "image": body["image"] or good_image}
+                        r = await http.post("/v1/locate", json=body)
+                        counts["bad"] += 1
+                        if r.status_code != status or set(r.json()) != {"error"}:
+                            raise RuntimeError(f"{name}: {r.status_code} {r.text[:200]}")
+                        counts["bad_as_expected"] += 1
+                    else:
+                        body = {**target.body(rng.choice(pool)), "stream": True}
+                        async with http.stream("POST", "/v1/locate", json=body) as r:
+                            async for _ in r.aiter_lines():
+                                break
+                        counts["dropped_streams"] += 1
+                except (httpx.HTTPError, RuntimeError, ValueError) as e:
+                    counts["lost"] += 1
+                    lost.append(f"{type(e).__name__}: {e}")
+
+    async def sample() -> None:
+        while time.perf_counter() < deadline:
+            memory.append((time.perf_counter() - t_start, target.memory_mb()))
+            await asyncio.sleep(min(10.0, seconds / 30))
+
+    await asyncio.gather(sample(), *(client(i) for i in range(clients)))
+    async with httpx.AsyncClient(base_url=target.url, timeout=60) as http:
+        for _ in range(100):  # dropped streams finish their current step; then nothing may be pending
+            health = (await http.get("/health")).json()
+            if health["pending"] == 0:
+                break
+            await asyncio.sleep(0.1)
+    memory.append((time.perf_counter() - t_start, target.memory_mb()))
+    half = [m for t, m in memory if t >= seconds / 2]
+    slope = np.polyfit([t for t, _ in memory if t >= seconds / 2], half, 1)[0] * 60 if len(half) > 2 else None
+    return {
+        "seconds": seconds,
+        "clients": clients,
+        **counts,
+        "lost_examples": lost[:5],
+        "pending_after": health["pending"],
+        "memory_mb": {
+            "first": memory[0][1],
+            "max": max(m for _, m in memory),
+            "last": memory[-1][1],
+            "second_half_slope_mb_per_min": slope,
+        },
+        "memory_samples": memory,
+    }
+
+
+async def measure(target, pool: list[Ask], args: argparse.Namespace, report: dict) -> None:
+    """Each request alone, then each level of concurrency, then the soak; fills `report`."""
+    t0 = time.perf_counter()
+    alone = {ask: answer_of(await target.ask(ask)) for ask in pool}
+    report["alone_s"] = time.perf_counter() - t0
+    report["memory_mb_after_alone"] = target.memory_mb()
+    report["levels"] = []
+    for clients in args.clients:
+        level = await run_level(target, pool, alone, clients, max(args.requests, clients))
+        report["levels"].append(level)
+        print_level(level)
+    report["memory_mb_after_levels"] = target.memory_mb()
+    if args.soak:
+        report["soak"] = await soak(target, pool, alone, args.soak, args.soak_clients)
+        print_soak(report["soak"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="demo", help="checkpoint folder or 'demo' (default)")
+    p.add_argument("--preset", help="random weights of a preset (e.g. 3b) instead of --model; needs --in-memory")
+    p.add_argument("--in-memory", action="store_true", help="with --preset: draw the weights on the device")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--http", action="store_true", help="through mlx-locate-server over HTTP (needs [server])")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--requests", type=int, default=64, help="requests per level (at least the clients)")
+    p.add_argument("--modes", nargs="+", default=["hybrid", "fast"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--soak", type=float, default=0, metavar="SECONDS", help="then soak for this long (--http)")
+    p.add_argument("--soak-clients", type=int, default=8)
+    p.add_argument("--json", help="write the report here")
+    args = p.parse_args(argv)
+    if args.preset and (args.http or not args.in_memory):
+        p.error("--preset runs in-process with --in-memory (no checkpoint file, no HTTP)")
+    if args.soak and not args.http:
+        p.error("--soak needs --http (its bad requests are HTTP requests)")
+
+    if args.preset:
+        from bench import in_memory_model
+
+        images, queries = preset_images(), PRESET_QUERIES
+        load = lambda: in_memory_model(args.preset, args.dtype)  # noqa: E731 - runs on the worker thread
+    else:
+        images, queries = demo_images(), DEMO_QUERIES
+        load = lambda: mlx_locate.load(args.model)  # noqa: E731
+    pool = [Ask(i, q, m) for i in images for q in queries for m in args.modes]
+    max_queue = max(256, max(args.clients) * 2)
+    t0 = time.perf_counter()
+    if args.http:
+        target = OverHttp(args.model, images, args.max_tokens, max_queue)
+    else:
+        target = InProcess(load, images, args.max_tokens, max_queue)
+    report = {
+        "path": "http" if args.http else "in-process",
+        "model": args.preset or args.model,
+        "dtype": args.dtype if args.preset else "as stored",
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_s": time.perf_counter() - t0,
+        "pool": len(pool),
+        "max_tokens": args.max_tokens,
+    }
+    try:
+        asyncio.run(measure(target, pool, args, report))
+    finally:
+        target.close()
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def print_level(level: dict) -> None:
+    if level["p50_s"] is None:
+        print(f"{level['clients']:>3} clients: nothing answered; errors {level['errors']}")
+        return
+    print(
+        f"{level['clients']:>3} clients: {level['requests_per_s']:6.2f} req/s, p50 {level['p50_s']:.2f} s, "
+        f"p99 {level['p99_s']:.2f} s, answered {level['answered']}/{level['requests']}, "
+        f"equal to alone {level['equal_to_alone']}/{level['answered']}, errors {level['error_count']}"
+    )
+
+
+def print_soak(s: dict) -> None:
+    m = s["memory_mb"]
+    slope = m["second_half_slope_mb_per_min"]
+    print(
+        f"soak {s['seconds']:.0f} s x {s['clients']} clients: {s['good']} good ({s['good_equal']} equal to alone), "
+        f"{s['bad']} bad ({s['bad_as_expected']} answered as expected), {s['dropped_streams']} dropped streams, "
+        f"{s['lost']} lost, pending after {s['pending_after']}; server memory {m['first']:.0f} -> max {m['max']:.0f} "
+        f"-> {m['last']:.0f} MB (second half {'-' if slope is None else f'{slope:+.2f}'} MB/min)"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""`mlx-locate-server --model M [--host 127.0.0.1] [--port 8080] ...` (also `python -m mlx_locate.server`).
+
+Binds 127.0.0.1 by default; any other address prints a warning, since the model is then reachable from other
+machines (set --api-key, and --allowed-host for the names clients use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from pathlib import Path
+
+from ..generate import DEFAULT_MODEL, DTYPES, positive_int
+from ..loader import resolve
+from .protocol import DEFAULT_MAX_PIXELS, Settings
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Flags shared with `mlx-locate-mcp`: what to load and what one request may cost."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder, hub id or 'demo' (default: demo)")
+    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+    p.add_argument("--adapter", metavar="PATH", help="a LoRA adapter folder applied on top of --model")
+    p.add_argument(
+        "--max-pixels",
+        type=positive_int,
+        default=DEFAULT_MAX_PIXELS,
+        help="largest image accepted, in pixels, checked from its header (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=Settings.max_queue,
+        help="requests waiting or decoding at once; more are refused (HTTP 503) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=Settings.timeout_s,
+        help="seconds one request may take, queueing included (HTTP 504) (default: %(default)s)",
+    )
+    p.add_argument("--max-rows", type=positive_int, help="engine rows per step (default: the engine's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-locate-server",
+        description="Serve LocateAnything over HTTP: /v1/locate, /v1/ground, /v1/chat/completions and a web page.",
+    )
+    add_model_flags(p)
+    p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (HTTP 401 otherwise)")
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name clients may use besides localhost and the bound address (Host/Origin checks); repeatable",
+    )
+    p.add_argument(
+        "--max-body-mb", type=float, default=Settings.max_body_mb, help="largest request body (default: %(default)s)"
+    )
+    p.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (off: no fetching)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def bind_warning(host: str) -> str | None:
+    """The warning printed when `host` is not a loopback address."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        return None
+    return (
+        f"warning: binding to {host} makes the server reachable from other machines; "
+        "set --api-key, and --allowed-host NAME for each name clients use to reach it"
+    )
+
+
+def model_loader(args: argparse.Namespace):
+    """The model's folder checked (or downloaded) now; the returned function loads it on the worker thread."""
+    from ..locate import load
+
+    folder = resolve(args.model)
+    if args.adapter is not None and not Path(args.adapter).is_dir():
+        raise FileNotFoundError(f"adapter folder {args.adapter!r} does not exist")
+    return lambda: load(folder, dtype=args.dtype, adapter_path=args.adapter)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        load = model_loader(args)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    warning = bind_warning(args.host)
+    if warning:
+        print(warning, file=sys.stderr)
+    settings = Settings(
+        model_name=args.model,
+        host=args.host,
+        allowed_hosts=tuple(args.allowed_host),
+        api_key=args.api_key,
+        max_body_mb=args.max_body_mb,
+        max_pixels=args.max_pixels,
+        max_queue=args.max_queue,
+        timeout_s=args.timeout,
+        allow_remote_images=args.allow_remote_images,
+        max_rows=args.max_rows,
+    )
+    app = create_app(load, settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

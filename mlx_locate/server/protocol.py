@@ -1,0 +1,176 @@
+"""What goes over the wire, shared by the HTTP app, the MCP tool and the load benchmark: images in (data URL,
+base64 or bytes, checked before decoding), engine `Request`s built from a client's fields, results out as JSON.
+
+No web framework here (the benchmark runs where only the core dependencies are installed).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from PIL import Image, UnidentifiedImageError
+
+from ..engine import Request
+from ..locate import Result
+from ..parse import LocatedObject
+from ..preprocess import load_image
+from ..prompts import CATEGORY_SEPARATOR, task_text
+
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow decoders a client may reach
+DEFAULT_MAX_PIXELS = 4096 * 4096  # a decoded RGBA image of this size is 64 MiB; the queue bounds how many wait
+# What Pillow raises on corrupt or truncated data, besides the OSError it documents.
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError, Image.DecompressionBombError)
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the server and the MCP tool allow; the command-line flags of the same names set them."""
+
+    model_name: str = "demo"
+    host: str = "127.0.0.1"  # the bound address; a non-wildcard one is an allowed Host too
+    allowed_hosts: tuple[str, ...] = ()  # more names clients may use in Host and Origin
+    api_key: str | None = None  # Bearer token for /v1/*
+    max_body_mb: float = 20.0
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_queue: int = 64  # engine requests waiting or decoding; more get 503
+    timeout_s: float = 120.0  # per request, queueing included; then 504
+    allow_remote_images: bool = False
+    max_rows: int | None = None  # the engine's rows per step (None: its default)
+
+    @property
+    def host_names(self) -> set[str]:
+        names = {*LOOPBACK_NAMES, *(h.lower() for h in self.allowed_hosts)}
+        if self.host not in WILDCARD_HOSTS:
+            names.add(self.host.lower().strip("[]"))
+        return names
+
+
+class InputError(ValueError):
+    """A client's mistake, with a stable `code` for the error body and an HTTP `status`."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+def is_remote(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def image_bytes(source: str) -> bytes:
+    """The bytes of an image given as a data URL (`data:image/png;base64,...`) or as plain base64."""
+    text = source.strip()
+    if text.startswith("data:"):
+        header, sep, text = text.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise InputError("invalid_image", "a data URL image must be base64: data:image/png;base64,<data>")
+    elif is_remote(text):
+        raise InputError(
+            "remote_images_disabled",
+            "image URLs are not fetched; send the image as a data URL or base64 "
+            "(or start the server with --allow-remote-images)",
+        )
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError("invalid_image", "the image is neither a data URL nor valid base64") from None
+    if not data:
+        raise InputError("invalid_image", "the image is empty")
+    return data
+
+
+def open_image(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Decode `data` as one of `ALLOWED_FORMATS`, its size checked from the header (`preprocess.load_image`)
+    before any pixel is decoded. Every failure is an `InputError`."""
+    try:
+        opened = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except UnidentifiedImageError:
+        raise InputError(
+            "unsupported_image", f"not an image in an accepted format ({', '.join(ALLOWED_FORMATS)})"
+        ) from None
+    except Image.DecompressionBombError as e:
+        raise InputError("image_too_large", str(e)) from None
+    except DECODE_ERRORS as e:
+        raise InputError("invalid_image", f"the image could not be read: {e}") from None
+    try:
+        load_image(opened, max_pixels)
+    except ValueError as e:
+        raise InputError("image_too_large", str(e)) from None
+    try:
+        opened.load()
+    except DECODE_ERRORS as e:
+        raise InputError("invalid_image", f"the {opened.format} image is corrupt or truncated: {e}") from None
+    return opened
+
+
+def build_requests(image: Image.Image, queries: Sequence[str | None], task: str, **options) -> list[Request]:
+    """One engine `Request` per query (each its own question about `image`), each prompt checked now so a bad
+    task or query is an `InputError` before anything is queued. `options` are `Request` fields."""
+    for q in queries:
+        try:
+            task_text(task, q)
+        except ValueError as e:
+            raise InputError("invalid_request", str(e)) from None
+    return [Request(image, q, task=task, **options) for q in queries]
+
+
+def categories_query(categories: Sequence[str]) -> str:
+    """Several categories asked in one detect prompt, as the CLI's `--categories` does."""
+    return CATEGORY_SEPARATOR.join(c.strip() for c in categories)
+
+
+def object_json(obj: LocatedObject) -> dict:
+    """A box or point as `Result.to_dict` writes it: the label always, box or point fields when present."""
+    return {k: v for k, v in asdict(obj).items() if v is not None or k == "label"}
+
+
+RESULT_FIELDS = ("mode", "objects", "empty_labels", "truncated", "text", "stats")
+
+
+def result_json(result: Result) -> dict:
+    """The answer fields of `Result.to_dict()` (the CLI's `--json`), without the token-level lists."""
+    d = result.to_dict()
+    return {k: d[k] for k in RESULT_FIELDS}
+
+
+def locate_json(request_id: str, model: str, task: str, mode: str, queries: list | None, results: list[Result]) -> dict:
+    """The `/v1/locate` answer: one result's fields, or `{"queries": [{"query": q, ...}, ...]}` when the client
+    sent a list of queries (the CLI's `--json` with several `--query`)."""
+    width, height = results[0].image_size
+    head = {"id": request_id, "model": model, "task": task, "mode": mode, "image": {"width": width, "height": height}}
+    if queries is None:
+        return {**head, **result_json(results[0])}
+    return {**head, "queries": [{"query": q, **result_json(r)} for q, r in zip(queries, results, strict=True)]}
+
+
+def ground_json(point: Result, region: Result) -> dict:
+    """The `/v1/ground` answer from a `point` and a `gui` result on the same instruction: the click point (the
+    point task's, else the centre of the region's box) and the region's box, in pixels; `found: false` and
+    `point: null` when neither gave one. `point_norm` is the point over the image size, in 0..1."""
+    width, height = point.image_size
+    points = [o for o in point.objects if o.point is not None]
+    boxes = [o for o in region.objects if o.box is not None]
+    box = boxes[0].box if boxes else None
+    if points:
+        xy, confidence = points[0].point, points[0].confidence
+    elif boxes:
+        xy, confidence = ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2), boxes[0].confidence
+    else:
+        xy, confidence = None, None
+    return {
+        "found": xy is not None,
+        "point": None if xy is None else list(xy),
+        "point_norm": None if xy is None else [xy[0] / width, xy[1] / height],
+        "box": None if box is None else list(box),
+        "confidence": confidence,
+        "image": {"width": width, "height": height},
+        "text": {"point": point.text, "gui": region.text},
+    }

@@ -1,0 +1,401 @@
+"""Large and dense images by tiling: overlapping crops decoded as one batch, their objects merged in image pixels.
+
+The model sees at most `in_token_limit` patches (25,600 for the 3B release): a larger image is scaled down
+first and its small objects shrink with it. `split_request` cuts the image into overlapping tiles (plus, with
+`tile_whole`, the whole image); the engine decodes them together and `merge_results` maps every object back
+to the image and merges the duplicates that tiles share:
+
+- `tiles="auto"`: the fewest tiles (at most `MAX_TILES`, none more elongated than `MAX_TILE_ASPECT` or the
+  image) that each fit the patch budget unscaled, so every object reaches the model at its own pixel size,
+  never smaller than in the image; ties go to the squarest tiles. An image that already fits is decoded
+  whole. `(rows, cols)` gives the grid.
+- Merging decides by geometry alone (no confidence threshold drops anything). Per label, an object joins an
+  object of another view when their boxes have an IoU of at least `MERGE_IOU`, or the smaller lies at least
+  `MERGE_CONTAINMENT` inside the larger (a piece cut off by a seam), or their points lie within
+  `POINT_RADIUS` of a tile's shorter side. A group keeps the box of a view that saw the whole object (not cut
+  by a seam, its tile holding every box of the group), an uncut tile before the whole image, the most
+  confident first, and the group's best confidence. A tile box covering the whole tile is a piece of
+  something larger than the tile and is dropped (the whole image sees such objects).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
+
+from PIL import Image
+
+from .metrics import iou
+from .parse import LocatedObject
+from .preprocess import MERGE, target_size
+
+if TYPE_CHECKING:
+    from .engine import Request
+    from .locate import LocateModel, Result
+
+MAX_TILES = 64  # tiles per image (auto or given); bounds what one request may cost
+MAX_TILE_ASPECT = 1.5  # auto tiles are at most this elongated (or as elongated as the image)
+MAX_OVERLAP = 0.5  # fraction of a tile shared with its neighbour
+MERGE_IOU = 0.5  # boxes of one label from two views with this IoU are one object
+MERGE_CONTAINMENT = 0.8  # a seam-cut box this much inside another box of its label is part of it
+SEAM_MARGIN = 0.02  # a box edge within this fraction of a tile side from an inner seam is cut by it
+SPAN_FRACTION = 0.9  # a tile box this wide and this high (fractions of the tile) is a seam artefact
+POINT_RADIUS = 0.05  # points of one label closer than this fraction of a tile's shorter side are one
+SINGLE_TASKS = ("single", "gui")  # one instance asked: the merged answer keeps the most confident object
+SUMMED_STATS = (
+    "preprocess_s",
+    "vision_s",
+    "prefix_prefill_s",
+    "prefill_s",
+    "decode_s",
+    "tokens",
+    "steps",
+    "block_steps",
+    "ar_steps",
+    "fallbacks",
+    "label_redecodes",
+    "host_reads",
+)
+
+
+class Tile(NamedTuple):
+    """The crop a child request decodes; set as the child's `tag`."""
+
+    box: tuple[int, int, int, int]  # x0, y0, x1, y1 in the image's pixels (x1, y1 exclusive)
+    whole: bool  # the whole image rather than a crop
+
+
+def parse_tiles(text: str) -> str | tuple[int, int]:
+    """A `--tiles` value: "auto" or "ROWSxCOLS" (e.g. "2x3": 2 rows, 3 columns). Raises `ValueError`."""
+    if text == "auto":
+        return "auto"
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"expected 'auto' or ROWSxCOLS such as 2x3, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def check_tiling(tiles: object, overlap: float) -> None:
+    """Raise `ValueError` unless `tiles` is "auto" or (rows, cols) with 1 <= rows * cols <= MAX_TILES and
+    0 <= overlap <= MAX_OVERLAP."""
+    if not (isinstance(overlap, int | float) and 0 <= overlap <= MAX_OVERLAP):
+        raise ValueError(f"tile_overlap must be a fraction from 0 to {MAX_OVERLAP}; got {overlap!r}")
+    if tiles == "auto":
+        return
+    valid = (
+        isinstance(tiles, tuple | list)
+        and len(tiles) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in tiles)
+    )
+    if not valid:
+        raise ValueError(f"tiles must be 'auto' or (rows, cols) with positive integers; got {tiles!r}")
+    if tiles[0] * tiles[1] > MAX_TILES:
+        raise ValueError(f"tiles {tiles[0]}x{tiles[1]} make {tiles[0] * tiles[1]} tiles; at most {MAX_TILES}")
+
+
+def spans(length: int, n: int, overlap: float) -> list[tuple[int, int]]:
+    """`n` intervals of equal length covering [0, length), neighbours sharing about `overlap` of a tile."""
+    if n == 1:
+        return [(0, length)]
+    side = min(length, math.ceil(length / (n - (n - 1) * overlap)))
+    return [(s, s + side) for s in (round(i * (length - side) / (n - 1)) for i in range(n))]
+
+
+def tile_boxes(size: tuple[int, int], rows: int, cols: int, overlap: float) -> list[tuple[int, int, int, int]]:
+    """The tiles of a `rows x cols` grid over an image of `size` = (W, H), in raster order."""
+    return [(x0, y0, x1, y1) for y0, y1 in spans(size[1], rows, overlap) for x0, x1 in spans(size[0], cols, overlap)]
+
+
+def auto_grid(size: tuple[int, int], in_token_limit: int, patch: int, overlap: float) -> tuple[int, int]:
+    """The fewest (rows, cols) whose tiles the model sees unscaled, in at most `in_token_limit` patches after
+    the stretch to whole merge units, and no more elongated than `MAX_TILE_ASPECT` (or the image); the
+    squarest tiles on a tie. When no grid of at most `MAX_TILES` fits, the one with the smallest tiles."""
+    width, height = size
+    bound = max(MAX_TILE_ASPECT, width / height, height / width)
+
+    def shape(grid: tuple[int, int]) -> tuple[bool, int, float]:
+        (x0, x1), (y0, y1) = spans(width, grid[1], overlap)[0], spans(height, grid[0], overlap)[0]
+        w, h = x1 - x0, y1 - y0
+        try:
+            sizes = target_size(w, h, in_token_limit, patch)
+        except ValueError:  # a side the model cannot take at all
+            return False, w * h, math.inf
+        fits = sizes.scaled == (w, h) and (sizes.final[0] // patch) * (sizes.final[1] // patch) <= in_token_limit
+        return fits, w * h, max(w / h, h / w)
+
+    grids = [(r, c) for r in range(1, MAX_TILES + 1) for c in range(1, MAX_TILES // r + 1)]
+    shaped = [(g, *shape(g)) for g in grids]
+    shaped = [s for s in shaped if s[3] <= bound]
+    fitting = [(g[0] * g[1], aspect, g) for g, fits, _, aspect in shaped if fits]
+    if fitting:
+        return min(fitting)[2]
+    return min((area, aspect, g) for g, _, area, aspect in shaped)[2]
+
+
+def split_request(request: Request, image: Image.Image, model: LocateModel) -> list[Request]:
+    """The child requests of a tiled request: one per tile (cropped image, `tag` = its `Tile`), and the whole
+    image first when `request.tile_whole` or when the grid is a single tile. Raises `ValueError` for a bad
+    grid or overlap, or tiles smaller than the model's smallest input."""
+    check_tiling(request.tiles, request.tile_overlap)
+    patch = model.network.config.vision.patch_size
+    if request.tiles == "auto":
+        rows, cols = auto_grid(image.size, model.in_token_limit, patch, request.tile_overlap)
+    else:
+        rows, cols = request.tiles
+    width, height = image.size
+    boxes = tile_boxes(image.size, rows, cols, request.tile_overlap) if (rows, cols) != (1, 1) else []
+    smallest = MERGE * patch
+    if boxes and min(min(x1 - x0, y1 - y0) for x0, y0, x1, y1 in boxes) < smallest:
+        raise ValueError(
+            f"a {width}x{height} image in {rows}x{cols} tiles gives tiles under {smallest} pixels a side; "
+            "use fewer tiles"
+        )
+    tiles = [Tile(box, whole=False) for box in boxes]
+    if request.tile_whole or not tiles:
+        tiles.insert(0, Tile((0, 0, width, height), whole=True))
+    return [replace(request, image=image if t.whole else image.crop(t.box), tiles=None, tag=t) for t in tiles]
+
+
+@dataclass
+class Candidate:
+    """One object of one view, mapped to the image's pixels."""
+
+    object: LocatedObject
+    view: int  # index of the child it came from
+    tile: Tile
+    cut: bool  # its box touches a seam of its tile: the tile may have seen only part of the object
+
+
+@dataclass
+class Group:
+    """Objects of one label from different views that are one object; `best` gives its box."""
+
+    members: list[Candidate]
+    best: Candidate
+
+
+def to_image(obj: LocatedObject, tile: Tile, size: tuple[int, int]) -> LocatedObject:
+    """`obj` from a tile's decoding, in pixels and 0..1000 values of the whole image of `size`."""
+    if tile.whole:
+        return obj
+    x0, y0 = tile.box[:2]
+    width, height = size
+
+    def norm(values: tuple[float, ...]) -> tuple[int, ...]:
+        return tuple(round(v / (width if i % 2 == 0 else height) * 1000) for i, v in enumerate(values))
+
+    if obj.box is not None:
+        box = (obj.box[0] + x0, obj.box[1] + y0, obj.box[2] + x0, obj.box[3] + y0)
+        return replace(obj, box=box, box_norm=norm(box))
+    if obj.point is not None:
+        point = (obj.point[0] + x0, obj.point[1] + y0)
+        return replace(obj, point=point, point_norm=norm(point))
+    return obj
+
+
+def seams(box: tuple[float, ...], tile: Tile, size: tuple[int, int]) -> tuple[bool, bool]:
+    """(cut, covers) for a box in image pixels: does it touch a seam of `tile` (a tile edge inside the image),
+    and does it cover the whole tile (at least `SPAN_FRACTION` of both sides)."""
+    if tile.whole:
+        return False, False
+    x0, y0, x1, y1 = tile.box
+    mx, my = SEAM_MARGIN * (x1 - x0), SEAM_MARGIN * (y1 - y0)
+    cut = (
+        (x0 > 0 and box[0] - x0 <= mx)
+        or (y0 > 0 and box[1] - y0 <= my)
+        or (x1 < size[0] and x1 - box[2] <= mx)
+        or (y1 < size[1] and y1 - box[3] <= my)
+    )
+    covers = box[2] - box[0] >= SPAN_FRACTION * (x1 - x0) and box[3] - box[1] >= SPAN_FRACTION * (y1 - y0)
+    return cut, covers
+
+
+def area(box: tuple[float, ...]) -> float:
+    return max(box[2] - box[0], 0.0) * max(box[3] - box[1], 0.0)
+
+
+def containment(inner: tuple[float, ...], outer: tuple[float, ...]) -> float:
+    """The fraction of `inner`'s area that lies inside `outer`."""
+    w = min(inner[2], outer[2]) - max(inner[0], outer[0])
+    h = min(inner[3], outer[3]) - max(inner[1], outer[1])
+    return w * h / area(inner) if w > 0 and h > 0 and area(inner) > 0 else 0.0
+
+
+def similarity(a: Candidate, b: Candidate) -> float | None:
+    """How well two objects of one label agree, higher is closer; None when they are different objects."""
+    oa, ob = a.object, b.object
+    if oa.box is not None and ob.box is not None:
+        overlap = iou(oa.box, ob.box)
+        if overlap >= MERGE_IOU:
+            return 1 + overlap
+        small, large = (oa, ob) if area(oa.box) <= area(ob.box) else (ob, oa)
+        inside = containment(small.box, large.box)
+        return inside if inside >= MERGE_CONTAINMENT else None
+    if oa.point is not None and ob.point is not None:
+        radius = POINT_RADIUS * min(min(t.box[2] - t.box[0], t.box[3] - t.box[1]) for t in (a.tile, b.tile))
+        distance = math.dist(oa.point, ob.point)
+        return -distance if distance <= radius else None
+    return None
+
+
+def outside(box: tuple[float, ...], tile: Tile) -> bool:
+    """Whether `box` reaches past `tile` by more than the seam margin: the tile cannot have seen all of it."""
+    x0, y0, x1, y1 = tile.box
+    mx, my = SEAM_MARGIN * (x1 - x0), SEAM_MARGIN * (y1 - y0)
+    return box[0] < x0 - mx or box[1] < y0 - my or box[2] > x1 + mx or box[3] > y1 + my
+
+
+def best_view(members: list[Candidate]) -> Candidate:
+    """The member whose box a group keeps: from a view that saw the whole object (not cut by a seam, and no
+    other member's box reaches past its tile), an uncut tile before the whole image, then the most confident."""
+
+    def partial(c: Candidate) -> bool:
+        boxes = [m.object.box for m in members if m is not c and m.object.box is not None]
+        return c.cut or any(outside(b, c.tile) for b in boxes)
+
+    return min(members, key=lambda c: (partial(c), c.tile.whole, -(c.object.confidence or 0.0)))
+
+
+def merge_objects(candidates: list[Candidate]) -> list[Group]:
+    """Greedy grouping: candidates in the order `best_view` prefers each join the closest agreeing group of
+    their label that has no object from their view yet, or start one."""
+    groups: list[Group] = []
+    for c in sorted(candidates, key=lambda c: (c.cut, c.tile.whole, -(c.object.confidence or 0.0))):
+        scored = [
+            (s, i)
+            for i, g in enumerate(groups)
+            if g.best.object.label == c.object.label
+            and all(m.view != c.view for m in g.members)
+            and (s := similarity(g.best, c)) is not None
+        ]
+        if not scored:
+            groups.append(Group([c], c))
+            continue
+        group = groups[max(scored)[1]]
+        group.members.append(c)
+        group.best = best_view(group.members)
+    return groups
+
+
+def unconfirmed(group: Group, tiles: list[Tile]) -> bool:
+    """A whole-image object that some tile holds entirely, found by no tile: the tile saw it at full
+    resolution and did not find it."""
+    if not all(m.tile.whole for m in group.members):
+        return False
+    o = group.best.object
+    box = o.box if o.box is not None else (*o.point, *o.point)
+    return any(not outside(box, t) for t in tiles)
+
+
+def confidence(group: Group) -> float | None:
+    values = [m.object.confidence for m in group.members if m.object.confidence is not None]
+    return max(values) if values else None
+
+
+def answer_text(objects: list[LocatedObject], empty_labels: list[str | None]) -> str:
+    """The merged answer in the model's grammar: `<ref>label</ref>` then its boxes or points, 0..1000."""
+    parts: list[str] = []
+    last: object = object()
+    for obj in objects:
+        if obj.label is not None and obj.label != last:
+            parts.append(f"<ref>{obj.label}</ref>")
+        last = obj.label
+        values = obj.box_norm if obj.box_norm is not None else obj.point_norm
+        parts.append("<box>" + "".join(f"<{v}>" for v in values) + "</box>")
+    for label in empty_labels:
+        parts.append(("" if label is None else f"<ref>{label}</ref>") + "<box>None</box>")
+    return "".join(parts)
+
+
+def merge_stats(children: list[Request], results: list[Result], kept: list[int], dropped: list[int]) -> dict:
+    """Timings and counts summed over the views, and one entry per view under "tiles"."""
+    stats: dict = {k: sum(r.stats.get(k) or 0 for r in results) for k in SUMMED_STATS}
+    reasons = [r.stats.get("stop_reason") for r in results]
+    stats["stop_reason"] = "length_cap" if "length_cap" in reasons else max(set(reasons), key=reasons.count)
+    for key in ("first_step_s", "first_box_s"):
+        values = [r.stats[key] for r in results if r.stats.get(key) is not None]
+        stats[key] = min(values) if values else None
+    stats["vision_cached"] = all(r.stats.get("vision_cached") for r in results)
+    sources: dict[str, int] = {}
+    for r in results:
+        for name, n in (r.stats.get("sources") or {}).items():
+            sources[name] = sources.get(name, 0) + n
+    stats["sources"] = sources
+    stats["compilations"] = max(r.stats.get("compilations") or 0 for r in results)
+    stats["max_tokens"] = results[0].stats.get("max_tokens")
+    stats["max_tokens_clipped"] = any(r.stats.get("max_tokens_clipped") for r in results)
+    tiles = [c.tag for c in children if not c.tag.whole]
+    stats["tile_grid"] = [max(1, len({t.box[1] for t in tiles})), max(1, len({t.box[0] for t in tiles}))]
+    stats["tiles"] = [
+        {
+            "box": list(c.tag.box),
+            "whole": c.tag.whole,
+            "grid": r.grid,
+            "objects": len(r.objects),
+            "kept": k,
+            "dropped": d,
+            "steps": r.stats.get("steps"),
+            "stop_reason": r.stats.get("stop_reason"),
+        }
+        for c, r, k, d in zip(children, results, kept, dropped, strict=True)
+    ]
+    return stats
+
+
+def merge_results(request: Request, image: Image.Image, children: list[Request], results: list[Result]) -> Result:
+    """One `Result` for a tiled request, in the pixels of `image`: the views' objects mapped back and merged
+    (module docstring), labels answered None by some view and found by none, the answer text rebuilt from
+    the merged objects, and stats summed over the views (per view under `stats["tiles"]`)."""
+    from .locate import Result
+
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    size = image.size
+    candidates: list[Candidate] = []
+    dropped = [0] * len(children)
+    for view, (child, result) in enumerate(zip(children, results, strict=True)):
+        tile: Tile = child.tag
+        for obj in result.objects:
+            mapped = to_image(obj, tile, size)
+            cut, covers = seams(mapped.box, tile, size) if mapped.box is not None else (False, False)
+            if covers:
+                dropped[view] += 1
+                continue
+            candidates.append(Candidate(mapped, view, tile, cut))
+    groups = merge_objects(candidates)
+    tiles = [c.tag for c in children if not c.tag.whole]
+    groups = [g for g in groups if not unconfirmed(g, tiles)]
+    if request.task in SINGLE_TASKS and groups:
+        groups = [max(groups, key=lambda g: confidence(g) or 0.0)]
+    kept = [0] * len(children)
+    for g in groups:
+        kept[g.best.view] += 1
+
+    labels = list(
+        dict.fromkeys([o.label for r in results for o in r.objects] + [e for r in results for e in r.empty_labels])
+    )
+    order = {label: i for i, label in enumerate(labels)}
+
+    def position(g: Group) -> tuple:
+        o = g.best.object
+        where = o.box if o.box is not None else o.point
+        return (order[o.label], *where[:2])
+
+    objects = [replace(g.best.object, confidence=confidence(g)) for g in sorted(groups, key=position)]
+    found = {o.label for o in objects}
+    empty = [label for label in labels if label not in found and any(label in r.empty_labels for r in results)]
+    return Result(
+        objects=objects,
+        empty_labels=empty,
+        text=answer_text(objects, empty),
+        prompt_ids=[],
+        token_ids=[],
+        token_probs=[],
+        grid=results[0].grid,  # the whole image's when it was decoded (it comes first)
+        image_size=size,
+        mode=results[0].mode,
+        truncated=any(r.truncated for r in results),
+        stats=merge_stats(children, results, kept, dropped),
+    )

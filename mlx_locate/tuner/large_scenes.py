@@ -1,0 +1,72 @@
+"""Scenes for tiling and video: large images of many small shapes, and clips of shapes moving in straight lines.
+
+Drawn like `synthetic.make_scene` (same shapes, colours and background), so the demo model knows the shapes;
+only the sizes differ: in a dense scene each shape sits in its own cell and is small next to the image, as
+after the model's resize it is too small to find.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from .synthetic import COLORS, Obj, Scene, _draw
+
+
+def dense_scene(
+    seed: int,
+    size: tuple[int, int] = (560, 560),
+    cell: int = 112,
+    side: tuple[int, int] = (36, 56),
+    fill: float = 0.6,
+    shapes: tuple[str, ...] = ("square", "circle"),
+) -> Scene:
+    """A `size` image cut into `cell`-pixel cells; each cell holds one shape (probability `fill`) of a side
+    drawn from `side`, placed at random inside it. Deterministic in `seed`."""
+    rng = np.random.default_rng([7, seed])
+    width, height = size
+    background = tuple(int(v) for v in rng.integers(215, 245) + rng.integers(-6, 7, size=3))
+    image = Image.new("RGB", size, background)
+    draw = ImageDraw.Draw(image)
+    objects = []
+    for top in range(0, height - cell + 1, cell):
+        for left in range(0, width - cell + 1, cell):
+            if rng.random() >= fill:
+                continue
+            s = int(rng.integers(side[0], side[1] + 1))
+            x, y = left + int(rng.integers(2, cell - s - 1)), top + int(rng.integers(2, cell - s - 1))
+            obj = Obj(str(rng.choice(shapes)), str(rng.choice(list(COLORS))), (x, y, x + s, y + s))
+            _draw(draw, obj, COLORS[obj.color])
+            objects.append(obj)
+    return Scene(image, tuple(objects))
+
+
+@dataclass(frozen=True)
+class Mover:
+    """A shape moving at constant velocity (pixels per frame)."""
+
+    shape: str
+    color: str
+    start: tuple[float, float]  # top-left corner at frame 0
+    velocity: tuple[float, float]
+    side: int
+
+    def box(self, frame: int) -> tuple[int, int, int, int]:
+        x, y = (round(self.start[i] + self.velocity[i] * frame) for i in range(2))
+        return (x, y, x + self.side, y + self.side)
+
+
+def moving_frames(
+    movers: tuple[Mover, ...], n_frames: int, size: tuple[int, int] = (224, 224)
+) -> Iterator[tuple[Image.Image, tuple[Obj, ...]]]:
+    """`n_frames` RGB frames of `movers` on a light background, each with its ground-truth objects."""
+    for frame in range(n_frames):
+        image = Image.new("RGB", size, (232, 230, 226))
+        draw = ImageDraw.Draw(image)
+        objects = tuple(Obj(m.shape, m.color, m.box(frame)) for m in movers)
+        for obj in objects:
+            _draw(draw, obj, COLORS[obj.color])
+        yield image, objects

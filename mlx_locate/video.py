@@ -1,0 +1,605 @@
+"""Video: `mlx-locate-video --video in.mp4 --query Q [--query ...] --fps 2 --out frames.jsonl
+[--annotated out.mp4] [--mot tracks.txt]`.
+
+Frames are sampled by time (for each multiple of 1 / fps, the first decoded frame at or after it, less half a
+frame for timestamp rounding), decoded to RGB by
+PyAV (the `[video]` extra) and sent through one batched engine, a bounded window of frames in flight.
+`python -m mlx_locate.video` runs the same `main`.
+
+- `--out`: JSONL. The first line describes the run (`video`, `size`, `fps` and the questions); then one line
+  per sampled frame, in order, written, flushed and fsynced at once: `{"frame": i, "time": t, "results":
+  [{"query": Q, "objects": [{..., "track": id}], "empty_labels": [...]}]}`, `frame` being the index of the
+  decoded frame and `time` its timestamp in seconds. Rerunning resumes: frames already in the file are not
+  decoded by the model again, a last line cut by an interruption is redone, and a file written with other
+  settings is refused.
+- Tracks: an IoU tracker per query and label (`IouTracker`): detections join the track whose predicted box
+  (constant velocity) they overlap most, greedily by IoU; a track unseen for more than `TRACK_MAX_AGE` sampled
+  frames ends. Ids are unique over the run.
+- `--mot`: the tracks in MOT Challenge format, `frame,id,x,y,w,h,conf,-1,-1,-1` with 1-based frame numbers of
+  the source video; points are left out.
+- `--annotated`: the sampled frames with boxes, labels, confidences and track ids drawn, at the sampling rate;
+  written to a `.partial` file renamed when complete.
+
+Errors a user can cause (a missing, unreadable or unsupported video, an existing output, bad options) print one
+`error: ...` line and exit with status 2; the lines written so far stay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import NamedTuple
+
+from PIL import Image
+from tqdm import tqdm
+
+from .batch import Jsonl, OutputError
+from .decide import Mode
+from .draw import draw_objects
+from .engine import EventKind, Request, RequestError
+from .generate import DTYPES, positive_int, tiles_arg
+from .locate import LocateModel, Result, load
+from .metrics import iou
+from .parse import LocatedObject
+from .prompts import TASKS, task_text
+from .tiles import check_tiling
+
+DEFAULT_MODEL = "demo"
+DEFAULT_FPS = 2.0
+DEFAULT_TASK = "detect"
+DEFAULT_MODE = Mode.HYBRID.value
+DEFAULT_MAX_TOKENS = 512
+TRACK_IOU = 0.3  # a detection continues a track when it overlaps the track's predicted box this much
+TRACK_MAX_AGE = 2  # sampled frames a track may go unseen before it ends
+TRACK_POINT_RADIUS = 0.05  # points: the same, within this fraction of the frame's shorter side
+ENCODERS = {".webm": ("libvpx-vp9", "libvpx")}  # by output suffix; anything else: H.264, else MPEG-4 part 2
+DEFAULT_ENCODERS = ("libx264", "h264", "mpeg4")
+EXTRA = 'pip install "mlx-locate[video]"'
+
+
+class VideoError(ValueError):
+    """A video that cannot be read or written."""
+
+
+def import_av():
+    try:
+        import av
+    except ImportError:
+        raise VideoError(f"mlx-locate-video needs PyAV: {EXTRA}") from None
+    return av
+
+
+# --- Reading ----------------------------------------------------------------------------------------------
+
+
+class Frame(NamedTuple):
+    index: int  # position among the decoded frames of the stream, from 0
+    time: float  # seconds
+    image: Image.Image  # RGB
+
+
+class VideoInfo(NamedTuple):
+    size: tuple[int, int]
+    rate: Fraction | None  # average frames per second
+    duration: float | None  # seconds
+
+
+def video_info(path: str | Path) -> VideoInfo:
+    """Size, frame rate and duration of the first video stream; `VideoError` when there is none."""
+    av = import_av()
+    with open_video(av, path) as container:
+        stream = video_stream(container, path)
+        duration = None
+        if stream.duration is not None and stream.time_base is not None:
+            duration = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            duration = container.duration / av.time_base
+        return VideoInfo((stream.codec_context.width, stream.codec_context.height), stream.average_rate, duration)
+
+
+def open_video(av, path: str | Path):
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"video file not found: {path}")
+    if not path.is_file():
+        raise VideoError(f"{path} is not a file; expected a video file (MP4, MKV, WebM, ...)")
+    try:
+        return av.open(str(path))
+    except av.error.FFmpegError as e:
+        raise VideoError(f"{path} is not a readable video: {e}") from None
+
+
+def video_stream(container, path: str | Path):
+    if not container.streams.video:
+        raise VideoError(f"{path} has no video stream")
+    return container.streams.video[0]
+
+
+def sample_frames(path: str | Path, fps: float) -> Iterator[Frame]:
+    """The frames of `path` at `fps`: for each time k / fps, the first frame at or after it (half a source
+    frame of slack for timestamp rounding), as RGB. Raises `VideoError` when decoding fails."""
+    av = import_av()
+    with open_video(av, path) as container:
+        stream = video_stream(container, path)
+        stream.thread_type = "AUTO"
+        rate = float(stream.average_rate) if stream.average_rate else None
+        slack = 0.5 / rate if rate else 1e-6
+        next_time = 0.0
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                t = frame.time if frame.time is not None else index / (rate or fps)
+                if t + slack < next_time:
+                    continue
+                next_time = (math.floor((t + slack) * fps) + 1) / fps
+                yield Frame(index, t, frame.to_image())
+        except av.error.FFmpegError as e:
+            raise VideoError(f"{path}: decoding failed at {next_time:.2f} s: {e}") from None
+
+
+# --- Tracking ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Track:
+    id: int
+    key: tuple  # (query, label): tracks never change class
+    where: tuple[float, ...]  # last box (x1, y1, x2, y2) or point (x, y)
+    velocity: tuple[float, ...]  # per sampled frame
+    seen: int  # the sampled frame it was last seen in
+
+    def predicted(self, frame: int) -> tuple[float, ...]:
+        gap = frame - self.seen
+        return tuple(w + v * gap for w, v in zip(self.where, self.velocity, strict=True))
+
+
+class IouTracker:
+    """Track ids for detections, one sampled frame at a time (module docstring)."""
+
+    def __init__(self, frame_size: tuple[int, int]):
+        self.radius = TRACK_POINT_RADIUS * min(frame_size)
+        self.tracks: list[Track] = []
+        self.frame = -1
+        self.next_id = 1
+
+    def similarity(self, track: Track, where: tuple[float, ...]) -> float | None:
+        predicted = track.predicted(self.frame)
+        if len(where) == 4:
+            overlap = iou(predicted, where)
+            return overlap if overlap >= TRACK_IOU else None
+        distance = math.dist(predicted, where)
+        return 1 - distance / self.radius if distance <= self.radius else None
+
+    def update(self, detections: list[tuple[tuple, tuple[float, ...]]]) -> list[int]:
+        """Track ids for this frame's `(key, box or point)` detections, in their order."""
+        self.frame += 1
+        pairs = sorted(
+            (
+                (s, i, j)
+                for i, track in enumerate(self.tracks)
+                for j, (key, where) in enumerate(detections)
+                if key == track.key and len(where) == len(track.where)
+                if (s := self.similarity(track, where)) is not None
+            ),
+            key=lambda p: (-p[0], p[1], p[2]),
+        )
+        ids: list[int | None] = [None] * len(detections)
+        used: set[int] = set()
+        for _, i, j in pairs:
+            if i in used or ids[j] is not None:
+                continue
+            track, where = self.tracks[i], detections[j][1]
+            gap = self.frame - track.seen
+            track.velocity = tuple((n - o) / gap for n, o in zip(where, track.where, strict=True))
+            track.where, track.seen = where, self.frame
+            used.add(i)
+            ids[j] = track.id
+        for j, (key, where) in enumerate(detections):
+            if ids[j] is None:
+                self.tracks.append(Track(self.next_id, key, where, (0.0,) * len(where), self.frame))
+                ids[j] = self.next_id
+                self.next_id += 1
+        self.tracks = [t for t in self.tracks if self.frame - t.seen <= TRACK_MAX_AGE]
+        return ids
+
+
+# --- Locating ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run asks; the JSONL's first line, compared on resume."""
+
+    task: str
+    queries: tuple[str | None, ...]
+    prompt: str | None
+    mode: str
+    max_tokens: int
+    fps: float
+    tiles: str | tuple[int, int] | None
+    tile_overlap: float
+    tile_whole: bool
+
+    def requests(self, frame: Frame) -> list[Request]:
+        tiling = {"tiles": self.tiles, "tile_overlap": self.tile_overlap, "tile_whole": self.tile_whole}
+        return [
+            Request(
+                frame.image,
+                q,
+                task="raw" if self.prompt is not None else self.task,
+                prompt=self.prompt,
+                mode=self.mode,
+                max_tokens=self.max_tokens,
+                tag=(frame.index, i),
+                **tiling,
+            )
+            for i, q in enumerate(self.queries)
+        ]
+
+    def header(self, video: str | Path, size: tuple[int, int]) -> dict:
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        fields["queries"] = list(self.queries)
+        if isinstance(self.tiles, tuple):
+            fields["tiles"] = list(self.tiles)
+        return {"video": str(video), "size": list(size), **fields}
+
+
+def frame_detections(line: dict) -> list[tuple[tuple, tuple[float, ...]]]:
+    """The (key, box or point) of every object of a frame line, in order."""
+    return [
+        ((entry.get("query"), o.get("label")), tuple(o["box"] if o.get("box") is not None else o["point"]))
+        for entry in line.get("results", [])
+        for o in entry.get("objects", [])
+    ]
+
+
+def frame_line(frame: Frame, settings: Settings, answers: list[Result | RequestError]) -> dict:
+    """A frame's JSONL line (without track ids): per query its objects and empty labels, or its error."""
+    results = []
+    for query, answer in zip(settings.queries, answers, strict=True):
+        if isinstance(answer, Result):
+            objects = [
+                {k: v for k, v in o.items() if v is not None or k == "label"} for o in answer.to_dict()["objects"]
+            ]
+            results.append({"query": query, "objects": objects, "empty_labels": answer.empty_labels})
+        else:
+            results.append({"query": query, "error": str(answer)})
+    return {"frame": frame.index, "time": round(frame.time, 6), "results": results}
+
+
+def locate_frames(
+    model: LocateModel,
+    frames: Iterable[Frame],
+    settings: Settings,
+    done: dict[int, dict] | None = None,
+    batch_size: int | None = None,
+) -> Iterator[tuple[Frame, dict, bool]]:
+    """`(frame, line, new)` for every frame, in order, with track ids set on its objects.
+
+    Frames in `done` (index -> its line from an earlier run) skip the model; the others go through one engine,
+    at most `2 * rows` requests in flight, so only the frames of that window are held in memory."""
+    done = done or {}
+    engine = model.engine(batch_size)
+    window = max(2 * engine.max_rows, len(settings.queries))
+    frames = iter(frames)
+    queue: deque[tuple[Frame, list]] = deque()  # frames in order: their answers (or a line from `done`)
+    answers_of: dict[int, list] = {}
+    in_flight = 0
+    tracker: IouTracker | None = None
+    exhausted = False
+    while True:
+        while not exhausted and in_flight < window:
+            frame = next(frames, None)
+            if frame is None:
+                exhausted = True
+            elif frame.index in done:
+                queue.append((frame, done[frame.index]))
+            else:
+                answers_of[frame.index] = [None] * len(settings.queries)
+                queue.append((frame, answers_of[frame.index]))
+                for request in settings.requests(frame):
+                    engine.submit(request)
+                    in_flight += 1
+        while queue and (isinstance(queue[0][1], dict) or all(a is not None for a in queue[0][1])):
+            frame, answers = queue.popleft()
+            new = not isinstance(answers, dict)
+            line = frame_line(frame, settings, answers) if new else answers
+            if new:
+                del answers_of[frame.index]
+            tracker = tracker or IouTracker(frame.image.size)
+            ids = iter(tracker.update(frame_detections(line)))
+            for entry in line["results"]:
+                for o in entry.get("objects", []):
+                    o["track"] = next(ids)
+            yield frame, line, new
+        if exhausted and not queue:
+            return
+        for event in engine.step():
+            if event.kind in (EventKind.DONE, EventKind.ERROR):
+                index, i = event.handle.request.tag
+                answers_of[index][i] = event.result if event.kind is EventKind.DONE else event.error
+                in_flight -= 1
+
+
+# --- Writing ----------------------------------------------------------------------------------------------
+
+
+def line_objects(line: dict) -> list[LocatedObject]:
+    """A frame line's objects as `LocatedObject`s labelled "#track label", for drawing."""
+    out = []
+    for entry in line["results"]:
+        for o in entry.get("objects", []):
+            label = f"#{o['track']} {o.get('label') or entry.get('query') or ''}".strip()
+            box, point = o.get("box"), o.get("point")
+            out.append(
+                LocatedObject(
+                    label,
+                    None if box is None else tuple(box),
+                    None,
+                    None if point is None else tuple(point),
+                    None,
+                    o.get("confidence"),
+                )
+            )
+    return out
+
+
+def partial_path(path: Path) -> Path:
+    return path.with_name(f"{path.stem}.partial{path.suffix}")
+
+
+class AnnotatedVideo:
+    """Frames with their objects drawn, encoded to a `.partial` file next to `path`; `close()` renames it."""
+
+    def __init__(self, path: str | Path, rate: Fraction):
+        av = import_av()
+        self.av, self.path, self.partial = av, Path(path), partial_path(Path(path))
+        try:
+            self.container = av.open(str(self.partial), "w")
+        except (av.error.FFmpegError, ValueError) as e:
+            raise VideoError(f"cannot write {self.path}: {e}") from None
+        self.codec = next((c for c in ENCODERS.get(self.path.suffix.lower(), DEFAULT_ENCODERS) if encodes(av, c)), None)
+        if self.codec is None:
+            self.container.close()
+            raise VideoError(f"no video encoder for {self.path.suffix} files in this PyAV build; use .mp4")
+        self.rate, self.stream, self.labels = rate, None, []
+
+    def write(self, image: Image.Image, objects: list[LocatedObject]) -> None:
+        self.labels += [o.label for o in objects if o.label not in self.labels]
+        drawn = draw_objects(image, objects, labels=self.labels)
+        width, height = drawn.size
+        if width % 2 or height % 2:  # 4:2:0 chroma needs even sides: pad with black
+            padded = Image.new("RGB", (width + width % 2, height + height % 2))
+            padded.paste(drawn)
+            drawn = padded
+        if self.stream is None:
+            self.stream = self.container.add_stream(self.codec, rate=self.rate)
+            self.stream.width, self.stream.height = drawn.size
+            self.stream.pix_fmt = "yuv420p"
+        frame = self.av.VideoFrame.from_image(drawn)
+        self.container.mux(self.stream.encode(frame))
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.container.mux(self.stream.encode(None))
+        self.container.close()
+        os.replace(self.partial, self.path)
+
+    def abandon(self) -> None:
+        self.container.close()
+
+
+def encodes(av, name: str) -> bool:
+    try:
+        av.Codec(name, "w")
+    except (av.error.FFmpegError, ValueError):  # unknown, or a decoder only
+        return False
+    return True
+
+
+def mot_rows(line: dict) -> Iterator[str]:
+    """MOT Challenge rows of a frame line: `frame,id,x,y,w,h,conf,-1,-1,-1`, 1-based frames; boxes only."""
+    for entry in line["results"]:
+        for o in entry.get("objects", []):
+            if o.get("box") is None:
+                continue
+            x1, y1, x2, y2 = o["box"]
+            conf = o.get("confidence")
+            conf = -1 if conf is None else round(conf, 4)
+            yield f"{line['frame'] + 1},{o['track']},{x1:.2f},{y1:.2f},{x2 - x1:.2f},{y2 - y1:.2f},{conf},-1,-1,-1"
+
+
+# --- Resuming ---------------------------------------------------------------------------------------------
+
+
+def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
+    """The frame lines of an earlier run at `path` (index -> line, track ids removed) and whether the file
+    has its header. A last line without its newline is cut off the file; a header from other settings, or a
+    line that is not a frame line, raises `ValueError`."""
+    if not path.exists() or path.stat().st_size == 0:
+        return {}, False
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) < len(data):
+        with path.open("r+b") as f:
+            f.truncate(len(complete))
+            f.flush()
+            os.fsync(f.fileno())
+    lines = complete.decode("utf-8").splitlines()
+    if not lines:
+        return {}, False
+    try:
+        first = json.loads(lines[0])
+    except json.JSONDecodeError:
+        first = None
+    if not isinstance(first, dict) or "video" not in first:
+        raise ValueError(f"{path} is not a JSONL of mlx-locate-video; use another --out")
+    if first != header:
+        changed = sorted(k for k in {*first, *header} if first.get(k) != header.get(k))
+        raise ValueError(
+            f"{path} was written with other settings ({', '.join(changed)} differ); use another --out to start over"
+        )
+    done = {}
+    for number, text in enumerate(lines[1:], start=2):
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}:{number} is not JSON ({e}); fix or remove that line, or use another --out"
+            ) from None
+        if not isinstance(line, dict) or "frame" not in line or "results" not in line:
+            raise ValueError(f"{path}:{number} is not a frame line of mlx-locate-video; use another --out")
+        for entry in line["results"]:
+            for o in entry.get("objects", []):
+                o.pop("track", None)
+        done[line["frame"]] = line
+    return done, True
+
+
+# --- Command line -----------------------------------------------------------------------------------------
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-locate-video",
+        description="Locate and track objects in a video with LocateAnything on MLX: JSONL per frame, MOT tracks, "
+        "an annotated clip.",
+    )
+    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder, hub id or 'demo' (default: demo)")
+    p.add_argument("--video", required=True, help="video file (anything FFmpeg reads: MP4, MKV, WebM, MOV, ...)")
+    p.add_argument("--task", choices=TASKS, default=DEFAULT_TASK, help="prompt template (default: %(default)s)")
+    p.add_argument("--query", action="append", help="what to find; repeat for several queries")
+    p.add_argument("--prompt", help="raw user text, sent as is; replaces --task and --query")
+    p.add_argument("--fps", type=positive_float, default=DEFAULT_FPS, help="frames per second to sample (default: 2)")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=DEFAULT_MODE, help="(default: %(default)s)")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="generated tokens (default: %(default)s)"
+    )
+    p.add_argument("--tiles", type=tiles_arg, metavar="auto|ROWSxCOLS", help="tile every frame (see mlx-locate)")
+    p.add_argument("--tile-overlap", type=float, default=0.2, help="with --tiles (default: %(default)s)")
+    p.add_argument("--no-tile-whole", action="store_true", help="with --tiles: tiles only, not the whole frame too")
+    p.add_argument("--batch-size", type=positive_int, help="engine rows (default: 4 on a CPU, 16 on a GPU)")
+    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+    p.add_argument("--out", required=True, help="JSONL, one line per sampled frame; an existing file is resumed")
+    p.add_argument("--annotated", metavar="PATH", help="write the sampled frames with boxes and track ids drawn")
+    p.add_argument("--mot", metavar="PATH", help="write the tracks in MOT Challenge format")
+    p.add_argument("--overwrite", action="store_true", help="let --annotated and --mot replace existing files")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def settings_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
+    if args.prompt is not None and (args.query or args.task != DEFAULT_TASK):
+        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
+    if args.tiles is None and (args.no_tile_whole or args.tile_overlap != 0.2):
+        parser.error("--tile-overlap and --no-tile-whole only apply with --tiles")
+    queries = tuple(args.query or [None])
+    return Settings(
+        task=args.task,
+        queries=queries if args.prompt is None else (None,),
+        prompt=args.prompt,
+        mode=args.mode,
+        max_tokens=args.max_tokens,
+        fps=args.fps,
+        tiles=args.tiles,
+        tile_overlap=args.tile_overlap,
+        tile_whole=not args.no_tile_whole,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = settings_of(parser, args)
+    annotated = None
+    try:
+        if settings.prompt is None:
+            for query in settings.queries:
+                task_text(settings.task, query)
+        if settings.tiles is not None:
+            check_tiling(settings.tiles, settings.tile_overlap)
+        for path in (args.annotated, args.mot):
+            if path and Path(path).exists() and not args.overwrite:
+                raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
+        info = video_info(args.video)
+        out = Path(args.out)
+        header = settings.header(args.video, info.size)
+        done, has_header = read_done(out, header)
+        rate = Fraction(args.fps).limit_denominator(1001)
+        if info.rate:
+            rate = min(rate, Fraction(info.rate))
+        if args.annotated:
+            annotated = AnnotatedVideo(args.annotated, rate)
+        model = load(args.model, dtype=args.dtype)
+        written = run(model, args, settings, info, out, header, done, has_header, annotated)
+        annotated = None
+    except (FileNotFoundError, FileExistsError, ValueError, OutputError) as e:
+        if annotated is not None:
+            annotated.abandon()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{written} frames located, {len(done)} resumed; lines in {args.out}", file=sys.stderr)
+    return 0
+
+
+def run(
+    model: LocateModel,
+    args: argparse.Namespace,
+    settings: Settings,
+    info: VideoInfo,
+    out: Path,
+    header: dict,
+    done: dict[int, dict],
+    has_header: bool,
+    annotated: AnnotatedVideo | None,
+) -> int:
+    """Locate every sampled frame, write its line, and the annotated clip and MOT file when asked; returns the
+    number of frames the model decoded."""
+    total = None if info.duration is None else math.ceil(info.duration * settings.fps)
+    jsonl = Jsonl(out)
+    mot: list[str] = []
+    written = 0
+    try:
+        if not has_header:
+            jsonl.write(header)
+        frames = sample_frames(args.video, settings.fps)
+        with tqdm(total=total, unit="frame", disable=args.no_progress) as bar:
+            for frame, line, new in locate_frames(model, frames, settings, done, args.batch_size):
+                if new:
+                    jsonl.write(line)
+                    written += 1
+                mot.extend(mot_rows(line))
+                if annotated is not None:
+                    annotated.write(frame.image, line_objects(line))
+                bar.update(1)
+    finally:
+        jsonl.close()
+    if annotated is not None:
+        annotated.close()
+    if args.mot:
+        try:
+            Path(args.mot).write_text("".join(row + "\n" for row in mot))
+        except OSError as e:
+            raise OutputError(f"cannot write {args.mot}: {e}") from e
+    return written
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""`mlx-locate-batch --ray` on a local Ray cluster of two CPU actors with the demo model: the same lines as one
+process, a killed worker loses and duplicates nothing, an interrupted run resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+import ray  # the [cluster] extra (in the test extra): without it these tests fail, they do not skip
+from PIL import Image
+
+from mlx_locate import batch, cluster
+from mlx_locate.loader import DEMO_DIR
+from mlx_locate.locate import load
+
+RUN = ["--query", "square", "--mode", "fast", "--max-tokens", "16"]
+RAY = ["--ray", "--actors", "2", "--images-per-task", "1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Six views of the demo image (flips and rotations, so the answers differ) and a file that is no image."""
+    images = tmp_path_factory.mktemp("cluster") / "images"
+    images.mkdir()
+    source = Image.open(DEMO_DIR / "example.png")
+    views = [source, source.transpose(Image.Transpose.FLIP_LEFT_RIGHT)]
+    views += [v.transpose(Image.Transpose.ROTATE_90) for v in views]
+    for i, view in enumerate([*views, *views[:2]]):
+        view.save(images / f"{i}.png")
+    (images / "broken.png").write_text("no image")
+    return images
+
+
+def main(*args: str) -> int:
+    return batch.main([*RUN, *args])
+
+
+def answers(path) -> dict[str, dict]:
+    """The lines by image, without their timings; two lines for one image fail."""
+    by_image = {}
+    for text in path.read_text().splitlines():
+        line = json.loads(text)
+        for result in line.get("results", []):
+            del result["stats"]
+        assert line["image"] not in by_image, f"{line['image']} has two lines"
+        by_image[line["image"]] = line
+    return by_image
+
+
+@pytest.fixture(scope="module")
+def single(folder):
+    """The single-process run: (jsonl, coco)."""
+    out, coco = folder.parent / "single.jsonl", folder.parent / "single_coco.json"
+    with pytest.MonkeyPatch.context() as mp:
+        model = load("demo")
+        mp.setattr(batch, "load", lambda path, dtype=None, adapter_path=None: model)
+        assert main("--images", str(folder), "--out", str(out), "--coco", str(coco)) == 0
+    return out, coco
+
+
+def test_a_killed_worker_loses_and_duplicates_nothing(folder, single, tmp_path, capfd, monkeypatch):
+    real_lines, seen = cluster.ray_lines, []
+
+    def kill_the_first_worker(*args, **kwargs):
+        for annotated in real_lines(*args, **kwargs):
+            if not seen:
+                os.kill(int(annotated.worker.rsplit(":", 1)[1]), signal.SIGKILL)
+            seen.append(annotated.worker)
+            yield annotated
+
+    monkeypatch.setattr(cluster, "ray_lines", kill_the_first_worker)
+    out = tmp_path / "ray.jsonl"
+    code = main("--images", str(folder), "--out", str(out), *RAY)
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert answers(out) == answers(single[0])
+    # Killed after its first line came back: batches it had finished still arrive, those it held are redone by
+    # its restarted actor, a third process; the driver writes each image once.
+    assert len(seen) > 1 and len(set(seen)) == 3
+
+
+def test_an_interrupted_run_resumes_and_ends_as_one_process_does(folder, single, tmp_path, capfd, monkeypatch):
+    real_lines = cluster.ray_lines
+
+    def interrupted(*args, **kwargs):
+        for i, annotated in enumerate(real_lines(*args, **kwargs)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield annotated
+
+    monkeypatch.setattr(cluster, "ray_lines", interrupted)
+    out, coco, drawings = tmp_path / "ray.jsonl", tmp_path / "coco.json", tmp_path / "drawn"
+    assert main("--images", str(folder), "--out", str(out), *RAY) == 130
+    assert len(answers(out)) == 3
+    monkeypatch.undo()
+
+    capfd.readouterr()
+    code = main("--images", str(folder), "--out", str(out), "--coco", str(coco), "--draw", str(drawings), *RAY)
+    err = capfd.readouterr().err
+    assert code == 0, err
+    assert "7 images (4 run now by 2 Ray workers), 1 with errors" in err  # the three written were not sent again
+    assert answers(out) == answers(single[0])
+    assert "not a readable image" in answers(out)[str(folder / "broken.png")]["error"]
+    assert sorted(json.loads(coco.read_text()), key=json.dumps) == sorted(
+        json.loads(single[1].read_text()), key=json.dumps
+    )
+    assert sorted(p.name for p in drawings.iterdir()) == sorted(f"{i}.png.png" for i in range(6))
+
+
+def test_a_line_that_comes_back_twice_is_written_once(folder, single, tmp_path, capfd, monkeypatch):
+    lines = [batch.Annotated(json.loads(text), None, "w:1") for text in single[0].read_text().splitlines()]
+    monkeypatch.setattr(cluster, "ray_lines", lambda *args, **kwargs: (a for a in [*lines, *lines[:3]]))
+    out = tmp_path / "ray.jsonl"
+    assert main("--images", str(folder), "--out", str(out), "--ray") == 0, capfd.readouterr().err
+    assert answers(out) == answers(single[0])
+
+
+def test_without_ray_the_error_names_the_extra(folder, tmp_path, capfd, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert main("--images", str(folder), "--out", str(tmp_path / "o.jsonl"), "--ray") == 2
+    err = capfd.readouterr().err
+    assert err.startswith("error: --ray needs Ray Data") and 'pip install "mlx-locate[cluster]"' in err

@@ -1,0 +1,296 @@
+"""`mlx-locate-eval` end to end: the synthetic benchmark exported in each input format, the demo model run
+through the CLI in all three modes, answer files, resuming, scoring without a model, the COCO library's own
+numbers as the cross-check, the report and comparing runs."""
+
+import io
+import json
+import shutil
+from contextlib import redirect_stdout
+
+import faster_coco_eval
+import numpy as np
+import pytest
+
+from mlx_locate import evaluate as ev
+from mlx_locate import load, metrics
+from mlx_locate.evaluate import main
+from mlx_locate.tuner.synthetic import make_sample
+
+N_SCENES = 6
+MODES = ("slow", "fast", "hybrid")
+DATA = ("synthetic.jsonl", "synthetic_coco.json", "synthetic_screenspot.json")
+DATASETS = {
+    "common_object_detection_Synthetic",
+    "referring_object_detection_Synthetic",
+    "pointing_Synthetic",
+    "common_object_detection_synthetic_coco",
+    "gui_synthetic_screenspot",
+}
+
+
+def run_main(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def data_args(bench, names=DATA) -> list[str]:
+    return [arg for name in names for arg in ("--data", str(bench / name))]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    ev.export_benchmark(folder, N_SCENES)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run(bench, tmp_path_factory):
+    """The demo model on every exported format in all three modes: (out folder, printed table)."""
+    out = tmp_path_factory.mktemp("run")
+    code, printed = run_main([*data_args(bench), "--modes", *MODES, "--out", str(out)])
+    assert code == 0
+    return out, printed
+
+
+def test_export_writes_the_benchmark_in_each_format(bench):
+    jsonl = ev.load_benchmark(bench / "synthetic.jsonl")
+    coco = ev.load_benchmark(bench / "synthetic_coco.json")
+    gui = ev.load_benchmark(bench / "synthetic_screenspot.json")
+    assert (jsonl.kind, coco.kind, gui.kind) == ("jsonl", "coco", "screenspot")
+    assert {s.task_name for s in jsonl.samples} == {"common_object_detection", "pointing", "referring_object_detection"}
+    for s in jsonl.samples:
+        sample = make_sample(0, s.index, "eval")
+        assert s.image_path == f"images/{s.index:05d}.png" and (bench / s.image_path).is_file()
+        if s.task_name == "pointing":  # masks: the shape's pixels, inside its box
+            regions = ev.decode_regions(s.gt)[s.categories[0]]
+            assert len(regions) == len(sample.task.targets)
+            for mask, t in zip(regions, sample.task.targets, strict=True):
+                x1, y1, x2, y2 = t.box
+                assert mask[y1:y2, x1:x2].sum() == mask.sum() > 0.4 * (x2 - x1) * (y2 - y1)
+        else:
+            assert sorted(b for v in s.gt.values() for b in v) == sorted(list(t.box) for t in sample.task.targets)
+    assert len(coco.coco["images"]) == N_SCENES and coco.samples[0].task_name == "common_object_detection"
+    assert all(set(s.fields) == set(ev.GUI_FIELDS) and len(s.gt) == 4 for s in gui.samples)
+    with pytest.raises(ValueError, match="--overwrite"):
+        ev.export_benchmark(bench, 1)
+
+
+def test_cli_reports_every_dataset_in_every_mode(run):
+    out, printed = run
+    report = json.loads((out / "report.json").read_text())
+    rows = {(r["dataset"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {(d, m) for d in DATASETS for m in MODES}
+    assert (out / "report.md").read_text().strip() == printed.strip()
+    assert printed.startswith("| dataset | mode | n | F1@0.5 | F1@0.95 | F1@mean |")
+    assert (out / "f1_vs_iou.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for (dataset, mode), r in rows.items():
+        assert r["s_per_image"] > 0 and r["boxes_per_s"] >= 0, (dataset, mode)
+    for mode in MODES:
+        coco = rows[("common_object_detection_synthetic_coco", mode)]
+        assert coco["metric"] == "coco" and coco["f1_50"] >= 0.8 and 0 < coco["map"] <= 1
+        assert coco["f1_mean"] <= coco["f1_50"] and coco["sample_f1"]["f1@0.5"] >= 0.8
+        det = rows[("common_object_detection_Synthetic", mode)]
+        assert det["f1_mean"] == pytest.approx(np.mean(list(det["f1"].values())))
+        assert set(det["breakdown"]) == {"by_size", "by_gt_count"}
+        assert 0 <= rows[("pointing_Synthetic", mode)]["pointing"]["f1"] <= 1
+        gui = rows[("gui_synthetic_screenspot", mode)]
+        assert gui["accuracy"] == pytest.approx(np.mean([v["accuracy"] for v in gui["breakdown"]["by_group"].values()]))
+    # Block modes take fewer forward passes per box than token-by-token decoding.
+    slow = rows[("common_object_detection_synthetic_coco", "slow")]["passes_per_box"]
+    assert rows[("common_object_detection_synthetic_coco", "fast")]["passes_per_box"] < slow / 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load("demo")
+
+
+def test_answer_lines_are_the_single_request_answers(run, bench, model):
+    out, _ = run
+    answers = ev.read_answers(out / "synthetic_hybrid.jsonl") + ev.read_answers(
+        out / "synthetic_screenspot_hybrid.jsonl"
+    )
+    assert all(set(ev.GUI_FIELDS) <= set(a) for a in answers[N_SCENES:])
+    for a in answers[:3] + answers[N_SCENES:][:1]:
+        for key in (
+            "image_path",
+            "question",
+            "raw_response",
+            "extracted_predictions",
+            "gt",
+            "task_name",
+            "dataset_name",
+        ):
+            assert key in a
+        if a["task_name"] == "pointing":
+            assert all("counts" in rle for v in a["gt"].values() for rle in v)  # masks, no gt_mask wrapper
+        task = {"common_object_detection": "detect", "referring_object_detection": "refer"}.get(a["task_name"], "point")
+        query = "</c>".join(a["categories"])
+        result = model.locate(
+            bench / a["image_path"], query, task=task, mode="hybrid", max_tokens=ev.DEFAULT_MAX_TOKENS
+        )
+        expected: dict[str, list] = {}
+        for o in result.objects:
+            key = o.label if task == "detect" else query
+            expected.setdefault(key, []).append(list(o.box if o.box is not None else o.point))
+        assert a["extracted_predictions"] == expected and a["raw_response"] == result.text
+        assert a["stats"]["forward_passes"] == result.stats["steps"]
+
+
+def library_pr(coco: dict, results: list[dict]) -> dict[int, dict[float, metrics.CocoPR]]:
+    """faster-coco-eval's own recall and precision at that recall, per category and threshold, from its
+    accumulated arrays (area 'all', 100 detections), with the constant score."""
+    gt = faster_coco_eval.COCO(coco, use_deepcopy=True)
+    results = [{**r, "score": ev.CONSTANT_SCORE} for r in results]
+    e = faster_coco_eval.COCOeval_faster(gt, gt.loadRes(results), iouType="bbox", print_function=lambda *a: None)
+    e.run()
+    precision, recall = e.eval["precision"], e.eval["recall"]  # (T, R, K, A, M), (T, K, A, M)
+    out = {}
+    for k, cat in enumerate(e.params.catIds):
+        if recall[0, k, 0, -1] < 0:
+            continue  # no GT
+        out[int(cat)] = {}
+        for ti, t in enumerate(e.params.iouThrs):
+            positive = [p for p in precision[ti, :, k, 0, -1] if p > 0]
+            out[int(cat)][round(float(t), 2)] = metrics.CocoPR(positive[-1] if positive else 0.0, recall[ti, k, 0, -1])
+    return out
+
+
+def perturbed(lines: list[dict]) -> list[dict]:
+    """The answers with every third box shifted by 35 % of its width, every third one duplicated, and a box of a
+    category the image does not have (dropped, as the paper's conversion does)."""
+    out = []
+    for line in lines:
+        preds = {}
+        for category, boxes in line["extracted_predictions"].items():
+            kept = []
+            for k, (x1, y1, x2, y2) in enumerate(boxes):
+                dx = 0.35 * (x2 - x1) if k % 3 == 0 else 0.0
+                kept += [[x1 + dx, y1, x2 + dx, y2]] * (2 if k % 3 == 1 else 1)
+            preds[category] = kept
+        preds["star"] = preds.get("star", []) + [[0, 0, 20, 20]]
+        out.append({**line, "extracted_predictions": preds, "scores": {}})
+    return out
+
+
+def test_coco_path_matches_the_coco_library(run, bench):
+    out, _ = run
+    coco = json.loads((bench / "synthetic_coco.json").read_text())
+    crowd = {"id": 10_000, "image_id": 1, "category_id": 1, "bbox": [0, 0, 60, 60], "area": 3600, "iscrowd": 1}
+    coco_crowd = {**coco, "annotations": coco["annotations"] + [crowd]}
+    lines = ev.read_answers(out / "synthetic_coco_hybrid.jsonl")
+    checked = 0
+    for gt, answers in ((coco, lines), (coco, perturbed(lines)), (coco_crowd, perturbed(lines))):
+        per_category, results = ev.coco_inputs(gt, answers)
+        ours, theirs = ev.coco_pr(per_category), library_pr(gt, results)
+        assert set(ours) == set(theirs)
+        for cat in ours:
+            for t in metrics.IOU_THRESHOLDS:
+                assert ours[cat][t].recall == pytest.approx(theirs[cat][t].recall, abs=1e-12), (cat, t)
+                assert ours[cat][t].precision == pytest.approx(theirs[cat][t].precision, abs=1e-12), (cat, t)
+                checked += ours[cat][t].precision not in (0.0, 1.0)
+    assert checked > 10  # the perturbed answers give precisions strictly between 0 and 1
+
+
+def test_resume_skips_answered_samples_and_redoes_a_cut_line(run, bench, tmp_path):
+    out, _ = run
+    original = (out / "synthetic_hybrid.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "synthetic_hybrid.jsonl").write_text("".join(original[:-1]) + original[-1][:40])  # cut mid-line
+    code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(tmp_path)])
+    assert code == 0
+    resumed = (tmp_path / "synthetic_hybrid.jsonl").read_text().splitlines(keepends=True)
+    assert resumed[:-1] == original[:-1]  # untouched, byte for byte (their wall seconds would differ if redone)
+    last, again = json.loads(original[-1]), json.loads(resumed[-1])
+    assert again["extracted_predictions"] == last["extracted_predictions"] and len(resumed) == N_SCENES
+    # An answer file of another benchmark is refused before the model loads.
+    shutil.copy(out / "synthetic_screenspot_hybrid.jsonl", tmp_path / "synthetic_hybrid.jsonl")
+    code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(tmp_path), "--overwrite"])
+    assert code == 2
+
+
+def test_predictions_are_scored_without_a_model(run, bench, tmp_path, monkeypatch):
+    out, _ = run
+    import mlx_locate.locate
+
+    monkeypatch.setattr(mlx_locate.locate, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    files = [str(out / f"synthetic_coco_{m}.jsonl") for m in MODES]
+    code, printed = run_main(["--predictions", *files, "--data", str(bench / DATA[1]), "--out", str(tmp_path)])
+    assert code == 0
+    rescored = json.loads((tmp_path / "report.json").read_text())["rows"]
+    original = {(r["dataset"], r["mode"]): r for r in json.loads((out / "report.json").read_text())["rows"]}
+    assert [r["mode"] for r in rescored] == list(MODES)  # from the lines' stats
+    for r in rescored:
+        assert r == original[(r["dataset"], r["mode"])]
+
+
+def test_an_answer_file_of_another_tool(tmp_path):
+    """Only the paper's fields, hand-computed scores; the no-GT sample scores 0 and the report says so."""
+    box = [10.0, 10.0, 50.0, 50.0]
+    common = {"image_path": "x.png", "question": "q", "raw_response": "r", "dataset_name": "Toy"}
+    lines = [
+        {
+            **common,
+            "task_name": "common_object_detection",
+            "gt": {"cat": [box]},
+            "extracted_predictions": {"cat": [box]},
+        },
+        {**common, "task_name": "common_object_detection", "gt": {"dog": []}, "extracted_predictions": {}},
+        {**common, "task_name": "gui", "gt": [0, 0, 20, 20], "extracted_predictions": {"ok": [[5, 5], [None]]}},
+        {**common, "task_name": "keypoint", "gt": {}, "extracted_predictions": {}},
+    ]
+    path = tmp_path / "answer.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code, printed = run_main(["--predictions", str(path)])
+    assert code == 0
+    rows = {r.dataset: r for r in ev.score_lines(ev.read_answers(path), "answer")}
+    det = rows["common_object_detection_Toy"]
+    assert det.f1_50 == det.f1_mean == 0.5 and det.empty_scored_zero == 1  # P = R = (1 + 0) / 2
+    assert det.without_empty == {"f1@0.5": 1.0, "f1@mean": 1.0, "samples": 1}
+    assert rows["gui_Toy"].accuracy == 1.0 and rows["gui_Toy"].malformed == 1
+    assert rows["keypoint_Toy"].metric == "unscored"
+    assert "1 samples asked for categories with no GT box and got no box: scored 0" in printed
+    assert "| common_object_detection_Toy | answer | 2 | 0.500 |" in printed
+
+
+def test_compare_prints_the_differences(tmp_path, capsys):
+    row = {"dataset": "d", "mode": "hybrid", "metric": "box", "f1_50": 0.5, "f1_95": 0.2, "f1_mean": 0.4, "map": None}
+    a = {"rows": [row, {**row, "mode": "slow"}]}
+    b = {"rows": [{**row, "f1_50": 0.6, "boxes_per_s": 12.0}]}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "| d | hybrid | F1@0.5 | 0.500 | 0.600 | +0.100 |" in printed
+    assert "| d | hybrid | F1@0.95 | 0.200 | 0.200 | +0.000 |" in printed
+    assert "| d | hybrid | boxes/s | - | 12.0 | - |" in printed
+    assert "only in " + str(tmp_path / "a.json") + ": d (slow)" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--data", "missing.jsonl", "--out", "o"], "no benchmark file"),
+        (["--data", "bad.jsonl", "--out", "o"], "bad.jsonl:2 is not JSON"),
+        (["--data", "short.jsonl", "--out", "o"], "short.jsonl:1 lacks categories"),
+        (["--data", "ok.jsonl"], "--data needs --out"),
+        (["--predictions", "ok.jsonl", "--compare", "a", "b"], "give one of"),
+        (["--predictions", "ok.jsonl", "--data", "ok.jsonl"], "COCO instances JSON"),
+        (["--predictions", "ok.jsonl", "--out", "done"], "--overwrite"),
+        ([], "give one of"),
+    ],
+)
+def test_bad_input_is_one_error_line(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    sample = {"image_path": "x.png", "categories": ["a"], "gt": {"a": []}, "task_name": "t", "dataset_name": "d"}
+    answer = {**sample, "extracted_predictions": {}}
+    (tmp_path / "ok.jsonl").write_text(json.dumps(answer) + "\n")
+    (tmp_path / "bad.jsonl").write_text(json.dumps(sample) + "\n{oops\n")
+    (tmp_path / "short.jsonl").write_text(json.dumps({"image_path": "x.png"}) + "\n")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "report.json").write_text("{}")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1

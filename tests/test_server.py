@@ -1,0 +1,486 @@
+"""The HTTP server on the demo model, against the single-request path (`model.locate`), and its limits.
+
+Two servers run for the whole module on 127.0.0.1: `served` with the defaults, and `strict` with an API key and
+small limits (body, pixels, queue, a timeout every model request exceeds). The single-request answers are made
+by the served worker's own loader, on the worker thread, before it starts serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import http.server
+import io
+import json
+import socket
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from PIL import Image
+
+import mlx_locate
+from mlx_locate import Request
+from mlx_locate.server import __main__ as server_cli
+from mlx_locate.server.app import create_app, serve_in_thread
+from mlx_locate.server.protocol import Settings, result_json
+from mlx_locate.server.worker import Job, Worker, WorkerError
+
+IMAGE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
+ALONE = [  # (query, task, mode) asked alone through model.locate
+    ("square", "detect", "hybrid"),
+    ("circle", "detect", "hybrid"),
+    ("star", "detect", "hybrid"),
+    ("square", "detect", "fast"),
+    ("triangle", "detect", "slow"),
+    ("circle", "point", "hybrid"),
+    ("circle", "gui", "hybrid"),
+]
+ANSWER = ("objects", "empty_labels", "truncated", "text")
+
+
+def answer_of(d: dict) -> dict:
+    return {k: d[k] for k in ANSWER}
+
+
+def b64(path_or_image) -> str:
+    if isinstance(path_or_image, Image.Image):
+        buf = io.BytesIO()
+        path_or_image.save(buf, "PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(Path(path_or_image).read_bytes()).decode()
+
+
+def assert_error(response: httpx.Response, status: int, code: str) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert body["error"]["code"] == code, body
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def sse_events(lines) -> list[tuple[str, dict]]:
+    events, kind = [], None
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            events.append((kind, json.loads(line[6:])))
+    return events
+
+
+@pytest.fixture(scope="module")
+def served():
+    alone = {}
+
+    def load():
+        model = mlx_locate.load("demo")
+        for query, task, mode in ALONE:
+            result = model.locate(IMAGE, query, task=task, mode=mode, max_tokens=64)
+            alone[query, task, mode] = json.loads(json.dumps(result_json(result)))  # as it comes over the wire
+        return model
+
+    app = create_app(load, Settings())
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        yield SimpleNamespace(url=url, client=client, alone=alone, worker=app.state.worker)
+
+
+@pytest.fixture(scope="module")
+def strict():
+    settings = Settings(
+        api_key="sekret", max_body_mb=0.25, max_pixels=150 * 150, max_queue=2, timeout_s=0.05, allow_remote_images=True
+    )
+    app = create_app(lambda: mlx_locate.load("demo"), settings)
+    with serve_in_thread(app) as url:
+        headers = {"Authorization": "Bearer sekret"}
+        with httpx.Client(base_url=url, timeout=30, headers=headers) as client:
+            yield SimpleNamespace(url=url, client=client, worker=app.state.worker)
+
+
+SMALL = Image.new("RGB", (100, 100), (200, 200, 200))  # within the strict server's pixel limit
+
+
+def settle(worker: Worker) -> None:
+    """Wait for requests that timed out to leave the worker (a step is not interrupted), so the next test
+    finds its queue empty."""
+    deadline = time.monotonic() + 30
+    while worker.pending and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+# -- answers equal the single-request path ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("query,task,mode", [c for c in ALONE if c[1] == "detect"])
+def test_locate_equals_the_request_sent_alone(served, query, task, mode):
+    r = served.client.post("/v1/locate", json={"image": b64(IMAGE), "query": query, "mode": mode, "max_tokens": 64})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert answer_of(body) == answer_of(served.alone[query, task, mode])
+    assert body["image"] == {"width": 224, "height": 224} and body["model"] == "demo"
+    assert body["mode"] == mode and body["task"] == "detect" and body["id"].startswith("loc-")
+    assert set(body["stats"]) >= {"steps", "decode_s", "stop_reason"}
+
+
+def test_several_queries_answer_under_queries_each_as_alone(served):
+    queries = ["square", "circle", "star"]
+    r = served.client.post("/v1/locate", json={"image": b64(IMAGE), "query": queries, "max_tokens": 64})
+    body = r.json()
+    assert [q["query"] for q in body["queries"]] == queries
+    for q in body["queries"]:
+        assert answer_of(q) == answer_of(served.alone[q["query"], "detect", "hybrid"])
+    assert body["queries"][2]["objects"] == [] and body["queries"][2]["empty_labels"] == ["star"]
+
+
+def test_a_data_url_and_a_multipart_upload_give_the_same_answer(served):
+    expected = answer_of(served.alone["square", "detect", "fast"])
+    url = served.client.post(
+        "/v1/locate",
+        json={"image": f"data:image/png;base64,{b64(IMAGE)}", "query": "square", "mode": "fast", "max_tokens": 64},
+    )
+    with IMAGE.open("rb") as f:
+        form = served.client.post(
+            "/v1/locate",
+            files={"image": ("x.png", f, "image/png")},
+            data={"query": "square", "mode": "fast", "max_tokens": "64"},
+        )
+    assert answer_of(url.json()) == expected
+    assert answer_of(form.json()) == expected
+
+
+def test_stream_sends_each_object_then_done_equal_to_the_plain_answer(served):
+    body = {"image": b64(IMAGE), "query": ["square", "star"], "max_tokens": 64}
+    with served.client.stream("POST", "/v1/locate", json={**body, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r.iter_lines())
+    plain = served.client.post("/v1/locate", json=body).json()
+    kinds = [k for k, _ in events]
+    assert kinds[0] == "start" and kinds[-1] == "done" and "error" not in kinds
+    assert events[0][1]["image"] == {"width": 224, "height": 224} and events[0][1]["queries"] == ["square", "star"]
+    done = events[-1][1]
+    assert [answer_of(q) for q in done["queries"]] == [answer_of(q) for q in plain["queries"]]
+    for i, q in enumerate(done["queries"]):
+        streamed = [
+            {k: v for k, v in d.items() if k not in ("query_index", "query")}
+            for k, d in events
+            if k == "object" and d["query_index"] == i
+        ]
+        assert streamed == q["objects"]
+    assert [d for k, d in events if k == "empty"] == [{"query_index": 1, "query": "star", "label": "star"}]
+    assert kinds.count("object") == 2
+
+
+def test_ground_gives_the_point_task_point_or_not_found(served):
+    r = served.client.post("/v1/ground", json={"image": b64(IMAGE), "instruction": "circle"})
+    body = r.json()
+    point = served.alone["circle", "point", "hybrid"]["objects"][0]
+    assert body["found"] is True and body["point"] == point["point"]
+    assert body["point_norm"] == [point["point"][0] / 224, point["point"][1] / 224]
+    assert body["confidence"] == point["confidence"] and body["image"] == {"width": 224, "height": 224}
+    none = served.client.post("/v1/ground", json={"image": b64(IMAGE), "instruction": "star"}).json()
+    assert none["found"] is False and none["point"] is None and none["point_norm"] is None
+
+
+def test_health_and_models(served):
+    health = served.client.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == "demo" and health["max_queue"] == 64
+    models = served.client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "demo" and models["object"] == "list"
+
+
+def test_chat_completions_with_the_openai_client(served):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="unused")
+    prompt = "Locate all the instances that matches the following description: square."
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": prompt},
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(IMAGE)}"}},
+            ],
+        }
+    ]
+    alone = served.alone["square", "detect", "hybrid"]
+    completion = client.chat.completions.create(model="demo", messages=messages, max_tokens=64)
+    assert completion.choices[0].message.content == alone["text"].removesuffix("<|im_end|>")
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.model_extra["objects"] == alone["objects"]
+    assert completion.usage.completion_tokens > 0
+
+    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=64, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == completion.choices[0].message.content
+    streamed = [o for c in chunks for o in (c.model_extra or {}).get("objects", [])]
+    assert streamed == alone["objects"]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    with pytest.raises(Exception, match="exactly one image_url"):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+
+
+# -- limits and safety --------------------------------------------------------------------------------------
+
+
+def test_binds_localhost_by_default_and_warns_elsewhere(monkeypatch, capsys):
+    import uvicorn
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(kw))
+    assert server_cli.main([]) == 0
+    assert calls[-1]["host"] == "127.0.0.1"
+    assert "warning" not in capsys.readouterr().err
+    assert server_cli.main(["--host", "0.0.0.0", "--port", "9000"]) == 0
+    assert calls[-1]["host"] == "0.0.0.0" and calls[-1]["port"] == 9000
+    assert "warning: binding to 0.0.0.0" in capsys.readouterr().err
+    assert server_cli.main(["--model", "no/such/folder/here"]) == 2
+
+
+def test_host_and_origin_checks_against_dns_rebinding(served):
+    assert_error(served.client.get("/health", headers={"Host": "evil.example"}), 403, "forbidden_host")
+    assert_error(served.client.get("/health", headers={"Host": "127.0.0.1.evil.example:80"}), 403, "forbidden_host")
+    r = served.client.post(
+        "/v1/locate", json={"image": b64(IMAGE), "query": "x"}, headers={"Origin": "http://evil.example"}
+    )
+    assert_error(r, 403, "forbidden_origin")
+    assert_error(served.client.get("/health", headers={"Origin": "null"}), 403, "forbidden_origin")
+    assert served.client.get("/health", headers={"Host": "localhost:1", "Origin": "http://localhost:3000"}).is_success
+
+
+def test_api_key_is_required_on_v1(strict):
+    bare = httpx.Client(base_url=strict.url, timeout=10)
+    assert_error(bare.get("/v1/models"), 401, "unauthorized")
+    assert bare.get("/v1/models").headers["WWW-Authenticate"] == "Bearer"
+    assert_error(bare.get("/v1/models", headers={"Authorization": "Bearer sekret2"}), 401, "unauthorized")
+    assert_error(bare.get("/v1/models", headers={"Authorization": "Basic sekret"}), 401, "unauthorized")
+    assert bare.get("/health").is_success and bare.get("/").is_success  # the page asks for the key itself
+    assert strict.client.get("/v1/models").is_success
+
+
+def test_body_limit(strict):
+    big = {"image": "A" * 300_000, "query": "x"}
+    assert_error(strict.client.post("/v1/locate", json=big), 413, "body_too_large")
+
+    def chunked():  # no Content-Length: counted as it arrives
+        for _ in range(30):
+            yield b"A" * 10_000
+
+    r = strict.client.post("/v1/locate", content=chunked(), headers={"content-type": "application/json"})
+    assert_error(r, 413, "body_too_large")
+
+
+def png_bomb(size: tuple[int, int]) -> str:
+    """A PNG whose header says `size` (1-bit grey) with a few bytes of data: what a decompression bomb shows
+    before any pixel is decoded."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", *size, 1, 0, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(bytes(64))) + chunk(b"IEND", b"")
+    return base64.b64encode(png).decode()
+
+
+@pytest.mark.parametrize("size", [(10_000, 10_000), (20_000, 20_000)])  # under and over Pillow's own error
+def test_decompression_bomb_is_a_clear_400(served, size):
+    r = served.client.post("/v1/locate", json={"image": png_bomb(size), "query": "square"})
+    assert "pixels" in assert_error(r, 400, "image_too_large")["message"]
+
+
+def test_pixel_limit_from_the_header(strict):
+    assert_error(strict.client.post("/v1/locate", json={"image": b64(IMAGE), "query": "x"}), 400, "image_too_large")
+
+
+def test_formats_outside_the_allow_list_and_corrupt_images_are_400(served):
+    tiff = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(tiff, "TIFF")
+    r = served.client.post("/v1/locate", json={"image": base64.b64encode(tiff.getvalue()).decode(), "query": "x"})
+    assert_error(r, 400, "unsupported_image")
+    data = IMAGE.read_bytes()
+    jpeg = io.BytesIO()
+    Image.open(IMAGE).convert("RGB").save(jpeg, "JPEG")
+    broken = [data[:n] for n in (8, 40, 100, len(data) // 2, len(data) - 200)]
+    broken += [jpeg.getvalue()[: len(jpeg.getvalue()) // 3], data[:60] + bytes(200) + data[260:]]
+    for blob in broken:
+        r = served.client.post("/v1/locate", json={"image": base64.b64encode(blob).decode(), "query": "square"})
+        assert r.status_code == 400, (len(blob), r.text)
+        assert r.json()["error"]["code"] in ("invalid_image", "unsupported_image")
+    assert_error(served.client.post("/v1/locate", json={"image": "not base64!", "query": "x"}), 400, "invalid_image")
+
+
+@pytest.fixture()
+def image_host():
+    """A local HTTP server with one image at /small.png; records the paths it was asked for."""
+    hits = []
+    png = io.BytesIO()
+    SMALL.save(png, "PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            found = self.path == "/small.png"
+            self.send_response(200 if found else 404)
+            self.end_headers()
+            if found:
+                self.wfile.write(png.getvalue())
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield SimpleNamespace(url=f"http://127.0.0.1:{httpd.server_address[1]}", hits=hits)
+    httpd.shutdown()
+
+
+def test_image_urls_are_fetched_only_when_allowed(served, strict, image_host):
+    r = served.client.post("/v1/locate", json={"image": f"{image_host.url}/small.png", "query": "square"})
+    assert_error(r, 400, "remote_images_disabled")
+    assert image_host.hits == []
+    # The strict server allows them: the image arrives, then decoding it exceeds the server's 0.05 s timeout.
+    settle(strict.worker)
+    assert_error(
+        strict.client.post("/v1/locate", json={"image": f"{image_host.url}/small.png", "query": "x"}), 504, "timeout"
+    )
+    assert_error(
+        strict.client.post("/v1/locate", json={"image": f"{image_host.url}/gone.png", "query": "x"}),
+        400,
+        "remote_image_failed",
+    )
+    assert image_host.hits == ["/small.png", "/gone.png"]
+
+
+def test_a_full_queue_is_503_with_retry_after(strict):
+    r = strict.client.post("/v1/locate", json={"image": b64(SMALL), "query": ["a", "b", "c"]})  # 3 > max_queue 2
+    assert_error(r, 503, "queue_full")
+    assert r.headers["Retry-After"] == "1"
+
+
+def test_a_request_over_the_timeout_is_504(strict):
+    settle(strict.worker)
+    assert_error(strict.client.post("/v1/locate", json={"image": b64(SMALL), "query": "square"}), 504, "timeout")
+    settle(strict.worker)
+    with strict.client.stream("POST", "/v1/locate", json={"image": b64(SMALL), "query": "x", "stream": True}) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == ("error", {"error": {"code": "timeout", "message": "the request took longer than 0.05 s"}})
+
+
+def test_bad_requests_get_400_with_the_reason(served):
+    image = b64(IMAGE)
+    cases = [
+        ({"image": image, "query": "x", "mode": "turbo"}, "mode"),
+        ({"image": image, "query": "x", "colour": "red"}, "colour"),
+        ({"image": image, "query": "x", "max_tokens": 0}, "max_tokens"),
+        ({"image": image, "query": "x", "top_p": 0}, "top_p"),
+        ({"image": image, "task": "detect"}, "needs a non-empty query"),
+        ({"image": image, "task": "ocr", "query": "x"}, "takes no query"),
+        ({"image": image, "query": []}, "empty list"),
+        ({"query": "x"}, "no image"),
+    ]
+    for body, reason in cases:
+        assert reason in assert_error(served.client.post("/v1/locate", json=body), 400, "invalid_request")["message"]
+    assert_error(served.client.post("/v1/locate", content=b"[1, 2]"), 400, "invalid_json")
+    assert_error(served.client.get("/v1/nothing"), 404, "not_found")
+    assert_error(served.client.get("/v1/locate"), 405, "method_not_allowed")
+
+
+def wait_until_idle(served, before: int) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if served.worker.pending == 0 and served.worker.stats.cancelled > before:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"pending {served.worker.pending}, cancelled {served.worker.stats.cancelled} (was {before})")
+
+
+QUERIES = ["square", "circle", "triangle", "star", "diamond", "blue square", "red circle", "green triangle"]
+
+
+def test_a_client_that_disconnects_frees_its_rows(served):
+    before = served.worker.stats.cancelled
+    body = {"image": b64(IMAGE), "query": QUERIES, "stream": True, "max_tokens": 64}
+    with httpx.Client(base_url=served.url, timeout=30) as client, client.stream("POST", "/v1/locate", json=body) as r:
+        next(r.iter_lines())  # the start event; then hang up
+    wait_until_idle(served, before)
+
+    before = served.worker.stats.cancelled
+    payload = json.dumps({**body, "stream": False}).encode()
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        head = f"POST /v1/locate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        time.sleep(0.3)
+    wait_until_idle(served, before)
+    assert served.client.get("/health").json()["pending"] == 0
+
+
+def test_bad_requests_among_good_ones_harm_nobody(served):
+    good = {"image": b64(IMAGE), "query": "circle", "max_tokens": 64}
+    bad = [
+        {"image": png_bomb((20_000, 20_000)), "query": "x"},
+        {"image": b64(IMAGE)[:200], "query": "x"},
+        {"image": b64(IMAGE), "task": "nope", "query": "x"},
+        {"image": b64(IMAGE), "query": "x" * 5000, "max_tokens": 64},
+    ]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/locate", json=b) for b in [good, *bad, good, good]))
+
+    responses = asyncio.run(run())
+    for r in [responses[0], *responses[-2:]]:
+        assert answer_of(r.json()) == answer_of(served.alone["circle", "detect", "hybrid"])
+    for r in responses[1:-2]:
+        assert r.status_code == 400, r.text
+    assert served.client.get("/health").json()["status"] == "ok"
+
+
+class Exploding(Image.Image):
+    """An image whose pixels cannot be read: an unexpected error inside the engine's step."""
+
+    def __init__(self):
+        super().__init__()
+        self._size, self._mode = (64, 64), "RGB"
+
+    def tobytes(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    def resize(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+
+def test_a_step_that_raises_fails_only_its_job_and_the_worker_goes_on():
+    worker = Worker(lambda: mlx_locate.load("demo")).start()
+    try:
+        worker.wait_ready()
+
+        async def ask(image):
+            async with Job(worker, [Request(image, "circle", max_tokens=64)], timeout_s=60) as job:
+                return await job.results()
+
+        with pytest.raises((WorkerError, ValueError)):
+            asyncio.run(ask(Exploding()))
+        (result,) = asyncio.run(ask(IMAGE))
+        assert [o.label for o in result.objects] == ["circle"]
+        assert worker.pending == 0 and worker.ready
+    finally:
+        worker.stop()
+    assert not worker.ready
+    with pytest.raises(WorkerError, match="shutting down"):
+        asyncio.run(ask(IMAGE))
+
+
+def test_a_model_that_fails_to_load_is_reported():
+    def fail():
+        raise FileNotFoundError("no model here")
+
+    worker = Worker(fail).start()
+    with pytest.raises(WorkerError, match="no model here"):
+        worker.wait_ready(10)

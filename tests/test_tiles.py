@@ -1,0 +1,349 @@
+"""Tiling: the grid and its geometry, every merge rule on hand-made views, and the demo model end to end on
+scenes whose shapes the whole-image resize makes too small (tiles find them; seams give each one once)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from PIL import Image, ImageDraw
+
+from mlx_locate import Request, RequestError, generate
+from mlx_locate.locate import Result, load
+from mlx_locate.metrics import greedy_match, iou
+from mlx_locate.parse import LocatedObject
+from mlx_locate.preprocess import preprocess
+from mlx_locate.tiles import (
+    MAX_TILES,
+    Tile,
+    auto_grid,
+    check_tiling,
+    merge_results,
+    parse_tiles,
+    split_request,
+    tile_boxes,
+    to_image,
+)
+from mlx_locate.tuner.large_scenes import dense_scene
+from mlx_locate.tuner.synthetic import COLORS, Obj, _draw
+
+MAX_TOKENS = 96  # a view's answer cap: a few boxes of the demo model
+DEMO_LIMIT, PATCH = 256, 14  # the demo model's in_token_limit and patch size
+FAKE_MODEL = SimpleNamespace(
+    in_token_limit=DEMO_LIMIT, network=SimpleNamespace(config=SimpleNamespace(vision=SimpleNamespace(patch_size=PATCH)))
+)
+
+
+# --- The grid --------------------------------------------------------------------------------------------
+
+
+def test_parse_tiles():
+    assert parse_tiles("auto") == "auto"
+    assert parse_tiles("2x3") == (2, 3)
+    for bad in ("3", "2x", "axb", "2x3x4", "-1x2"):
+        with pytest.raises(ValueError, match="ROWSxCOLS"):
+            parse_tiles(bad)
+
+
+@pytest.mark.parametrize(
+    "tiles, overlap, message",
+    [
+        ((0, 2), 0.2, "positive integers"),
+        ((2,), 0.2, "positive integers"),
+        ("big", 0.2, "positive integers"),
+        ((True, 2), 0.2, "positive integers"),
+        ((9, 8), 0.2, f"at most {MAX_TILES}"),
+        ((2, 2), 0.7, "fraction from 0 to 0.5"),
+        ((2, 2), -0.1, "fraction from 0 to 0.5"),
+    ],
+)
+def test_check_tiling_rejects(tiles, overlap, message):
+    with pytest.raises(ValueError, match=message):
+        check_tiling(tiles, overlap)
+
+
+@pytest.mark.parametrize(
+    "size, rows, cols, overlap", [((560, 560), 3, 3, 0.2), ((1000, 301), 2, 5, 0.3), ((97, 50), 1, 2, 0)]
+)
+def test_tile_boxes_cover_the_image_with_the_overlap(size, rows, cols, overlap):
+    boxes = tile_boxes(size, rows, cols, overlap)
+    assert len(boxes) == rows * cols
+    widths, heights = {x1 - x0 for x0, _, x1, _ in boxes}, {y1 - y0 for _, y0, _, y1 in boxes}
+    assert len(widths) == len(heights) == 1  # one tile size
+    (w,), (h,) = widths, heights
+    xs, ys = sorted({b[0] for b in boxes}), sorted({b[1] for b in boxes})
+    assert xs[0] == ys[0] == 0 and xs[-1] + w == size[0] and ys[-1] + h == size[1]
+    for starts, side in ((xs, w), (ys, h)):
+        for a, b in zip(starts, starts[1:], strict=False):
+            shared = a + side - b  # pixels two neighbours share
+            assert overlap * side - 1 <= shared <= overlap * side + 2
+
+
+@pytest.mark.parametrize("size", [(560, 560), (1000, 300), (300, 1000), (900, 700), (223, 223)])
+def test_auto_tiles_reach_the_model_unscaled_within_the_budget(size):
+    """Checked through the real preprocessing of each crop: no side shrinks and the patch grid fits."""
+    rows, cols = auto_grid(size, DEMO_LIMIT, PATCH, 0.2)
+    image = Image.new("RGB", size)
+    for box in tile_boxes(size, rows, cols, 0.2) if (rows, cols) != (1, 1) else [(0, 0, *size)]:
+        pre = preprocess(image.crop(box), in_token_limit=DEMO_LIMIT, patch_size=PATCH)
+        assert pre.grid[0] * pre.grid[1] <= DEMO_LIMIT
+        assert pre.processed_size[0] >= box[2] - box[0] and pre.processed_size[1] >= box[3] - box[1]
+
+
+def test_auto_grid_is_the_fewest_fitting_tiles():
+    assert auto_grid((224, 224), DEMO_LIMIT, PATCH, 0.2) == (1, 1)  # fits whole
+    assert auto_grid((560, 560), DEMO_LIMIT, PATCH, 0.2) == (3, 3)  # 2x2 tiles would be 312 px
+    assert auto_grid((4000, 3000), 25600, PATCH, 0.2) == (2, 2)  # the 3B budget: 2240 x 2240 pixels
+    assert auto_grid((100_000, 100_000), 25600, PATCH, 0.2) == (8, 8)  # capped at MAX_TILES
+
+
+def test_split_request_children():
+    image = Image.new("RGB", (560, 560))
+    request = Request(image, "square", tiles="auto", mode="fast", tag="mine")
+    children = split_request(request, image, FAKE_MODEL)
+    assert [c.tag.whole for c in children] == [True] + [False] * 9
+    assert children[0].image is image
+    for c in children:
+        assert c.tiles is None and c.mode == "fast" and c.query == "square"
+        assert c.image.size == (c.tag.box[2] - c.tag.box[0], c.tag.box[3] - c.tag.box[1])
+    assert len(split_request(replace(request, tile_whole=False), image, FAKE_MODEL)) == 9
+    small = Image.new("RGB", (200, 200))  # fits the budget: only the whole image, even without tile_whole
+    only = split_request(replace(request, image=small, tile_whole=False), small, FAKE_MODEL)
+    assert [c.tag for c in only] == [Tile((0, 0, 200, 200), True)]
+    with pytest.raises(ValueError, match="a 200x200 image in 8x8 tiles gives tiles under 28 pixels a side"):
+        split_request(replace(request, tiles=(8, 8), tile_overlap=0), small, FAKE_MODEL)
+
+
+# --- Merging, on hand-made views ------------------------------------------------------------------------
+
+
+def obj(label, box=None, confidence=0.9, point=None):
+    return LocatedObject(label, box, None if box is None else (0, 0, 0, 0), point, None, confidence)
+
+
+def view_result(objects, empty=(), size=(224, 224)):
+    stats = {"steps": 3, "tokens": 10, "stop_reason": "end_guard", "decode_s": 0.5}
+    return Result(list(objects), list(empty), "", [], [], [], [16, 16], size, "hybrid", False, stats)
+
+
+def merged(tiles, views, *, task="detect", size=(400, 200), whole=None):
+    """Merge `views` (one list of objects per tile, in that tile's pixels) of a `size` image."""
+    image = Image.new("RGB", size)
+    request = Request(image, "q", task=task, tiles=(1, len(tiles)))
+    children = [Request(image, "q", tag=Tile(box, False)) for box in tiles]
+    results = [view_result(objs) for objs in views]
+    if whole is not None:
+        children.insert(0, Request(image, "q", tag=Tile((0, 0, *size), True)))
+        results.insert(0, view_result(whole))
+    return merge_results(request, image, children, results)
+
+
+TWO = [(0, 0, 240, 200), (160, 0, 400, 200)]  # two tiles sharing x 160..240
+
+
+def test_a_duplicate_across_tiles_is_one_object_with_the_best_confidence():
+    out = merged(TWO, [[obj("a", (180, 50, 220, 90), 0.7)], [obj("a", (22, 52, 61, 91), 0.95)]])
+    assert len(out.objects) == 1
+    assert out.objects[0].confidence == 0.95
+    assert out.objects[0].box in [(180, 50, 220, 90), (182, 52, 221, 91)]
+
+
+def test_mapping_to_image_pixels_and_values():
+    out = merged(TWO, [[], [obj("a", (40, 20, 80, 60))]])
+    (o,) = out.objects
+    assert o.box == (200, 20, 240, 60)
+    assert o.box_norm == (500, 100, 600, 300)  # of the 400 x 200 image
+    assert to_image(o, Tile((0, 0, 400, 200), True), (400, 200)) is o  # the whole image: unchanged
+
+
+def test_distinct_objects_stay_apart():
+    # IoU below MERGE_IOU and neither inside the other; another label; two boxes of one view.
+    out = merged(TWO, [[obj("a", (170, 50, 210, 90)), obj("a", (172, 60, 212, 100))], [obj("a", (35, 50, 75, 90))]])
+    assert len(out.objects) == 3  # the first view's two overlapping boxes are the model's own answer
+    out = merged(TWO, [[obj("a", (180, 50, 220, 90))], [obj("b", (20, 50, 60, 90))]])
+    assert sorted(o.label for o in out.objects) == ["a", "b"]
+
+
+def test_a_piece_cut_by_a_seam_joins_the_whole_box():
+    # The object spans x 200..235: whole in tile 0 (ends at 240); tile 1 (from 160) sees it whole too, but a
+    # second object at x 225..260 is cut by tile 0's seam at 240: tile 0 reports its piece 225..240.
+    views = [[obj("a", (200, 50, 235, 90), 0.8), obj("a", (226, 120, 239, 150), 0.99)], [obj("a", (65, 118, 100, 152))]]
+    out = merged(TWO, views)
+    boxes = sorted(o.box for o in out.objects)
+    assert boxes == [(200, 50, 235, 90), (225, 118, 260, 152)]  # the cut piece gave way to the full box
+    assert max(o.confidence for o in out.objects if o.box[0] == 225) == 0.99  # ... but lent its confidence
+
+
+def test_a_sliver_inside_a_box_seen_whole_elsewhere_joins_it():
+    # Tile 1 (from x 160) sees only the right end of an object at 140..200; its box is a sliver far from
+    # the seam. Tile 0 saw it whole, and its box reaches past tile 1: tile 1's box is not kept.
+    out = merged(TWO, [[obj("a", (140, 50, 200, 90), 0.6)], [obj("a", (30, 50, 40, 90), 0.9)]])
+    assert [o.box for o in out.objects] == [(140, 50, 200, 90)]
+
+
+def test_a_box_covering_a_whole_tile_is_dropped():
+    out = merged(TWO, [[obj("a", (5, 5, 235, 195))], [obj("a", (20, 20, 60, 60))]])
+    assert [o.box for o in out.objects] == [(180, 20, 220, 60)]
+    assert out.stats["tiles"][0]["dropped"] == 1
+
+
+def test_whole_image_objects():
+    # Larger than any tile: kept. Inside a tile that found nothing there: dropped. Agreeing with a tile: one.
+    big = obj("a", (100, 20, 300, 180), 0.5)
+    lonely = obj("a", (20, 20, 60, 60), 0.5)
+    shared = obj("a", (300, 100, 340, 140), 0.99)
+    out = merged(TWO, [[], [obj("a", (141, 101, 181, 141), 0.6)]], whole=[big, lonely, shared])
+    assert sorted(o.box for o in out.objects) == [(100, 20, 300, 180), (301, 101, 341, 141)]
+    assert max(o.confidence for o in out.objects) == 0.99
+
+
+def test_points_merge_within_the_radius():
+    # POINT_RADIUS 0.05 of the shorter tile side (200 px): 10 px.
+    out = merged(TWO, [[obj(None, None, 0.8, (200, 100))], [obj(None, None, 0.9, (46, 106))]], task="point")
+    assert len(out.objects) == 1 and out.objects[0].confidence == 0.9
+    out = merged(TWO, [[obj(None, None, 0.8, (200, 100))], [obj(None, None, 0.9, (52, 100))]], task="point")
+    assert len(out.objects) == 2
+
+
+def test_single_instance_tasks_keep_one_object():
+    views = [[obj("a", (20, 20, 60, 60), 0.6)], [obj("a", (150, 20, 190, 60), 0.8)]]
+    assert len(merged(TWO, views, task="single").objects) == 1
+    assert merged(TWO, views, task="single").objects[0].confidence == 0.8
+    assert len(merged(TWO, views, task="detect").objects) == 2
+
+
+def test_empty_labels_answer_text_and_stats():
+    image = Image.new("RGB", (400, 200))
+    request = Request(image, ["a", "b"], tiles=(1, 2))
+    children = [Request(image, "q", tag=Tile(box, False)) for box in TWO]
+    results = [view_result([], empty=["a", "b"]), view_result([obj("a", (40, 20, 80, 60))], empty=["b"])]
+    out = merge_results(request, image, children, results)
+    assert out.empty_labels == ["b"]  # "a" was found by tile 1
+    assert out.text == "<ref>a</ref><box><500><100><600><300></box><ref>b</ref><box>None</box>"
+    assert out.stats["steps"] == 6 and out.stats["tokens"] == 20 and out.stats["tile_grid"] == [1, 2]
+    assert [t["kept"] for t in out.stats["tiles"]] == [0, 1]
+    with pytest.raises(RequestError, match="bad tile"):
+        merge_results(request, image, children, [results[0], RequestError("bad tile")])
+
+
+# --- The demo model, end to end --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load("demo")
+
+
+def truth(scene, shape):
+    return [tuple(map(float, o.box)) for o in scene.objects if o.shape == shape]
+
+
+@pytest.fixture(scope="module")
+def dense(model):
+    """A 560 x 560 scene of 36-56 px shapes (14-22 px after the resize to 224), square asked, tiled and whole."""
+    scene = dense_scene(1)
+    options = {"max_tokens": MAX_TOKENS}
+    return (
+        scene,
+        model.locate(scene.image, "square", tiles="auto", **options),
+        model.locate(scene.image, "square", **options),
+    )
+
+
+def test_tiles_find_small_objects_the_whole_image_misses(dense):
+    scene, tiled, whole = dense
+    gt = truth(scene, "square")
+    hits_tiled = len(greedy_match([o.box for o in tiled.objects], gt, 0.5))
+    hits_whole = len(greedy_match([o.box for o in whole.objects], gt, 0.5))
+    assert len(gt) == 6
+    assert hits_whole <= 1 and hits_tiled == 6  # measured: 1 of 6 whole, 6 of 6 tiled
+    assert hits_tiled / len(tiled.objects) >= max(hits_whole / len(whole.objects), 0.6)  # precision, no lower
+    assert tiled.stats["tile_grid"] == [3, 3] and len(tiled.stats["tiles"]) == 10
+    assert tiled.image_size == (560, 560)
+
+
+def draw_scene(size, objects):
+    image = Image.new("RGB", size, (232, 230, 226))
+    draw = ImageDraw.Draw(image)
+    for o in objects:
+        _draw(draw, o, COLORS[o.color])
+    return image
+
+
+# A 392 x 392 image in 2 x 2 tiles of 218 px, seams at 174 and 218: every square crosses one.
+SEAM_SQUARES = (
+    Obj("square", "red", (160, 30, 210, 80)),
+    Obj("square", "blue", (180, 280, 228, 328)),
+    Obj("square", "green", (40, 170, 90, 220)),
+    Obj("square", "yellow", (290, 190, 340, 240)),
+)
+
+
+@pytest.fixture(scope="module")
+def seam(model):
+    image = draw_scene((392, 392), SEAM_SQUARES)
+    return image, model.locate(image, "square", tiles=(2, 2), max_tokens=MAX_TOKENS)
+
+
+def test_objects_cut_by_a_seam_come_back_once(seam):
+    _, result = seam
+    assert len(result.objects) == len(SEAM_SQUARES)
+    for square in SEAM_SQUARES:
+        overlapping = [o for o in result.objects if iou(o.box, square.box) > 0]
+        assert len(overlapping) == 1 and iou(overlapping[0].box, square.box) >= 0.8
+
+
+def test_tile_objects_are_the_single_request_answers_of_their_crops(model, seam):
+    """Every merged object is, exactly, an object of `model.locate(crop)` for one view, mapped to the image,
+    with at least that object's confidence; every view found as many objects as its single request."""
+    image, tiled = seam
+    singles = []
+    for t in tiled.stats["tiles"]:
+        tile = Tile(tuple(t["box"]), t["whole"])
+        single = model.locate(image.crop(tile.box), "square", max_tokens=MAX_TOKENS)
+        assert len(single.objects) == t["objects"]
+        singles += [to_image(o, tile, image.size) for o in single.objects]
+    assert len(singles) > len(tiled.objects)  # there was something to merge
+    for o in tiled.objects:
+        sources = [s for s in singles if s.box == o.box and s.label == o.label]
+        assert sources, f"{o.box} is not the answer of any view"
+        assert o.confidence >= max(s.confidence for s in sources) - 1e-6
+
+
+def test_every_mode_and_task(model):
+    """Slow mode with two categories in one prompt, and pointing in fast mode, on 392 x 196 pixels in 1 x 2 tiles."""
+    objects = (
+        Obj("square", "red", (20, 40, 70, 90)),
+        Obj("circle", "blue", (180, 100, 226, 146)),  # across the seams (tiles 0..218 and 174..392)
+        Obj("square", "green", (300, 60, 350, 110)),
+    )
+    image = draw_scene((392, 196), objects)
+    result = model.locate(image, "square</c>circle", mode="slow", tiles=(1, 2), max_tokens=MAX_TOKENS)
+    assert len(result.objects) == 3
+    for o in objects:
+        assert any(r.label == o.shape and iou(r.box, o.box) >= 0.7 for r in result.objects), o
+    points = model.locate(image, "square", task="point", mode="fast", tiles=(1, 2), max_tokens=MAX_TOKENS)
+    assert len(points.objects) == 2
+    for o in points.objects:
+        assert any(s.box[0] <= o.point[0] <= s.box[2] and s.box[1] <= o.point[1] <= s.box[3] for s in objects)
+
+
+def test_cli_tiles(model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "load", lambda path, dtype=None: model)
+    image = draw_scene((392, 196), (Obj("square", "red", (20, 40, 70, 90)),))
+    image.save(tmp_path / "wide.png")
+    args = ["--image", str(tmp_path / "wide.png"), "--query", "square", "--mode", "fast", "--json"]
+    assert generate.main([*args, "--tiles", "1x2", "--no-tile-whole", "--tile-overlap", "0.3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["tile_grid"] == [1, 2] and not any(t["whole"] for t in out["stats"]["tiles"])
+    assert len(out["objects"]) == 1 and iou(out["objects"][0]["box"], (20, 40, 70, 90)) >= 0.6
+    with pytest.raises(SystemExit):
+        generate.main([*args, "--tiles", "1x"])
+    assert "argument --tiles: expected 'auto' or ROWSxCOLS such as 2x3, got '1x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.main([*args, "--no-tile-whole"])
+    assert "only apply with --tiles" in capsys.readouterr().err
+    assert generate.main([*args, "--tiles", "9x9"]) == 2
+    assert "error: tiles 9x9 make 81 tiles; at most 64" in capsys.readouterr().err

@@ -1,0 +1,251 @@
+"""`mlx-locate-video` on clips of moving shapes written here with PyAV: frame sampling by time, the IoU tracker,
+tracks that follow their objects with stable ids, the MOT file, the annotated clip, resume, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import wave
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mlx_locate import video
+from mlx_locate.draw import draw_objects
+from mlx_locate.locate import load
+from mlx_locate.metrics import iou
+from mlx_locate.parse import LocatedObject
+from mlx_locate.tuner.large_scenes import Mover, moving_frames
+
+try:
+    import av
+except ImportError:  # the [video] extra; under CI (.ci/run) its absence is a failure
+    if os.environ.get("MLX_LOCATE_CI"):
+        raise
+    pytest.skip('PyAV is not installed (pip install "mlx-locate[video]")', allow_module_level=True)
+
+RATE = 10  # source frames per second
+N_FRAMES = 30  # 3 s
+MOVERS = (  # pixels per source frame: 10-12 px between frames sampled at 2 per second
+    Mover("square", "red", (10, 20), (2.0, 1.0), 48),
+    Mover("square", "blue", (160, 150), (-2.0, -1.5), 52),
+    Mover("circle", "green", (120, 20), (0.5, 2.0), 44),  # not asked for
+)
+SQUARES = [m for m in MOVERS if m.shape == "square"]
+
+
+def write_clip(path, frames, rate=RATE):
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=rate)
+        stream.width, stream.height = frames[0].size
+        stream.pix_fmt = "yuv420p"
+        for image in frames:
+            out.mux(stream.encode(av.VideoFrame.from_image(image)))
+        out.mux(stream.encode(None))
+    return path
+
+
+def decode_all(path):
+    with av.open(str(path)) as container:
+        return [f.to_image() for f in container.decode(container.streams.video[0])]
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    frames = [image for image, _ in moving_frames(MOVERS, N_FRAMES)]
+    return write_clip(tmp_path_factory.mktemp("video") / "shapes.mp4", frames)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load("demo")
+
+
+class Runner:
+    """`runner(*args)` -> (exit code, stderr) of `video.main` with the module's model; counts model loads."""
+
+    def __init__(self, model, capfd):
+        self.model, self.capfd, self.loads = model, capfd, 0
+
+    def load(self, path, dtype=None):
+        self.loads += 1
+        return self.model
+
+    def __call__(self, *args: str) -> tuple[int, str]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(video, "load", self.load)
+            code = video.main(["--no-progress", *args])
+        return code, self.capfd.readouterr().err
+
+
+@pytest.fixture
+def run(model, capfd):
+    return Runner(model, capfd)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- Sampling and tracking, without the model ------------------------------------------------------------
+
+
+def test_frames_are_sampled_by_time(clip):
+    frames = list(video.sample_frames(clip, 2))
+    assert [f.index for f in frames] == [0, 5, 10, 15, 20, 25]
+    assert [f.time for f in frames] == pytest.approx([0, 0.5, 1, 1.5, 2, 2.5])
+    assert all(f.image.mode == "RGB" and f.image.size == (224, 224) for f in frames)
+    assert [f.index for f in video.sample_frames(clip, 3)] == [0, 3, 7, 10, 13, 17, 20, 23, 27]  # nearest to k/3
+    assert len(list(video.sample_frames(clip, 100))) == N_FRAMES  # faster than the source: every frame
+    info = video.video_info(clip)
+    assert info.size == (224, 224) and info.rate == RATE and info.duration == pytest.approx(3.0, abs=0.11)
+
+
+def test_tracker_keeps_ids_and_predicts_motion():
+    tracker = video.IouTracker((200, 200))
+    a, b = ("q", "square"), ("q", "circle")
+    # Two objects of one key moving apart, one of another key in the same place as the first.
+    for step in range(6):
+        dx = 15 * step  # 15 px per frame on 30 px boxes: IoU with the last box 0.33, with the prediction 1
+        ids = tracker.update(
+            [(a, (10 + dx, 10, 40 + dx, 40)), (a, (150 - dx, 100, 180 - dx, 130)), (b, (10, 10, 40, 40))]
+        )
+        assert ids == [1, 2, 3]
+    # A detection far from every track starts a new one; one key never continues another key's track.
+    assert tracker.update([(a, (10, 150, 40, 180)), (b, (90, 10, 120, 40))]) == [4, 5]
+    # Tracks unseen for more than TRACK_MAX_AGE frames end: the same place later is a new track.
+    for _ in range(video.TRACK_MAX_AGE + 1):
+        tracker.update([])
+    assert tracker.update([(a, (10, 150, 40, 180))]) == [6]
+
+
+def test_tracker_points_and_order():
+    tracker = video.IouTracker((200, 200))  # point radius: 5 % of 200 = 10 px
+    key = (None, None)
+    assert tracker.update([(key, (50, 50)), (key, (100, 100))]) == [1, 2]
+    assert tracker.update([(key, (104, 103)), (key, (56, 50))]) == [2, 1]  # matched by place, not order
+    assert tracker.update([(key, (80, 80))]) == [3]
+
+
+def test_draw_labels_fix_the_colours():
+    image = Image.new("RGB", (100, 60), (255, 255, 255))
+    first = LocatedObject("#1 a", (10, 10, 40, 40), None, None, None, None)
+    second = LocatedObject("#2 a", (60, 10, 90, 40), None, None, None, None)
+    alone = np.asarray(draw_objects(image, [second]))
+    fixed = np.asarray(draw_objects(image, [second], labels=["#1 a", "#2 a"]))
+    both = np.asarray(draw_objects(image, [first, second]))
+    assert tuple(fixed[25, 60]) == tuple(both[25, 60]) != tuple(alone[25, 60])
+
+
+# --- The command, with the demo model --------------------------------------------------------------------
+
+
+def cli(clip, out, *extra, query="square"):
+    return ["--video", str(clip), "--query", query, "--fps", "2", "--mode", "fast", "--max-tokens", "48"] + [
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def tracked(model, clip, tmp_path_factory):
+    """One full run: square asked at 2 frames per second, with the annotated clip and the MOT file."""
+    folder = tmp_path_factory.mktemp("tracked")
+    paths = {name: folder / name for name in ("frames.jsonl", "annotated.mp4", "tracks.txt")}
+    args = cli(
+        clip, paths["frames.jsonl"], "--annotated", str(paths["annotated.mp4"]), "--mot", str(paths["tracks.txt"])
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(video, "load", lambda path, dtype=None: model)
+        assert video.main(["--no-progress", *args]) == 0
+    return paths
+
+
+def test_tracks_follow_their_objects(tracked):
+    paths = tracked
+    header, *lines = read_jsonl(paths["frames.jsonl"])
+    assert header["video"].endswith("shapes.mp4") and header["queries"] == ["square"] and header["size"] == [224, 224]
+    assert [line["frame"] for line in lines] == [0, 5, 10, 15, 20, 25]
+    assert [line["time"] for line in lines] == pytest.approx([0, 0.5, 1, 1.5, 2, 2.5])
+    owner = {}  # track id -> the mover it follows
+    for line in lines:
+        (entry,) = line["results"]
+        assert entry["query"] == "square" and len(entry["objects"]) == len(SQUARES)
+        for o in entry["objects"]:
+            overlaps = [iou(o["box"], m.box(line["frame"])) for m in MOVERS]
+            best = int(np.argmax(overlaps))
+            assert overlaps[best] >= 0.8, (line["frame"], o)
+            assert owner.setdefault(o["track"], best) == best  # a track never jumps to another object
+    assert sorted(owner) == [1, 2]  # stable ids: one per square over the whole clip
+
+
+def test_mot_file_matches_the_jsonl(tracked):
+    paths = tracked
+    rows = [r.split(",") for r in paths["tracks.txt"].read_text().splitlines()]
+    _, *lines = read_jsonl(paths["frames.jsonl"])
+    expected = [(line["frame"] + 1, o) for line in lines for o in line["results"][0]["objects"]]
+    assert len(rows) == len(expected) == 12
+    for row, (frame, o) in zip(rows, expected, strict=True):
+        x1, y1, x2, y2 = o["box"]
+        assert int(row[0]) == frame and int(row[1]) == o["track"]
+        assert [float(v) for v in row[2:6]] == pytest.approx([x1, y1, x2 - x1, y2 - y1], abs=0.006)
+        assert float(row[6]) == pytest.approx(o["confidence"], abs=1e-4) and row[7:] == ["-1", "-1", "-1"]
+
+
+def test_annotated_clip_has_the_boxes(tracked, clip):
+    paths = tracked
+    drawn, source = decode_all(paths["annotated.mp4"]), decode_all(clip)
+    _, *lines = read_jsonl(paths["frames.jsonl"])
+    assert len(drawn) == len(lines) and drawn[0].size == (224, 224)
+    assert not paths["annotated.mp4"].with_name("annotated.partial.mp4").exists()
+    for image, line in zip(drawn, lines, strict=True):
+        pixels = np.asarray(image, dtype=np.int32)
+        clean = np.asarray(source[line["frame"]], dtype=np.int32)
+        for o in line["results"][0]["objects"]:
+            x1, y1 = (round(v) for v in o["box"][:2])
+            caption = (slice(y1 - 9, y1 - 3), slice(x1 + 2, x1 + 20))  # filled, above the box, on the background
+            assert np.abs(pixels[caption] - clean[caption]).mean() > 40
+        assert np.abs(pixels[200:215, 5:60] - clean[200:215, 5:60]).mean() < 4  # elsewhere: the frame itself
+
+
+def test_resume_redoes_only_missing_frames(tracked, run, clip, tmp_path):
+    full = tracked["frames.jsonl"].read_text().splitlines(keepends=True)
+    out = tmp_path / "frames.jsonl"
+    out.write_text("".join(full[:4]) + full[4][:30])  # header, 3 frames and a cut line
+    code, err = run(*cli(clip, out))
+    assert code == 0 and "3 frames located, 3 resumed" in err
+    assert out.read_text() == "".join(full)  # the same lines, track ids included
+    code, err = run(*cli(clip, out))  # nothing left to do: the file stays as it is
+    assert code == 0 and "0 frames located, 6 resumed" in err and out.read_text() == "".join(full)
+    code, err = run(*cli(clip, out, query="circle"))
+    assert code == 2 and "written with other settings (queries differ)" in err
+    assert out.read_text() == "".join(full)
+
+
+def test_bad_input_is_a_clear_error(run, clip, tmp_path):
+    out = ["--out", str(tmp_path / "out.jsonl"), "--query", "square"]
+    code, err = run("--video", str(tmp_path / "missing.mp4"), *out)
+    assert code == 2 and err.strip() == f"error: video file not found: {tmp_path / 'missing.mp4'}"
+    (tmp_path / "noise.mp4").write_bytes(b"\x00\x01 not a video" * 100)
+    code, err = run("--video", str(tmp_path / "noise.mp4"), *out)
+    assert code == 2 and "noise.mp4 is not a readable video" in err and "Traceback" not in err
+    with wave.open(str(tmp_path / "tone.wav"), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(8000), w.writeframes(b"\x00\x00" * 800)
+    code, err = run("--video", str(tmp_path / "tone.wav"), *out)
+    assert code == 2 and "tone.wav has no video stream" in err
+    (tmp_path / "taken.mp4").write_bytes(b"mine")
+    code, err = run("--video", str(clip), *out, "--annotated", str(tmp_path / "taken.mp4"))
+    assert code == 2 and "taken.mp4 already exists; pass --overwrite" in err
+    assert (tmp_path / "taken.mp4").read_bytes() == b"mine"
+    code, err = run("--video", str(clip), *out, "--annotated", str(tmp_path / "clip.notavideo"))
+    assert code == 2 and "error: cannot write" in err
+    assert run.loads == 0 and not (tmp_path / "out.jsonl").exists()  # all refused before the model loads
+
+
+def test_missing_pyav_names_the_extra(run, clip, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "av", None)
+    code, err = run("--video", str(clip), "--out", str(tmp_path / "out.jsonl"), "--query", "square")
+    assert code == 2 and err.strip() == 'error: mlx-locate-video needs PyAV: pip install "mlx-locate[video]"'
