@@ -3,6 +3,7 @@
     python benchmarks/bench.py --preset medium [--peer .bench/venv/bin/python] [--json out.json]
     python benchmarks/bench.py --preset 3b --in-memory            # the GPU machine: no 7 GB file written
     python benchmarks/bench.py --model demo --images mlx_locate/demo/example.png --query square --peer ...
+    python benchmarks/bench.py --preset 3b --in-memory --batch 1 2 4 8 16 32   # the batched engine's scaling
 
 Prints a table last and writes full results as JSON. Random weights (a preset) make meaningless boxes: block
 and AR step costs, prefill and vision times are what matter; decisions still run the real rules. A trained
@@ -31,12 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mlx_locate  # noqa: E402
-from mlx_locate.compiled import StepRunner  # noqa: E402
+from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
+from mlx_locate.decode import summary_functions  # noqa: E402
+from mlx_locate.engine import Request, Schedule, run_prefill  # noqa: E402
 from mlx_locate.loader import resolve  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
+from mlx_locate.sampling import Features, RowSampling, Sampling  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 
 TOKENIZER_DIR = ROOT / "tests" / "data" / "golden" / "tokenizer"
@@ -88,17 +92,20 @@ def weight_bytes(model: LocateModel, decoder_only: bool = True) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree))
 
 
-def measure_bandwidth() -> float:
-    """Bytes/s of a large elementwise pass (read + write)."""
-    x = mx.random.normal((64 * 1024 * 1024,)).astype(mx.bfloat16)
+def measure_bandwidth(gigabytes: float = 6.4) -> float:
+    """Bytes/s of a read-only pass (a sum) over `gigabytes` of bf16: the floor of a step is its weight bytes over
+    this. A small copy (128 MB) understates it: the L2 cache and the write traffic distort it."""
+    x = mx.ones((int(gigabytes * 1e9) // 2,), dtype=mx.bfloat16)
     mx.eval(x)
-    for _ in range(3):
-        mx.eval(x * 1.0001)
+    for _ in range(2):
+        mx.eval(mx.sum(x, stream=mx.gpu))
     n = 10
     t0 = time.perf_counter()
     for _ in range(n):
-        mx.eval(x * 1.0001)
-    return 2 * x.nbytes * n / (time.perf_counter() - t0)
+        mx.eval(mx.sum(x))
+    seconds = (time.perf_counter() - t0) / n
+    del x
+    return int(gigabytes * 1e9) // 2 * 2 / seconds
 
 
 def step_costs(model: LocateModel, context: int, iters: int) -> dict:
@@ -118,6 +125,127 @@ def step_costs(model: LocateModel, context: int, iters: int) -> dict:
             mx.eval(runner.step(ids, block))
             runner.offset = base
         out[name] = 1e3 * (time.perf_counter() - t0) / iters
+    return out
+
+
+def timed_ms(fn, iters: int) -> float:
+    for _ in range(3):  # warm-up (compile)
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return 1e3 * (time.perf_counter() - t0) / iters
+
+
+def batch_step_costs(model: LocateModel, context: int, batches: list[int], iters: int) -> dict:
+    """ms per engine step for B sequences at `context` cached tokens each: the dense forward (block: 12 rows per
+    sequence, 6 head rows; AR: 1), its compiled summary and the one host read, as the engine runs them."""
+    d = model.network.config.text.hidden_size
+    dtype = model.network.language_model.model.norm.weight.dtype
+    block_fn, ar_fn = summary_functions(Features(), model.token_ids)
+    out = {}
+    for B in batches:
+        cache = model.new_cache(B)
+        mx.eval(list(run_prefill(model, cache, [(b, mx.zeros((context, d), dtype), 0) for b in range(B)]).values()))
+        rs, keys, not_ar = RowSampling.of([Sampling()] * B), mx.zeros((B, 2), dtype=mx.uint32), mx.zeros((B,), mx.bool_)
+        row = {}
+        for name, phase, ids in (("block", Phase.BLOCK, [1] * 6 + [2] * 6), ("ar", Phase.AR, [1])):
+            inputs = mx.array([ids] * B, dtype=mx.int32)
+            args = (phase, cache, inputs, list(range(B)), [context] * B, [len(ids)] * B, [name == "block"] * B, True)
+            row[f"{name}_forward_ms"] = timed_ms(lambda args=args: mx.eval(model.steps.run(*args)), iters)
+            fn, extra = (block_fn, (None, keys, rs, not_ar)) if phase is Phase.BLOCK else (ar_fn, (None, keys, rs))
+            row[f"{name}_step_ms"] = timed_ms(  # the forward, its summary and the one host read
+                lambda args=args, fn=fn, extra=extra: np.array(fn(model.steps.run(*args), *extra)), iters
+            )
+        row["block_seq_steps_per_s"] = 1e3 * B / row["block_step_ms"]
+        row["ar_seq_steps_per_s"] = 1e3 * B / row["ar_step_ms"]
+        row["kv_cache_mb"] = cache.nbytes / 2**20
+        out[B] = row
+        del cache
+    base = out[batches[0]]
+    for row in out.values():
+        row["block_throughput_x"] = row["block_seq_steps_per_s"] / base["block_seq_steps_per_s"]
+        row["ar_throughput_x"] = row["ar_seq_steps_per_s"] / base["ar_seq_steps_per_s"]
+    return out
+
+
+def folder_images(model_arg: str | None, size: tuple[int, int], n: int, work: Path) -> tuple[list[Path], str]:
+    """`n` different images on disk: the demo model's own synthetic scenes (real boxes) or generated ones."""
+    folder = work / f"folder-{n}-{size[0]}x{size[1]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    if model_arg == "demo":
+        from mlx_locate.tuner.synthetic import make_sample
+
+        for i in range(n):
+            path = folder / f"scene{i:03d}.png"
+            if not path.exists():
+                make_sample(0, i, "eval").scene.image.save(path)
+            paths.append(path)
+        return paths, "square"
+    rng = np.random.default_rng(1)
+    for i in range(n):
+        path = folder / f"image{i:03d}.png"
+        if not path.exists():
+            img = rng.integers(0, 256, (size[1] // 8, size[0] // 8, 3), dtype=np.uint8)
+            Image.fromarray(img).resize(size, Image.Resampling.NEAREST).save(path)
+        paths.append(path)
+    return paths, QUERY
+
+
+def run_batches(
+    model: LocateModel,
+    paths: list[Path],
+    query: str,
+    modes: list[str],
+    batches: list[int],
+    max_tokens: int,
+    schedule: Schedule | None = None,
+) -> dict:
+    """A folder of images, one query each, through one engine per batch size: images/s end to end (load,
+    vision, prefill, decode), steps, blocks/s, boxes/s, compilations after a warm-up run, reads, peak memory."""
+    out = {}
+    for mode in modes:
+        out[mode] = {}
+        for B in batches:
+            requests = [Request(p, query, mode=mode, max_tokens=max_tokens) for p in paths]
+            runs = []
+            for _ in range(2):  # the first run compiles every shape this batch size meets
+                model.features.clear()
+                model.prefixes.clear()
+                mx.reset_peak_memory()
+                before = model.compilations
+                engine = model.engine(B, schedule)
+                handles = [engine.submit(r) for r in requests]
+                t0 = time.perf_counter()
+                engine.run()
+                runs.append((time.perf_counter() - t0, engine, handles, model.compilations - before))
+            seconds, engine, handles, compiled = runs[1]
+            results = [h.result for h in handles]
+            blocks = sum(r.stats["block_steps"] for r in results)
+            boxes = sum(len(r.objects) for r in results)
+            out[mode][B] = {
+                "images_per_s": len(paths) / seconds,
+                "seconds": seconds,
+                "engine_steps": engine.steps,
+                "ms_per_engine_step": 1e3 * seconds / max(engine.steps, 1),  # admission (vision, prefill) included
+                "seq_steps_per_s": sum(r.stats["steps"] for r in results) / seconds,
+                "blocks_per_s": blocks / seconds,
+                "boxes": boxes,
+                "boxes_per_s": boxes / seconds,
+                "host_reads_per_step": engine.host_reads / max(engine.steps, 1),
+                "compilations_warmup": runs[0][3],
+                "compilations_after": compiled,
+                "peak_memory_mb": mx.get_peak_memory() / 2**20,
+                "token_ids_equal_batch_1": None,
+                "tokens": [r.token_ids for r in results],
+            }
+        base = out[mode][batches[0]]
+        for row in out[mode].values():
+            row["images_per_s_x"] = row["images_per_s"] / base["images_per_s"]
+            row["token_ids_equal_batch_1"] = row["tokens"] == base["tokens"]
+        for row in out[mode].values():
+            del row["tokens"]
     return out
 
 
@@ -225,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512], help="cached lengths for step costs")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--peer", help="python of a venv with mlx-vlm 0.7.10: run the peer side by side")
+    parser.add_argument("--batch", type=int, nargs="+", help="batch sizes: the engine's scaling instead")
+    parser.add_argument("--folder", type=int, default=64, help="with --batch: images in the folder run")
+    parser.add_argument("--schedule", choices=["device", "mixed", "split"], default="device")
     parser.add_argument("--workdir", default=str(ROOT / ".bench"))
     parser.add_argument("--json", default=None, help="write results here (default benchmarks/results/<preset>.json)")
     args = parser.parse_args(argv)
@@ -266,6 +397,24 @@ def main(argv: list[str] | None = None) -> int:
         bw = measure_bandwidth()
         report["bandwidth_gb_s"] = bw / 1e9
         report["step_floor_ms"] = 1e3 * report["decoder_weight_bytes"] / bw
+    if args.batch:
+        schedule = {"device": None, "mixed": Schedule(True, True), "split": Schedule(False, False)}[args.schedule]
+        report["schedule"] = args.schedule
+        report["batch_steps"] = {c: batch_step_costs(model, c, args.batch, args.iters) for c in args.contexts}
+        size = tuple(int(v) for v in args.images[0].split("x")) if "x" in args.images[0] else (640, 480)
+        paths, query = folder_images(args.model, size, args.folder, work)
+        report["folder"] = {"images": len(paths), "size": list(size), "query": query}
+        report["batches"] = run_batches(model, paths, query, args.modes, args.batch, args.max_tokens, schedule)
+        out = (
+            Path(args.json)
+            if args.json
+            else ROOT / "benchmarks" / "results" / f"batch_{Path(report['preset']).name}.json"
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print_batch_table(report)
+        print(f"\nwrote {out}")
+        return 0
     for context in args.contexts:
         report["steps"][context] = step_costs(model, context, args.iters)
     for name, path in images.items():
@@ -310,6 +459,28 @@ def ratios(ours: dict, peer: dict) -> dict:
 
 def fmt(v, digits=1) -> str:
     return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def print_batch_table(report: dict) -> None:
+    floor = report.get("step_floor_ms")
+    print(f"\npreset {report['preset']} {report['dtype']} on {report['device']} ({report['blas']})")
+    if floor:
+        print(f"read-only pass {report['bandwidth_gb_s']:.0f} GB/s; step floor {floor:.2f} ms")
+    for context, rows in report["batch_steps"].items():
+        print(f"\ncontext {context}: B, block step ms (x floor), block throughput x, AR step ms (x floor), AR x")
+        for B, r in rows.items():
+            bx = f" ({r['block_step_ms'] / floor:.1f}x)" if floor else ""
+            ax = f" ({r['ar_step_ms'] / floor:.1f}x)" if floor else ""
+            print(f"  {B:>3}  {r['block_step_ms']:8.2f}{bx}  {r['block_throughput_x']:6.1f}x"
+                  f"  {r['ar_step_ms']:8.2f}{ax}  {r['ar_throughput_x']:6.1f}x")  # fmt: skip
+    f = report["folder"]
+    print(f"\nfolder of {f['images']} images {f['size'][0]}x{f['size'][1]}, query {f['query']!r}")
+    cols = ["images_per_s", "images_per_s_x", "ms_per_engine_step", "blocks_per_s", "boxes_per_s",
+            "host_reads_per_step", "compilations_after", "peak_memory_mb", "token_ids_equal_batch_1"]  # fmt: skip
+    print(f"{'mode':7} {'B':>3} " + " ".join(f"{c:>14.14}" for c in cols))
+    for mode, rows in report["batches"].items():
+        for B, r in rows.items():
+            print(f"{mode:7} {B:>3} " + " ".join(f"{fmt(r[c], 2):>14}" for c in cols))
 
 
 def print_table(report: dict) -> None:
