@@ -107,8 +107,7 @@ def test_tracker_keeps_ids_and_predicts_motion():
     tracker = video.IouTracker((200, 200))
     a, b = ("q", "square"), ("q", "circle")
     # Two objects of one key moving apart, one of another key in the same place as the first.
-    for step in range(6):
-        dx = 15 * step  # 15 px per frame on 30 px boxes: IoU with the last box 0.33, with the prediction 1
+    for dx in (0, 10, 35, 60, 85, 110):  # 10 px, then 25 px a frame on 30 px boxes: IoU 0.09 with the last box
         ids = tracker.update(
             [(a, (10 + dx, 10, 40 + dx, 40)), (a, (150 - dx, 100, 180 - dx, 130)), (b, (10, 10, 40, 40))]
         )
