@@ -22,7 +22,9 @@ OCR prompt, GUI a point per instruction (`--gui-task gui` asks for a box). Predi
 in every `--modes` mode, to `OUT/<data>_<mode>.jsonl` in the answer format the paper's scripts read
 (`image_path`, `question`, `raw_response`, `extracted_predictions` in original pixels, `gt`, `task_name`,
 `dataset_name`; plus `scores` (confidences) and `stats` (mode, forward passes, objects, wall seconds)). A line
-is written and fsynced when its sample is done; an existing answer file is continued, its samples skipped.
+is written and fsynced when its sample is done; an existing answer file is continued, its samples skipped. A
+sample whose request fails (an unreadable image) gets an `error` line, counted and left out of the scores, as
+the paper's scripts skip such images; delete the line to retry it.
 
 The report (printed; with `--out` also `report.json`, `report.md` and `f1_vs_iou.png`) has one row per
 dataset (`task_dataset`, the paper's key) and mode. See `mlx_locate.metrics` for every rule.
@@ -54,6 +56,7 @@ MODES = tuple(m.value for m in Mode)
 SAMPLINGS = {"greedy": Sampling(), "nucleus": Sampling(top_p=0.9), "official": Sampling.OFFICIAL}
 FORMATS = ("auto", "jsonl", "coco", "screenspot")
 POINT_TASKS = ("pointing", "pointing_referring")
+COCO_TASKS = ("common_object_detection", "long_tailed_object_detection")  # scored on the COCO path too
 SINGLE_INSTANCE_PREFIX = "refcoco"  # datasets asked with the single-instance template
 REPORT_FILES = ("report.json", "report.md", "f1_vs_iou.png")
 GUI_FIELDS = ("id", "ui_type", "application", "group", "platform")
@@ -178,7 +181,7 @@ def coco_boxes(coco: dict) -> dict[int, list[tuple[int, list[float], bool]]]:
 def _load_coco(path: Path) -> tuple[list[BenchSample], dict]:
     coco = read_json(path)
     names = {c["id"]: c["name"] for c in coco.get("categories", [])}
-    task_name = "long_tailed_object_detection" if is_lvis(coco) else "common_object_detection"
+    task_name = COCO_TASKS[1] if is_lvis(coco) else COCO_TASKS[0]
     boxes = coco_boxes(coco)
     samples = []
     for img in sorted(coco["images"], key=lambda i: i["id"]):
@@ -659,7 +662,7 @@ def score_lines(lines: list[dict], mode: str, coco: dict | None = None) -> list[
             row.metric, row.pointing = "pointing", _mean_dict(m)
         else:
             _box_metrics(row, scored, preds)
-            if coco is not None and task in metrics.LETTER_TASKS[:2]:
+            if coco is not None and task in COCO_TASKS:
                 _coco_metrics(row, coco, scored)
         rows.append(row)
     return rows

@@ -325,3 +325,15 @@ def test_bad_input_is_one_error_line(tmp_path, monkeypatch, capsys, argv, messag
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_failed_request_is_an_error_line_left_out_of_the_scores():
+    sample = ev.BenchSample(0, "gone.png", ["cat"], {"cat": [[0, 0, 10, 10]]}, "common_object_detection", "Toy")
+    asked = ev.queries(sample)
+    assert asked == [ev.Query("detect", "cat", None)]
+    line = ev.answer_line(sample, asked, [ev.RequestError("cannot read gone.png")], "hybrid", 0.01)
+    assert line["error"] == "cannot read gone.png" and line["extracted_predictions"] == {}
+    good = {**line, "extracted_predictions": {"cat": [[0, 0, 10, 10]]}}
+    del good["error"]
+    (row,) = ev.score_lines([line, good], "hybrid")
+    assert (row.samples, row.errors, row.f1_50) == (1, 1, 1.0)
