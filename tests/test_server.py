@@ -383,6 +383,7 @@ def test_bad_requests_get_400_with_the_reason(served):
         ({"image": image, "task": "ocr", "query": "x"}, "takes no query"),
         ({"image": image, "query": []}, "empty list"),
         ({"query": "x"}, "no image"),
+        ({"image": image, "query": "x" * 5000}, "at most 4096 characters"),
     ]
     for body, reason in cases:
         assert reason in assert_error(served.client.post("/v1/locate", json=body), 400, "invalid_request")["message"]
@@ -427,7 +428,7 @@ def test_bad_requests_among_good_ones_harm_nobody(served):
         {"image": png_bomb((20_000, 20_000)), "query": "x"},
         {"image": b64(IMAGE)[:200], "query": "x"},
         {"image": b64(IMAGE), "task": "nope", "query": "x"},
-        {"image": b64(IMAGE), "query": "x" * 5000, "max_tokens": 64},
+        {"image": b64(IMAGE), "query": "x " * 2000, "max_tokens": 64},  # a prompt over the model's 2048 positions
     ]
 
     async def run():
