@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "same_tokens": all(r["token_ids"] == timed[args.batch[0]][0]["token_ids"] for e in timed.values() for r in e),
         "runs": runs,
+        "load_average_end": os.getloadavg(),  # other work on the machine while it ran
     }
     out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"batch_{Path(name).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "images_per_task": args.images_per_task,
         "same_tokens": same,
         "runs": runs,
+        "load_average_end": os.getloadavg(),  # other work on the machine while it ran
     }
     out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"cluster_{Path(args.model).name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
