@@ -56,7 +56,7 @@ except ImportError:  # progress bars are not measured here; the offline GPU mach
 from mlx_locate import Request, video  # noqa: E402
 from mlx_locate.locate import load  # noqa: E402
 from mlx_locate.metrics import greedy_match, iou  # noqa: E402
-from mlx_locate.tuner.large_scenes import Mover, dense_scene, moving_frames  # noqa: E402
+from mlx_locate.tuner.large_scenes import DEMO_MOVERS, dense_scene, moving_frames, write_clip  # noqa: E402
 
 QUERIES = ("square", "circle")
 CONFIGS = {  # name -> Request fields
@@ -64,11 +64,7 @@ CONFIGS = {  # name -> Request fields
     "tiles auto + whole": {"tiles": "auto"},
     "tiles auto only": {"tiles": "auto", "tile_whole": False},
 }
-MOVERS = (
-    Mover("square", "red", (10, 20), (2.0, 1.0), 48),
-    Mover("square", "blue", (160, 150), (-2.0, -1.5), 52),
-    Mover("circle", "green", (120, 20), (0.5, 2.0), 44),
-)
+MOVERS = DEMO_MOVERS
 SOURCE_RATE = 10  # frames per second of the clip; sampled at 2, so 5 source frames between samples
 
 
@@ -143,18 +139,12 @@ def video_run(model, n: int, batch_size: int | None, max_tokens: int) -> dict:
     out = {"frames": n, "size": list(frames[0].image.size), "queries": list(QUERIES[:1])}
     out["engine_loop"] = {"seconds": seconds, "frames_per_s": n / seconds, **track_quality(lines)}
     try:
-        import av
-    except ImportError:
+        video.import_av()
+    except video.VideoError:
         out["command"] = "skipped: PyAV not installed"
         return out
     with tempfile.TemporaryDirectory() as tmp:
-        clip = Path(tmp) / "clip.mp4"
-        with av.open(str(clip), "w") as container:
-            stream = container.add_stream("libx264" if video.encodes(av, "libx264") else "mpeg4", rate=SOURCE_RATE)
-            stream.width, stream.height, stream.pix_fmt = *frames[0].image.size, "yuv420p"
-            for image, _ in moving_frames(MOVERS, n * (SOURCE_RATE // 2)):
-                container.mux(stream.encode(av.VideoFrame.from_image(image)))
-            container.mux(stream.encode(None))
+        clip = write_clip(Path(tmp) / "clip.mp4", MOVERS, n * (SOURCE_RATE // 2), rate=SOURCE_RATE)
         args = ["--video", str(clip), "--query", QUERIES[0], "--fps", "2", "--max-tokens", str(max_tokens)]
         args += ["--out", f"{tmp}/frames.jsonl", "--annotated", f"{tmp}/annotated.mp4", "--no-progress"]
         args += ["--batch-size", str(batch_size)] if batch_size else []

@@ -1,5 +1,9 @@
 """Scenes for tiling and video: large images of many small shapes, and clips of shapes moving in straight lines.
 
+    python -c "from mlx_locate.tuner.large_scenes import dense_scene; dense_scene(1).image.save('dense.png')"
+    python -c "from mlx_locate.tuner.large_scenes import write_clip; write_clip('shapes.mp4')"
+
+
 Drawn like `synthetic.make_scene` (same shapes, colours and background), so the demo model knows the shapes;
 only the sizes differ: in a dense scene each shape sits in its own cell and is small next to the image, as
 after the model's resize it is too small to find.
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -70,3 +75,31 @@ def moving_frames(
         for obj in objects:
             _draw(draw, obj, COLORS[obj.color])
         yield image, objects
+
+
+DEMO_MOVERS = (  # 2-2.5 px per frame: 10-12 px between frames sampled at 2 per second of a 10 fps clip
+    Mover("square", "red", (10, 20), (2.0, 1.0), 48),
+    Mover("square", "blue", (160, 150), (-2.0, -1.5), 52),
+    Mover("circle", "green", (120, 20), (0.5, 2.0), 44),
+)
+
+
+def write_clip(
+    path: str | Path,
+    movers: tuple[Mover, ...] = DEMO_MOVERS,
+    n_frames: int = 30,
+    size: tuple[int, int] = (224, 224),
+    rate: int = 10,
+) -> Path:
+    """An H.264 clip (MPEG-4 part 2 where PyAV has no H.264 encoder) of `moving_frames`; needs PyAV."""
+    from ..video import encodes, import_av
+
+    av = import_av()
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264" if encodes(av, "libx264") else "mpeg4", rate=rate)
+        stream.width, stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for image, _ in moving_frames(movers, n_frames, size):
+            container.mux(stream.encode(av.VideoFrame.from_image(image)))
+        container.mux(stream.encode(None))
+    return Path(path)
