@@ -77,10 +77,10 @@ def moving_frames(
         yield image, objects
 
 
-DEMO_MOVERS = (  # 2-2.5 px per frame: 10-12 px between frames sampled at 2 per second of a 10 fps clip
-    Mover("square", "red", (10, 20), (2.0, 1.0), 48),
-    Mover("square", "blue", (160, 150), (-2.0, -1.5), 52),
-    Mover("circle", "green", (120, 20), (0.5, 2.0), 44),
+DEMO_MOVERS = (  # 1-2.2 px per frame: up to 11 px between frames sampled at 2 per second of a 10 fps clip
+    Mover("square", "yellow", (10, 20), (2.0, 1.0), 48),
+    Mover("square", "green", (160, 150), (-2.0, -1.0), 52),
+    Mover("circle", "orange", (150, 20), (0.5, 1.0), 44),
 )
 
 
