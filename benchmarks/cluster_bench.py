@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.address:
         ray.init(address=args.address)
     else:
-        ray.init(num_cpus=max(args.actors), include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=max(args.actors), include_dashboard=False, log_to_driver=False)
     ray_start_s = time.perf_counter() - t0
     model = {"path_or_hub_id": args.model, "dtype": None, "adapter_path": None}
     for n in args.actors:
