@@ -67,6 +67,7 @@ class FinetuneOptions:
     eval_max_tokens: int = 256
     save_every: int | None = None  # checkpoints; None: at every evaluation
     feature_cache_mb: int = 4096  # frozen-tower rows kept in memory
+    row_bucket: int = 32  # sequences are padded to a multiple of this (each length compiles once)
 
     def warmup_steps(self) -> int:
         return min(500, max(1, self.steps // 10)) if self.warmup is None else self.warmup
@@ -241,8 +242,8 @@ class Batches:
         return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
 
 
-def make_batch(examples: list[Example], base: Base, tower: TowerRows | None, pad_id: int) -> dict:
-    batch = collate_rows([e.rows for e in examples], pad_id)
+def make_batch(examples: list[Example], base: Base, tower: TowerRows | None, pad_id: int, bucket: int) -> dict:
+    batch = collate_rows([e.rows for e in examples], pad_id, bucket)
     images = [e.record.image for e in examples]
     if tower is None:
         batch.update(tower_inputs(base, images))
@@ -284,10 +285,13 @@ def f1_scores(model: LocateModel, examples: list[Example], modes: tuple[str, ...
     return out
 
 
-def held_out_loss(trainer: Trainer, examples: list[Example], base: Base, tower, batch_size: int, pad: int) -> dict:
+def held_out_loss(
+    trainer: Trainer, examples: list[Example], base: Base, tower, options: FinetuneOptions, pad: int
+) -> dict:
     stats = mx.zeros((3, STAT_COLUMNS))
-    for i in range(0, len(examples), batch_size):
-        _, s = trainer.score(make_batch(examples[i : i + batch_size], base, tower, pad))
+    size = options.batch_size
+    for i in range(0, len(examples), size):
+        _, s = trainer.score(make_batch(examples[i : i + size], base, tower, pad, options.row_bucket))
         stats = stats + s
     d = describe(np.array(stats))
     ce, n, _ = np.array(stats)
@@ -441,7 +445,7 @@ def finetune(
     def evaluate(step: int) -> dict:
         entry = {"step": step, "eval": {"loss": None, "f1": {}}}
         if held:
-            entry["eval"].update(held_out_loss(trainer, held, base, tower, options.batch_size, pad))
+            entry["eval"].update(held_out_loss(trainer, held, base, tower, options, pad))
             entry["eval"]["f1"] = f1_scores(inference_model(base), scored, options.eval_modes, options.eval_max_tokens)
         return entry
 
@@ -464,7 +468,7 @@ def finetune(
     previous = None
     mx.reset_peak_memory()
     for step in range(start, options.steps):
-        batch = make_batch([train[i] for i in batches.indices(step)], base, tower, pad)
+        batch = make_batch([train[i] for i in batches.indices(step)], base, tower, pad, options.row_bucket)
         lr = learning_rate(step, options.steps, options.lr, warmup)
         loss, stats, norm = trainer.step(batch, lr)
         if previous is not None:
