@@ -37,6 +37,15 @@ DEFAULT_SEED = 0
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+def utf8_text(text: str) -> str:
+    """Text given on a command line; bytes that are not UTF-8 arrive as lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text: {text!r}") from None
+    return text
+
+
 def finite_float(text: str) -> float:
     try:
         value = float(text)
@@ -96,15 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--query",
         action="append",
+        type=utf8_text,
         help="what to find; repeat to ask several separate questions about the same image",
     )
     p.add_argument(
         "--categories",
         metavar="LIST",
+        type=utf8_text,
         help='comma-separated categories asked in ONE detect prompt, e.g. "car,person" (joined by </c>)',
     )
-    p.add_argument("--category", action="append", help="one category of that detect prompt; repeatable")
-    p.add_argument("--prompt", help="raw user text, sent as is; replaces --task and --query")
+    p.add_argument("--category", action="append", type=utf8_text, help="one category of that detect prompt; repeatable")
+    p.add_argument("--prompt", type=utf8_text, help="raw user text, sent as is; replaces --task and --query")
 
     d = p.add_argument_group("decoding")
     d.add_argument(

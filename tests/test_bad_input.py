@@ -332,3 +332,14 @@ def test_wrong_tensor_shape(cli, tmp_path):
 
 def test_default_limit_is_pillows_warning_threshold():
     assert DEFAULT_MAX_PIXELS == int(1024 * 1024 * 1024 // 4 // 3)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="Session.locate asserts that the prompt extends the image prefix (locate.py, the lead's): a query "
+    "holding the image placeholder must be a clear ValueError",
+)
+def test_image_placeholder_inside_a_query(demo):
+    with pytest.raises(ValueError, match="<image-1>"):
+        demo.locate(EXAMPLE, "the <image-1> square")
