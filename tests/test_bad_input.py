@@ -146,13 +146,17 @@ def test_image_errors(cli, files, tmp_path, name, parts):
     assert all(part in line for part in parts), line
 
 
+class Decoded(BaseException):
+    """Raised by a patched decoder; no `except Exception` turns it into a message."""
+
+
 def test_sizes_are_checked_from_the_header_before_decoding(files, monkeypatch):
     def no_decoding(self):
-        raise AssertionError("decoded an image over the limit")
+        raise Decoded
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
     for name in ("bomb.png", "huge.png"):
-        with pytest.raises(ValueError, match="over the limit"):
+        with pytest.raises(ValueError, match=r"pixels, over the limit of 89,478,485 pixels"):
             load_image(files[name])
     with pytest.raises(ValueError, match=r"64x48 = 3,072 pixels, over the limit of 3,071 pixels"):
         load_image(Image.open(files["rgba.png"]), max_pixels=3071)  # a lazily opened PIL image too
@@ -343,3 +347,23 @@ def test_default_limit_is_pillows_warning_threshold():
 def test_image_placeholder_inside_a_query(demo):
     with pytest.raises(ValueError, match="<image-1>"):
         demo.locate(EXAMPLE, "the <image-1> square")
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "line"),
+    [
+        (
+            RuntimeError("[metal] device lost"),
+            1,
+            "error: internal error, please report it: RuntimeError: [metal] device lost",
+        ),
+        (KeyboardInterrupt(), 130, "error: interrupted"),
+        (MemoryError(), 2, "error: out of memory; use a smaller image or --max-pixels, or a smaller --dtype"),
+    ],
+)
+def test_anything_else_is_one_line_too(cli, monkeypatch, raised, code, line):
+    def fail(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(generate, "draw_objects", fail)
+    assert cli("--draw", "unused.png") == (code, "", line + "\n")

@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -149,6 +149,8 @@ queries = st.one_of(
 
 @fast(25)
 @given(query=queries, task=st.sampled_from(TASKS))
+@example(query="\udcff", task="detect")  # a byte that is not UTF-8, as Python hands it over from a command line
+@example(query="word " * 20_000, task="detect")  # once a segmentation fault
 def test_any_query(main, query, task):
     check(main(["--image", str(EXAMPLE), "--task", task, "--query", query, "--max-tokens", "4"]))
 
