@@ -51,7 +51,7 @@ def dense_scene(
 
 @dataclass(frozen=True)
 class Mover:
-    """A shape moving at constant velocity (pixels per frame)."""
+    """A shape moving at constant speed (pixels per frame), bouncing off the frame's edges."""
 
     shape: str
     color: str
@@ -59,8 +59,13 @@ class Mover:
     velocity: tuple[float, float]
     side: int
 
-    def box(self, frame: int) -> tuple[int, int, int, int]:
-        x, y = (round(self.start[i] + self.velocity[i] * frame) for i in range(2))
+    def box(self, frame: int, size: tuple[int, int] = (224, 224)) -> tuple[int, int, int, int]:
+        corner = []
+        for start, speed, extent in zip(self.start, self.velocity, size, strict=True):
+            span = extent - self.side
+            p = (start + speed * frame) % (2 * span)
+            corner.append(round(p if p <= span else 2 * span - p))
+        x, y = corner
         return (x, y, x + self.side, y + self.side)
 
 
@@ -71,16 +76,16 @@ def moving_frames(
     for frame in range(n_frames):
         image = Image.new("RGB", size, (232, 230, 226))
         draw = ImageDraw.Draw(image)
-        objects = tuple(Obj(m.shape, m.color, m.box(frame)) for m in movers)
+        objects = tuple(Obj(m.shape, m.color, m.box(frame, size)) for m in movers)
         for obj in objects:
             _draw(draw, obj, COLORS[obj.color])
         yield image, objects
 
 
-DEMO_MOVERS = (  # 1-2.2 px per frame: up to 11 px between frames sampled at 2 per second of a 10 fps clip
-    Mover("square", "yellow", (10, 20), (2.0, 1.0), 48),
-    Mover("square", "green", (160, 150), (-2.0, -1.0), 52),
-    Mover("circle", "orange", (150, 20), (0.5, 1.0), 44),
+DEMO_MOVERS = (  # three lanes, so no two shapes ever meet; 10-11 px between frames sampled at 2 fps of 10 fps
+    Mover("square", "yellow", (10, 22), (2.0, 0.0), 48),
+    Mover("circle", "orange", (150, 92), (-1.5, 0.0), 44),
+    Mover("square", "green", (160, 162), (-2.2, 0.0), 52),
 )
 
 
