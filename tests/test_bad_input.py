@@ -314,6 +314,14 @@ def test_truncated_shard(cli, tmp_path):
     assert f"model.safetensors: truncated safetensors file (tensors need {len(data)} bytes" in line, line
 
 
+def test_corrupt_shard(cli, tmp_path):
+    model = demo_copy(tmp_path / "model")
+    header = json.dumps({"a": {"dtype": "XX", "shape": [4], "data_offsets": [0, 16]}}).encode()
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    line = error_line(cli("--model", str(model)))
+    assert "model.safetensors: not a readable safetensors file ([safetensor] unsupported dtype XX)" in line, line
+
+
 def test_config_without_a_field(cli, tmp_path):
     model = demo_copy(tmp_path / "model")
     config = json.loads((model / "config.json").read_text())
