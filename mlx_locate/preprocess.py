@@ -46,15 +46,19 @@ FORMATS = {
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grey images Pillow's convert("RGB") clips at 255
 
 
+class ImageTooLargeError(ValueError):
+    """An image over the pixel limit (a server answers it differently from a broken file)."""
+
+
 def check_pixels(size: tuple[int, int], max_pixels: int | None, what: str) -> None:
-    """Raise `ValueError` naming `what`, its size, the limit and how to raise it when `size` has more than
-    `max_pixels` pixels (None: `DEFAULT_MAX_PIXELS`)."""
+    """Raise `ImageTooLargeError` naming `what`, its size, the limit and how to raise it when `size` has more
+    than `max_pixels` pixels (None: `DEFAULT_MAX_PIXELS`)."""
     limit = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
     if not isinstance(limit, int) or limit < 1:
         raise ValueError(f"max_pixels must be a positive integer, got {max_pixels!r}")
     w, h = size
     if w * h > limit:
-        raise ValueError(
+        raise ImageTooLargeError(
             f"{what} is {w}x{h} = {w * h:,} pixels, over the limit of {limit:,} pixels; "
             "if the image is real, raise the limit with --max-pixels N (API: max_pixels=N)"
         )

@@ -21,7 +21,7 @@ import mlx_locate
 from mlx_locate import Request, generate
 from mlx_locate.engine import RequestError
 from mlx_locate.locate import load
-from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, load_image, to_rgb
+from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, ImageTooLargeError, load_image, to_rgb
 
 DEMO = Path(mlx_locate.__file__).parent / "demo"
 EXAMPLE = DEMO / "example.png"
@@ -156,7 +156,7 @@ def test_sizes_are_checked_from_the_header_before_decoding(files, monkeypatch):
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
     for name in ("bomb.png", "huge.png"):
-        with pytest.raises(ValueError, match=r"pixels, over the limit of 89,478,485 pixels"):
+        with pytest.raises(ImageTooLargeError, match=r"pixels, over the limit of 89,478,485 pixels"):
             load_image(files[name])
     with pytest.raises(ValueError, match=r"64x48 = 3,072 pixels, over the limit of 3,071 pixels"):
         load_image(Image.open(files["rgba.png"]), max_pixels=3071)  # a lazily opened PIL image too
