@@ -93,7 +93,9 @@ def ray_lines(
         size, resources = actor_resources(ray, actors)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # actor_options(): said once, in the docs
-            dataset = ray.data.from_items([{"image": p} for p in paths]).map_batches(
+            blocks = -(-len(paths) // images_per_task)  # one block per task, so lines come back task by task
+            items = ray.data.from_items([{"image": p} for p in paths], override_num_blocks=blocks)
+            dataset = items.map_batches(
                 LocatePredictor,
                 fn_constructor_kwargs={"model": model, "settings": settings},
                 batch_size=images_per_task,

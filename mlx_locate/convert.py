@@ -60,6 +60,7 @@ from .parse import LocatedObject, parse_tokens
 from .preprocess import preprocess, to_rgb
 from .prompts import prompt_ids, task_text
 from .tokenizer import Tokenizer
+from .tuner.lora import apply_adapter, read_adapter
 
 DEFAULT_DTYPE = "bfloat16"
 # Copied as they are when the source has them; tokenizer.json is written, not copied.
@@ -274,6 +275,7 @@ Converted with `python -m mlx_locate.convert` on {info["date"]}.
 - quantized: {info["quantization"]} (config.json "quantization" has the details)
 - weights: {info["bytes"] / 1e9:.3f} GB in {info["files"]} file(s)
 - head: {info["head"]}
+- LoRA adapter merged: {info["adapter"] or "none"}
 
 | part | weights |
 |---|---|
@@ -343,6 +345,7 @@ def convert(
     dtype: str = DEFAULT_DTYPE,
     quantize: str | None = None,
     force: bool = False,
+    adapter: str | Path | None = None,
 ) -> Path:
     """Convert `hf_path` (folder or hub id; HF or mlx-vlm layout) into the MLX checkpoint folder `mlx_path`.
 
@@ -350,6 +353,8 @@ def convert(
         dtype: "bfloat16", "float16" or "float32" for every float tensor (scales included).
         quantize: a key of `PRESETS`, or None. A quantized source keeps its quantization and takes no preset.
         force: replace an existing, non-empty `mlx_path`.
+        adapter: a LoRA adapter folder merged into the weights before quantizing (`tuner.lora.apply_adapter`
+            with `merge=True`; into a quantized source by dequantizing, adding and quantizing again).
 
     Raises `ValueError`/`FileNotFoundError` naming what is wrong or missing in the source, and
     `FileExistsError` when `mlx_path` exists without `force`. Nothing is written unless the conversion succeeds.
@@ -374,6 +379,9 @@ def convert(
     head = compare_head(raw)
     print(f"[INFO] lm_head: {head}")
     model = assemble_model(sanitize(raw, config.vision.patch_size), config, tokenizer.token_ids(raw_config), dtype, src)
+    if adapter is not None:
+        counts = apply_adapter(model, read_adapter(adapter), merge=True)
+        print(f"[INFO] adapter {adapter}: {counts['merged']} LoRA pairs merged, {counts['replaced']} tensors replaced")
     if quantize is not None:
         plan, skipped = quantization_plan(model, PRESETS[quantize])
         nn.quantize(model, class_predicate=lambda path, module: plan[path].params() if path in plan else False)
@@ -402,6 +410,7 @@ def convert(
             "sizes": _component_sizes(params),
             "quantization": quantization_summary(model),
             "head": head,
+            "adapter": None if adapter is None else str(adapter),
         }
         _write_readme(tmp, dst.name, str(hf_path), dtype, quantize, info)
         _publish(tmp, dst)
@@ -488,6 +497,7 @@ def report(
     images: list[tuple[str, Image.Image]] | None = None,
     prompts: tuple[tuple[str, str], ...] | None = None,
     max_tokens: int | None = None,
+    adapter: str | Path | None = None,
 ) -> dict:
     """Compare `converted` with `source` (greedy decoding) on every image x prompt x mode (defaults:
     `report_images()`, `REPORT_PROMPTS`, `REPORT_MAX_TOKENS`).
@@ -495,9 +505,9 @@ def report(
     The logits comparison is teacher-forced: both models are fed the source's decisions step by step, so
     prefill, block-step and AR rows line up (top-1 agreement, KL(source || converted)). The box IoU compares
     the source's objects with those of the converted model decoding on its own. Step times are per forward,
-    synchronised; weights are the bytes of the loaded parameters.
+    synchronised; weights are the bytes of the loaded parameters. With `adapter`, the source runs with it.
     """
-    src, conv = load(source), load(converted)
+    src, conv = load(source, adapter_path=adapter), load(converted)
     images = report_images() if images is None else images
     prompts = REPORT_PROMPTS if prompts is None else prompts
     max_tokens = REPORT_MAX_TOKENS if max_tokens is None else max_tokens
@@ -622,18 +632,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--report", action="store_true", help="compare the result with the source; writes report.json")
     parser.add_argument("--force", action="store_true", help="replace an existing --mlx-path")
+    parser.add_argument("--adapter", help="LoRA adapter folder (mlx-locate-finetune's or PEFT's); needs --fuse")
+    parser.add_argument("--fuse", action="store_true", help="merge --adapter into the written weights")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.adapter) != args.fuse:
+        parser.error("--adapter and --fuse go together (to run an unmerged adapter: mlx-locate --adapter)")
     try:
-        dst = convert(args.hf_path, args.mlx_path, args.dtype, args.quantize, args.force)
+        dst = convert(args.hf_path, args.mlx_path, args.dtype, args.quantize, args.force, args.adapter)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.report:
-        result = report(args.hf_path, dst)
+        result = report(args.hf_path, dst, adapter=args.adapter)
         print(format_report(result))
         (dst / "report.json").write_text(json.dumps(result, indent=2) + "\n")
         print(f"[INFO] wrote {dst / 'report.json'}")

@@ -22,7 +22,9 @@ OCR prompt, GUI a point per instruction (`--gui-task gui` asks for a box). Predi
 in every `--modes` mode, to `OUT/<data>_<mode>.jsonl` in the answer format the paper's scripts read
 (`image_path`, `question`, `raw_response`, `extracted_predictions` in original pixels, `gt`, `task_name`,
 `dataset_name`; plus `scores` (confidences) and `stats` (mode, forward passes, objects, wall seconds)). A line
-is written and fsynced when its sample is done; an existing answer file is continued, its samples skipped.
+is written and fsynced when its sample is done; an existing answer file is continued, its samples skipped. A
+sample whose request fails (an unreadable image) gets an `error` line, counted and left out of the scores, as
+the paper's scripts skip such images; delete the line to retry it.
 
 The report (printed; with `--out` also `report.json`, `report.md` and `f1_vs_iou.png`) has one row per
 dataset (`task_dataset`, the paper's key) and mode. See `mlx_locate.metrics` for every rule.
@@ -54,6 +56,7 @@ MODES = tuple(m.value for m in Mode)
 SAMPLINGS = {"greedy": Sampling(), "nucleus": Sampling(top_p=0.9), "official": Sampling.OFFICIAL}
 FORMATS = ("auto", "jsonl", "coco", "screenspot")
 POINT_TASKS = ("pointing", "pointing_referring")
+COCO_TASKS = ("common_object_detection", "long_tailed_object_detection")  # scored on the COCO path too
 SINGLE_INSTANCE_PREFIX = "refcoco"  # datasets asked with the single-instance template
 REPORT_FILES = ("report.json", "report.md", "f1_vs_iou.png")
 GUI_FIELDS = ("id", "ui_type", "application", "group", "platform")
@@ -178,7 +181,7 @@ def coco_boxes(coco: dict) -> dict[int, list[tuple[int, list[float], bool]]]:
 def _load_coco(path: Path) -> tuple[list[BenchSample], dict]:
     coco = read_json(path)
     names = {c["id"]: c["name"] for c in coco.get("categories", [])}
-    task_name = "long_tailed_object_detection" if is_lvis(coco) else "common_object_detection"
+    task_name = COCO_TASKS[1] if is_lvis(coco) else COCO_TASKS[0]
     boxes = coco_boxes(coco)
     samples = []
     for img in sorted(coco["images"], key=lambda i: i["id"]):
@@ -526,10 +529,10 @@ def _box_metrics(row: Row, lines: list[dict], preds: list[dict]) -> None:
     }
 
 
-def coco_inputs(coco: dict, lines: list[dict]) -> tuple[dict, list[dict]]:
-    """Per category id, the (GT, detections) of every image in image order, and the detections as COCO
-    results. As the paper converts answers: image by file name, category by lowercase name with '_' as space,
-    boxes only (points dropped), only the categories an image has GT of, a constant score."""
+def coco_inputs(coco: dict, lines: list[dict]) -> tuple[dict, list[dict], list[int]]:
+    """Per category id, the (GT, detections) of every answered image in image order, the detections as COCO
+    results, and the answered image ids. As the paper converts answers: image by file name, category by
+    lowercase name with '_' as space, boxes only (points dropped), only the categories an image has GT of."""
     by_name = {c["name"].lower().replace("_", " "): c["id"] for c in coco["categories"]}
     by_file = {os.path.basename(img["file_name"]): img["id"] for img in coco["images"]}
     gts: dict[tuple[int, int], list[metrics.CocoGt]] = defaultdict(list)
@@ -540,12 +543,13 @@ def coco_inputs(coco: dict, lines: list[dict]) -> tuple[dict, list[dict]]:
     for img_id, cat in gts:
         positive[img_id].add(cat)
     dets: dict[tuple[int, int], list] = defaultdict(list)
-    results = []
+    results, answered = [], set()
     for line in lines:
         name = os.path.basename(line.get("image_path", ""))
         if name not in by_file:
             raise ValueError(f"answer image {line.get('image_path')!r} is not among the COCO file's images")
         img_id = by_file[name]
+        answered.add(img_id)
         preds, _ = clean_predictions(line["extracted_predictions"])
         confidences = line.get("scores", {})
         for category, coords in preds.items():
@@ -562,10 +566,10 @@ def coco_inputs(coco: dict, lines: list[dict]) -> tuple[dict, list[dict]]:
                 x1, y1, x2, y2 = box
                 results.append({"image_id": img_id, "category_id": cat, "bbox": [x1, y1, x2 - x1, y2 - y1], "score": c})
     per_category: dict[int, list] = defaultdict(list)
-    for img_id in sorted(img["id"] for img in coco["images"]):
+    for img_id in sorted(answered):
         for cat in sorted({c for i, c in (*gts, *dets) if i == img_id}):
             per_category[cat].append((gts.get((img_id, cat), []), dets.get((img_id, cat), [])))
-    return per_category, results
+    return per_category, results, sorted(answered)
 
 
 def coco_pr(per_category: dict) -> dict[int, dict[float, metrics.CocoPR]]:
@@ -577,9 +581,9 @@ def coco_pr(per_category: dict) -> dict[int, dict[float, metrics.CocoPR]]:
     return out
 
 
-def coco_map(coco: dict, results: list[dict]) -> tuple[float, float]:
-    """COCO mAP@0.5:0.95 and mAP@0.5 from faster-coco-eval (LVIS rules for an LVIS file); confidences rank
-    the boxes where every box has one, else the constant score."""
+def coco_map(coco: dict, results: list[dict], image_ids: list[int]) -> tuple[float, float]:
+    """COCO mAP@0.5:0.95 and mAP@0.5 over `image_ids` from faster-coco-eval (LVIS rules for an LVIS file);
+    confidences rank the boxes where every box has one, else the constant score."""
     if not results:
         return 0.0, 0.0
     fce = _extra("faster_coco_eval", "COCO mAP")
@@ -589,12 +593,13 @@ def coco_map(coco: dict, results: list[dict]) -> tuple[float, float]:
     ev = fce.COCOeval_faster(
         gt, gt.loadRes(results), iouType="bbox", lvis_style=is_lvis(coco), print_function=lambda *a: None
     )
+    ev.params.imgIds = image_ids
     ev.run()
     return float(ev.stats[0]), float(ev.stats[1])
 
 
 def _coco_metrics(row: Row, coco: dict, lines: list[dict]) -> None:
-    per_category, results = coco_inputs(coco, lines)
+    per_category, results, image_ids = coco_inputs(coco, lines)
     path = metrics.coco_path(coco_pr(per_category))
     row.sample_f1 = {"f1@0.5": row.f1_50, "f1@0.95": row.f1_95, "f1@mean": row.f1_mean}
     row.metric = "coco"
@@ -602,7 +607,7 @@ def _coco_metrics(row: Row, coco: dict, lines: list[dict]) -> None:
     row.precision = {str(t): v for t, v in path.precision.items()}
     row.recall = {str(t): v for t, v in path.recall.items()}
     row.f1_50, row.f1_95, row.f1_mean = path.f1[0.5], path.f1[0.95], path.f1_mean
-    row.map, row.map50 = coco_map(coco, results)
+    row.map, row.map50 = coco_map(coco, results, image_ids)
     row.breakdown["coco_categories"] = {"with_gt": path.categories, "counted_at_0.5": path.categories_counted[0.5]}
 
 
@@ -657,15 +662,28 @@ def score_lines(lines: list[dict], mode: str, coco: dict | None = None) -> list[
             row.metric, row.pointing = "pointing", _mean_dict(m)
         else:
             _box_metrics(row, scored, preds)
-            if coco is not None and task in metrics.LETTER_TASKS[:2] and _all_in_coco(scored, coco):
+            if coco is not None and task in COCO_TASKS:
                 _coco_metrics(row, coco, scored)
         rows.append(row)
     return rows
 
 
-def _all_in_coco(lines: list[dict], coco: dict) -> bool:
-    names = {os.path.basename(img["file_name"]) for img in coco["images"]}
-    return all(os.path.basename(ln.get("image_path", "")) in names for ln in lines)
+def answers_coco(lines: list[dict], coco: dict) -> bool:
+    """Whether answer lines (of another run) answer `coco`: every image with objects once, each line's GT
+    categories its image's."""
+    names = {c["id"]: c["name"].lower().replace("_", " ") for c in coco["categories"]}
+    by_file = {os.path.basename(img["file_name"]): img["id"] for img in coco["images"]}
+    positive = defaultdict(set)
+    for img_id, anns in coco_boxes(coco).items():
+        positive[img_id] |= {names[cat] for cat, _, crowd in anns if not crowd}
+    seen = []
+    for ln in lines:
+        img_id = by_file.get(os.path.basename(ln.get("image_path", "")))
+        asked = {k.lower().replace("_", " ") for k, v in ln["gt"].items() if v} if isinstance(ln["gt"], dict) else None
+        if img_id is None or asked != positive[img_id]:
+            return False
+        seen.append(img_id)
+    return sorted(seen) == sorted(i for i, cats in positive.items() if cats)
 
 
 # --- Report -----------------------------------------------------------------------------------------------
@@ -715,6 +733,34 @@ def markdown_table(rows: list[dict]) -> str:
         if r.get("note"):
             notes.append(f"{where}: {r['note']}")
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else []))
+
+
+def breakdown_table(rows: list[dict]) -> str:
+    """F1@0.5 by object size and by GT count (box rows), GUI accuracy by data type and source."""
+    sizes = [name for name, _ in metrics.SIZE_LIMITS]
+    counts = [name for _, name in metrics.GT_COUNT_RANGES]
+    head = ["dataset", "mode", *sizes, *(f"{c} GT" for c in counts)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    gui = []
+    for r in rows:
+        b = r["breakdown"]
+        if "by_size" in b:
+            cells = [b[key].get(name) for key, names in (("by_size", sizes), ("by_gt_count", counts)) for name in names]
+            text = ["-" if c is None else f"{c['f1']:.3f} ({c['samples']})" for c in cells]
+            lines.append("| " + " | ".join([r["dataset"], r["mode"], *text]) + " |")
+        for key in ("by_type", "by_source"):
+            if key in b:
+                parts = ", ".join(f"{k} {v['accuracy']:.3f} ({v['samples']})" for k, v in b[key].items())
+                gui.append(f"- {r['dataset']} ({r['mode']}), accuracy {key.replace('_', ' ')}: {parts}")
+    out = (
+        "F1@0.5 by object size and by GT count (samples in brackets):\n\n" + "\n".join(lines) if len(lines) > 2 else ""
+    )
+    return "\n\n".join(part for part in (out, "\n".join(gui)) if part)
+
+
+def report_text(rows: list[dict]) -> str:
+    """The printed report and report.md: the main table, then the breakdowns."""
+    return "\n\n".join(part for part in (markdown_table(rows), breakdown_table(rows)) if part)
 
 
 def plot_f1(rows: list[dict], path: Path) -> None:
@@ -778,7 +824,7 @@ def check_report_free(folder: Path, overwrite: bool) -> None:
 def write_report(folder: Path, report: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "report.json").write_text(json.dumps(report, indent=1))
-    (folder / "report.md").write_text(markdown_table(report["rows"]) + "\n")
+    (folder / "report.md").write_text(report_text(report["rows"]) + "\n")
     plot_f1(report["rows"], folder / "f1_vs_iou.png")
 
 
@@ -937,7 +983,7 @@ def run(args: argparse.Namespace) -> int:
         for path in map(Path, args.predictions):
             lines = read_answers(path)
             mode = _mode_of(lines, path)
-            rows += score_lines(lines, mode, coco)
+            rows += score_lines(lines, mode, coco if coco is not None and answers_coco(lines, coco) else None)
             sources.append({"file": str(path), "mode": mode, "lines": len(lines)})
     else:
         if out is None:
@@ -966,8 +1012,10 @@ def run(args: argparse.Namespace) -> int:
                 lines = read_answers(path)
                 rows += score_lines(lines, mode, bench.coco)
                 sources.append({"file": str(path), "mode": mode, "lines": len(lines), "data": str(bench.name)})
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
+    rows.sort(key=lambda r: (datasets.index(r.dataset), MODES.index(r.mode) if r.mode in MODES else len(MODES)))
     report = {"model": None if args.predictions else args.model, "sources": sources, "rows": [asdict(r) for r in rows]}
-    print(markdown_table(report["rows"]))
+    print(report_text(report["rows"]))
     if out is not None:
         write_report(out, report)
     return 0

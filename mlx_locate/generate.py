@@ -5,8 +5,9 @@ Each `--query` is its own question about the image: the image goes through visio
 one detect prompt for several categories, joined by `</c>`. `--json` prints one result's object, or for several
 queries `{"queries": [{"query": Q, ...}, ...]}`. `python -m mlx_locate.generate` runs the same `main`.
 
-Errors a user can cause (a missing or unreadable image, a missing model folder, a bad config, an unknown task)
-print one `error: ...` line and exit with status 2.
+Errors a user can cause (a missing, unreadable or too large image, a missing model folder, a bad config, an
+unknown task, a prompt too long for the model) print one `error: ...` line and exit with status 2; anything else
+prints one `error: internal error ...` line and exits with 1. Never a traceback.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
+import warnings
 from pathlib import Path
 
 from .decide import Guards, Mode
 from .draw import draw_objects
 from .locate import Result, load
-from .preprocess import load_image
+from .preprocess import DEFAULT_MAX_PIXELS, FORMATS, load_image
 from .prompts import RENDERINGS, TASKS, task_text
 from .sampling import Sampling
 from .tiles import check_tiling, parse_tiles
@@ -32,6 +35,35 @@ DEFAULT_MAX_TOKENS = 512
 DEFAULT_RENDERING = "A"
 DEFAULT_SEED = 0
 DTYPES = ("bfloat16", "float16", "float32")
+
+
+def utf8_text(text: str) -> str:
+    """Text given on a command line; bytes that are not UTF-8 arrive as lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text: {text!r}") from None
+    return text
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**64 - 1, got {value}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -62,20 +94,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint folder, Hugging Face hub id (e.g. nvidia/LocateAnything-3B) or 'demo' (default: demo, "
         "the bundled tiny model trained on synthetic shapes)",
     )
-    p.add_argument("--image", required=True, help="image file (PNG, JPEG, ...)")
+    p.add_argument("--image", required=True, help=f"image file ({', '.join(FORMATS)})")
+    p.add_argument(
+        "--max-pixels",
+        type=positive_int,
+        help=f"refuse larger images, read from the header before decoding (default: {DEFAULT_MAX_PIXELS:,}, "
+        "Pillow's decompression-bomb threshold); raise it for real large images",
+    )
     p.add_argument("--task", choices=TASKS, help=f"prompt template (default: {DEFAULT_TASK})")
     p.add_argument(
         "--query",
         action="append",
+        type=utf8_text,
         help="what to find; repeat to ask several separate questions about the same image",
     )
     p.add_argument(
         "--categories",
         metavar="LIST",
+        type=utf8_text,
         help='comma-separated categories asked in ONE detect prompt, e.g. "car,person" (joined by </c>)',
     )
-    p.add_argument("--category", action="append", help="one category of that detect prompt; repeatable")
-    p.add_argument("--prompt", help="raw user text, sent as is; replaces --task and --query")
+    p.add_argument("--category", action="append", type=utf8_text, help="one category of that detect prompt; repeatable")
+    p.add_argument("--prompt", type=utf8_text, help="raw user text, sent as is; replaces --task and --query")
 
     d = p.add_argument_group("decoding")
     d.add_argument(
@@ -113,11 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the model card's settings: temperature {official.temperature}, top-p {official.top_p}, "
         f"repetition penalty {official.repetition_penalty}; the flags below override single values",
     )
-    s.add_argument("--temperature", type=float, help="0 = greedy")
-    s.add_argument("--top-p", type=float, help="nucleus mass; 1 = off")
+    s.add_argument("--temperature", type=finite_float, help="0 = greedy")
+    s.add_argument("--top-p", type=finite_float, help="nucleus mass; 1 = off")
     s.add_argument("--top-k", type=int, help="0 = off")
-    s.add_argument("--repetition-penalty", type=float, help="1 = off")
-    s.add_argument("--seed", type=int, default=DEFAULT_SEED, help="random seed (default: %(default)s)")
+    s.add_argument("--repetition-penalty", type=finite_float, help="1 = off")
+    s.add_argument("--seed", type=seed_int, default=DEFAULT_SEED, help="random seed (default: %(default)s)")
 
     t = p.add_argument_group("tiling (large or dense images)")
     t.add_argument(
@@ -127,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode overlapping tiles (and the whole image) as one batch and merge their objects; auto: the "
         "fewest tiles the model sees unscaled",
     )
-    t.add_argument("--tile-overlap", type=float, help="fraction of a tile shared with its neighbour (default: 0.2)")
+    t.add_argument(
+        "--tile-overlap", type=finite_float, help="fraction of a tile shared with its neighbour (default: 0.2)"
+    )
     t.add_argument("--no-tile-whole", action="store_true", help="decode the tiles only, not the whole image too")
 
     o = p.add_argument_group("output")
@@ -222,45 +264,60 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    # Warnings (Pillow's on odd files, say) print as one line each; every failure as one `error:` line.
+    with warnings.catch_warnings(record=True) as caught:
+        try:
+            text, code = run(args), 0
+        except (OSError, ValueError) as e:  # the user's input: files, model folders, options, prompt length
+            text, code = f"error: {e}", 2
+        except MemoryError:
+            text, code = "error: out of memory; use a smaller image or --max-pixels, or a smaller --dtype", 2
+        except KeyboardInterrupt:
+            text, code = "error: interrupted", 130
+        except Exception as e:  # a bug, not the input: still one line, never a traceback
+            text, code = f"error: internal error, please report it: {type(e).__name__}: {e}", 1
+    for w in caught:
+        print(f"warning: {w.category.__name__}: {w.message}", file=sys.stderr)
+    print(text, file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> str:
+    """The results of `args` as the text or JSON to print."""
     task, queries = task_and_queries(args)
-    try:
-        # Everything the user gave is checked before the (slow) model load.
-        for query in queries:
-            task_text(task, query)
-        sampling = sampling_of(args)
-        image = load_image(args.image)
-        if args.draw and Path(args.draw).exists() and not args.overwrite:
-            raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
-        tiling = {}
-        if args.tiles is not None:
-            tiling = {"tiles": args.tiles, "tile_whole": not args.no_tile_whole}
-            if args.tile_overlap is not None:
-                tiling["tile_overlap"] = args.tile_overlap
-            check_tiling(args.tiles, tiling.get("tile_overlap", 0))
-        model = load(args.model, dtype=args.dtype)
-        options = {
-            "task": task,
-            "mode": args.mode,
-            "max_tokens": args.max_tokens,
-            "sampling": sampling,
-            "strict": args.strict,
-            "guards": guards_of(args),
-            "redecode_labels": args.redecode_labels,
-            "seed": args.seed,
-        }
-        if tiling:
-            results = model.locate(image, queries, rendering=args.rendering, **tiling, **options)
-        else:
-            session = model.session(image, rendering=args.rendering)
-            results = [session.locate(query, **options) for query in queries]
-        if args.draw:
-            objects = [obj for result in results for obj in result.objects]
-            draw_objects(image, objects, args.draw, overwrite=args.overwrite)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_json(queries, results) if args.json else format_many(queries, results))
-    return 0
+    # Everything the user gave is checked before the (slow) model load.
+    for query in queries:
+        task_text(task, query)
+    sampling = sampling_of(args)
+    image = load_image(args.image, args.max_pixels)
+    if args.draw and Path(args.draw).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
+    tiling = {}
+    if args.tiles is not None:
+        tiling = {"tiles": args.tiles, "tile_whole": not args.no_tile_whole}
+        if args.tile_overlap is not None:
+            tiling["tile_overlap"] = args.tile_overlap
+        check_tiling(args.tiles, tiling.get("tile_overlap", 0))
+    model = load(args.model, dtype=args.dtype)
+    options = {
+        "task": task,
+        "mode": args.mode,
+        "max_tokens": args.max_tokens,
+        "sampling": sampling,
+        "strict": args.strict,
+        "guards": guards_of(args),
+        "redecode_labels": args.redecode_labels,
+        "seed": args.seed,
+    }
+    if tiling:
+        results = model.locate(image, queries, rendering=args.rendering, **tiling, **options)
+    else:
+        session = model.session(image, rendering=args.rendering)
+        results = [session.locate(query, **options) for query in queries]
+    if args.draw:
+        objects = [obj for result in results for obj in result.objects]
+        draw_objects(image, objects, args.draw, overwrite=args.overwrite)
+    return format_json(queries, results) if args.json else format_many(queries, results)
 
 
 if __name__ == "__main__":

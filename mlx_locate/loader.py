@@ -83,7 +83,10 @@ def check_safetensors(path: Path) -> None:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ValueError(f"{path}: not a safetensors file (unreadable header)") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (AttributeError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{path}: not a safetensors file (its header lists no tensors with data offsets)") from None
     if 8 + header_len + end > size:
         raise ValueError(
             f"{path}: truncated safetensors file (tensors need {8 + header_len + end} bytes, file has {size})"
@@ -138,7 +141,10 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
     weights = {}
     for path in weight_files(folder):
         check_safetensors(path)
-        weights.update(mx.load(str(path)))
+        try:
+            weights.update(mx.load(str(path)))
+        except RuntimeError as e:  # MLX's reader: unknown dtype, offsets that do not match the shape, ...
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
     return weights
 
 

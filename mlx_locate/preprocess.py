@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import BmpImagePlugin, GifImagePlugin, Image, JpegImagePlugin, PngImagePlugin, TiffImagePlugin, WebPImagePlugin
 
 IN_TOKEN_LIMIT = 25600  # patches before the token-limit rescale (preprocessor_config.json)
 PATCH_SIZE = 14
@@ -32,45 +32,114 @@ class Preprocessed(NamedTuple):
 
 
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb warning threshold (1024 * 1024 * 1024 // 4 // 3)
+# Formats a user may hand us, opened through their plugin classes (not `Image.open`): the size check is ours
+# (`max_pixels`), so Pillow's process-wide `MAX_IMAGE_PIXELS` neither refuses an image the caller allowed nor
+# has to be changed. JPEG opens as plain JPEG, so a multi-picture (MPO) file gives its first picture.
+FORMATS = {
+    "PNG": PngImagePlugin.PngImageFile,
+    "JPEG": JpegImagePlugin.JpegImageFile,
+    "WEBP": WebPImagePlugin.WebPImageFile,
+    "BMP": BmpImagePlugin.BmpImageFile,
+    "GIF": GifImagePlugin.GifImageFile,
+    "TIFF": TiffImagePlugin.TiffImageFile,
+}
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grey images Pillow's convert("RGB") clips at 255
+
+
+class ImageTooLargeError(ValueError):
+    """An image over the pixel limit (a server answers it differently from a broken file)."""
 
 
 def check_pixels(size: tuple[int, int], max_pixels: int | None, what: str) -> None:
-    """Raise `ValueError` naming `what`, its size and the limit when `size` has more than `max_pixels` pixels."""
+    """Raise `ImageTooLargeError` naming `what`, its size, the limit and how to raise it when `size` has more
+    than `max_pixels` pixels (None: `DEFAULT_MAX_PIXELS`)."""
     limit = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"max_pixels must be a positive integer, got {max_pixels!r}")
     w, h = size
     if w * h > limit:
-        raise ValueError(
-            f"{what} is {w}x{h} = {w * h:,} pixels, over the limit of {limit:,}; "
-            "raise it with --max-pixels (API: max_pixels=) if the image is real"
+        raise ImageTooLargeError(
+            f"{what} is {w}x{h} = {w * h:,} pixels, over the limit of {limit:,} pixels; "
+            "if the image is real, raise the limit with --max-pixels N (API: max_pixels=N)"
         )
 
 
-def load_image(image: str | Path | Image.Image, max_pixels: int | None = None) -> Image.Image:
-    """Open an image file (or pass a PIL image through), decoded now rather than lazily.
+def load_image(image: str | Path | BinaryIO | Image.Image, max_pixels: int | None = None) -> Image.Image:
+    """Open and decode an image file (a path or a binary file object, such as `io.BytesIO` of uploaded bytes).
 
-    The size is read from the header and checked against `max_pixels` (default `DEFAULT_MAX_PIXELS`) before
-    decoding. Raises `FileNotFoundError` for a missing path and `ValueError` naming the file when it is not an
-    image or is too large.
+    One policy for every entry point: the format must be one of `FORMATS` (found from the content, not the
+    name) and the size, read from the header, is checked against `max_pixels` (default `DEFAULT_MAX_PIXELS`)
+    before any pixel is decoded. A PIL image is passed through; one still undecoded (`Image.open` is lazy) is
+    checked and decoded here first. Raises `FileNotFoundError` for a missing path and `ValueError` naming the
+    file for anything else: not a file, empty, another format, too large, broken header, truncated data.
     """
     if isinstance(image, Image.Image):
-        check_pixels(image.size, max_pixels, "the image")
+        if getattr(image, "tile", None):  # opened, not decoded yet
+            name = getattr(image, "filename", "") or "the image"
+            check_pixels(image.size, max_pixels, name)
+            _decode(image, name)
         return image
+    if hasattr(image, "read"):
+        return _open(image, getattr(image, "name", None) or "the image data", max_pixels)
     path = Path(image)
     if not path.exists():
         raise FileNotFoundError(f"image file not found: {path}")
     if not path.is_file():
-        raise ValueError(f"{path} is not a file; expected an image file (PNG, JPEG, ...)")
+        raise ValueError(f"{path} is not a file; expected an image file ({', '.join(FORMATS)})")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is not a readable image: the file is empty (0 bytes)")
+    with path.open("rb") as fp:
+        return _open(fp, str(path), max_pixels)
+
+
+def _open(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
+    """The first allowed format whose signature `fp` starts with, size-checked, then decoded."""
+    prefix = fp.read(16)
+    fmt = next((f for f in FORMATS if Image.OPEN[f][1](prefix) is True), None)
+    if fmt is None:
+        raise ValueError(f"{name} is not a readable image: {_not_allowed(prefix)}")
+    fp.seek(0)
     try:
-        with Image.open(path) as opened:
-            check_pixels(opened.size, max_pixels, str(path))
-            opened.load()
-            return opened
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-        raise ValueError(f"{path} is not a readable image: {exc}") from exc
+        image = FORMATS[fmt](fp, name)
+    except Exception as e:  # decoders raise many unrelated types on malformed data (SyntaxError, struct.error...)
+        raise ValueError(f"{name} is not a readable image: broken {fmt} header ({_reason(e)})") from None
+    check_pixels(image.size, max_pixels, name)
+    _decode(image, name)
+    return image
+
+
+def _decode(image: Image.Image, name: str) -> None:
+    try:
+        image.load()
+    except Exception as e:  # as in _open: OSError for truncated data, others for corrupt data
+        raise ValueError(
+            f"{name} is not a readable image: its {image.format or 'image'} data is truncated or corrupt ({_reason(e)})"
+        ) from None
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, Image.DecompressionBombError):
+        return f"over Pillow's own limit, PIL.Image.MAX_IMAGE_PIXELS: {error}"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _not_allowed(prefix: bytes) -> str:
+    """Why a file with this start is refused: another image format (named), or no image signature at all."""
+    Image.init()
+    allowed = f"{', '.join(list(FORMATS)[:-1])} or {list(FORMATS)[-1]}"
+    for fmt, (_, accept) in Image.OPEN.items():
+        try:
+            known = fmt not in FORMATS and accept is not None and accept(prefix) is True
+        except Exception:  # a plugin's signature test on arbitrary bytes; it only names the format
+            known = False
+        if known:
+            return f"its format is {fmt}, not one of {allowed} (convert it to PNG)"
+    return f"no {allowed} signature at its start ({prefix[:8]!r})"
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGBA is composited onto white using its alpha; any other mode goes through `convert("RGB")`.
+    """RGBA is composited onto white using its alpha; 16-bit grey keeps its high byte (as Pillow reads 16-bit
+    colour); any other mode goes through `convert("RGB")`.
 
     EXIF orientation is not applied, so coordinates refer to the stored pixels.
     """
@@ -80,6 +149,11 @@ def to_rgb(image: Image.Image) -> Image.Image:
         return canvas
     if image.mode == "RGB":
         return image
+    if image.mode in SIXTEEN_BIT_MODES:
+        values = np.asarray(image)
+        if image.mode == "I":  # 32-bit: read as 16-bit, as Pillow opens 16-bit PNGs in older versions
+            values = np.clip(values, 0, 65535)
+        return Image.fromarray((values >> 8).astype(np.uint8)).convert("RGB")
     return image.convert("RGB")
 
 
@@ -121,10 +195,14 @@ def patchify(pixels: np.ndarray, patch: int = PATCH_SIZE) -> tuple[np.ndarray, t
 
 
 def preprocess(
-    image: str | Path | Image.Image, in_token_limit: int = IN_TOKEN_LIMIT, patch_size: int = PATCH_SIZE
+    image: str | Path | BinaryIO | Image.Image,
+    in_token_limit: int = IN_TOKEN_LIMIT,
+    patch_size: int = PATCH_SIZE,
+    max_pixels: int | None = None,
 ) -> Preprocessed:
-    """Convert to RGB, resize (MODEL.md §5), normalise to [-1, 1] and cut into patches in raster order."""
-    rgb = to_rgb(load_image(image))
+    """Open (`load_image`), convert to RGB, resize (MODEL.md §5), normalise to [-1, 1] and cut into patches in
+    raster order."""
+    rgb = to_rgb(load_image(image, max_pixels))
     original_size = rgb.size
     sizes = target_size(*original_size, in_token_limit=in_token_limit, patch=patch_size)
     # Two separate resizes when both steps change the size: each rounds to uint8, as in the reference.

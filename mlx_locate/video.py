@@ -265,10 +265,9 @@ def frame_line(frame: Frame, settings: Settings, answers: list[Result | RequestE
     results = []
     for query, answer in zip(settings.queries, answers, strict=True):
         if isinstance(answer, Result):
-            objects = [
-                {k: v for k, v in o.items() if v is not None or k == "label"} for o in answer.to_dict()["objects"]
-            ]
-            results.append({"query": query, "objects": objects, "empty_labels": answer.empty_labels})
+            results.append(
+                {"query": query, "objects": answer.to_dict()["objects"], "empty_labels": answer.empty_labels}
+            )
         else:
             results.append({"query": query, "error": str(answer)})
     return {"frame": frame.index, "time": round(frame.time, 6), "results": results}

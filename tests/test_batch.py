@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from mlx_locate import batch
-from mlx_locate.engine import Engine
+from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
 from mlx_locate.loader import DEMO_DIR
 from mlx_locate.locate import load
 from mlx_locate.prompts import task_text
@@ -28,19 +28,25 @@ GOOD = ["a.png", "b.png"]
 BAD = {  # file -> what its error line says
     "bad.png": "not a readable image",
     "bomb.png": "pixels",  # the wording is preprocess.load_image's (tests/test_preprocess.py)
+    "chunk.png": "broken PNG file",  # Pillow raises SyntaxError for it while decoding
     "cut.jpg": "truncated",
     "text.png": "not a readable image",
 }
 
 
-def png_header(width: int, height: int) -> bytes:
-    """A PNG whose header declares `width` x `height` RGB pixels, with no pixel data behind it."""
+def png(width: int, height: int, pixels: bytes, split: int | None = None) -> bytes:
+    """A PNG whose header declares `width` x `height` RGB pixels, followed by `pixels` compressed; `split`
+    cuts the data into two chunks, the second of an invalid chunk type."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
+    data = zlib.compress(pixels)
+    parts = (
+        chunk(b"IDAT", data) if split is None else chunk(b"IDAT", data[:split]) + chunk(b"\xf7\x1f?\xad", data[split:])
+    )
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + parts + chunk(b"IEND", b"")
 
 
 @pytest.fixture(scope="module")
@@ -50,16 +56,17 @@ def model():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """Two readable images (one flipped, so not every answer is the same) among four bad files: a corrupt
-    PNG, a decompression bomb (a header of 100,000 x 100,000 pixels), a truncated JPEG and a text file named
-    .png; and a .txt file that is not listed."""
+    """Two readable images (one flipped, so not every answer is the same) among five bad files: a corrupt
+    PNG header, a decompression bomb (a header of 100,000 x 100,000 pixels), a PNG with a broken chunk, a
+    truncated JPEG and a text file named .png; and a .txt file that is not listed."""
     images = tmp_path_factory.mktemp("batch") / "images"
     images.mkdir()
     source = Image.open(IMAGE)
     source.save(images / "a.png")
     source.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(images / "b.png")
     (images / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    (images / "bomb.png").write_bytes(png_header(100_000, 100_000))
+    (images / "bomb.png").write_bytes(png(100_000, 100_000, b""))
+    (images / "chunk.png").write_bytes(png(32, 32, (b"\x00" + b"\xc8\x0a\x0a" * 32) * 32, split=10))
     jpeg = io.BytesIO()
     source.convert("RGB").save(jpeg, "JPEG")
     (images / "cut.jpg").write_bytes(jpeg.getvalue()[: len(jpeg.getvalue()) // 2])
@@ -204,6 +211,40 @@ def test_tiled_lines_are_what_locate_with_tiles_returns(run, model, folder, tmp_
     assert result == {"task": "detect", "query": "square", **tiled}
 
 
+class OneAtATime:
+    """An engine that answers its oldest request with `result` at each step (to watch the window)."""
+
+    def __init__(self, rows: int, result):
+        self.max_rows, self.result, self.waiting = rows, result, []
+
+    def submit(self, request):
+        self.waiting.append(Handle(len(self.waiting), request))
+
+    @property
+    def idle(self):
+        return not self.waiting
+
+    def step(self):
+        return [EngineEvent(self.waiting.pop(0), EventKind.DONE, result=self.result)]
+
+
+def test_images_in_flight_are_bounded(model, tmp_path, monkeypatch):
+    result = model.locate(IMAGE, "square", mode="fast", max_tokens=1)
+    events, real_read = [], batch.read_image
+    monkeypatch.setattr(batch, "read_image", lambda path, limit: events.append("read") or real_read(path, limit))
+    questions = tuple(batch.Question("detect", q) for q in QUERIES)
+    paths = [str(tmp_path / f"{i}.png") for i in range(8)]
+    for path in paths:
+        shutil.copy(IMAGE, path)
+    for rows, window in [(1, 1), (2, 1), (3, 2), (4, 2), (16, 8)]:  # ceil(rows / questions) images at a time
+        events.clear()
+        monkeypatch.setattr(model, "engine", lambda batch_size: OneAtATime(batch_size, result))
+        for _ in batch.annotate(model, paths, batch.Settings(questions, batch_size=rows)):
+            events.append("line")
+        in_flight = np.cumsum([1 if e == "read" else -1 for e in events])
+        assert in_flight.max() == min(window, len(paths)) and events.count("line") == len(paths)
+
+
 def test_max_pixels_applies_to_every_image(run, folder, tmp_path):
     out = tmp_path / "small.jsonl"
     code, err = run("--images", str(folder / "a.png"), "--out", str(out), "--max-pixels", "1000")
@@ -323,7 +364,7 @@ def test_coco_results_format(run, folder, finished):
     detections = json.loads(coco.read_text())
     tables = json.loads(coco.with_name("coco.images.json").read_text())
     assert tables["categories"] == [{"id": i + 1, "name": q} for i, q in enumerate(QUERIES)]
-    # Image ids are positions in the sorted file list (a b bad bomb cut.jpg text); unreadable files have none.
+    # Image ids are positions in the sorted file list (a b bad bomb chunk cut.jpg text); bad files have none.
     images = {entry["id"]: entry for entry in tables["images"]}
     assert {i: e["file_name"] for i, e in images.items()} == {1: str(folder / "a.png"), 2: str(folder / "b.png")}
     assert all(
@@ -419,12 +460,12 @@ def test_shards_are_disjoint_and_complete_and_merge_equals_one_run(run, folder, 
         code, err = run("--images", "images", "--out", str(part), "--shard", f"{i}/3", "--coco", f"{part}.coco.json")
         assert code == 0, err
     images = [{Path(image).name for image in answers(part)} for part in parts]
-    assert images == [{"b.png", "bomb.png"}, {"cut.jpg"}, {"a.png", "bad.png", "text.png"}]  # shard_of's
+    assert images == [{"b.png", "bomb.png", "chunk.png"}, {"cut.jpg"}, {"a.png", "bad.png", "text.png"}]
 
     merged, coco = tmp_path / "merged.jsonl", tmp_path / "merged_coco.json"
     code, err = run("--merge", str(merged), *map(str, parts), str(parts[2]), "--coco", str(coco), questions=[])
     assert code == 0, err
-    assert "6 images from 4 files" in err and "(3 duplicates dropped)" in err
+    assert "7 images from 4 files" in err and "(3 duplicates dropped)" in err
     relative = tmp_path / "relative.jsonl"  # the single run, its paths relative to the working directory
     relative.write_text(finished[0].read_text().replace(f"{folder.parent}/", ""))
     assert answers(merged) == answers(relative)

@@ -22,7 +22,7 @@ RAY = ["--ray", "--actors", "2", "--images-per-task", "1"]
 
 @pytest.fixture(scope="module", autouse=True)
 def local_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # never a running one
     yield
     ray.shutdown()
 

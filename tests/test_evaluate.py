@@ -85,6 +85,10 @@ def test_cli_reports_every_dataset_in_every_mode(run):
     assert set(rows) == {(d, m) for d in DATASETS for m in MODES}
     assert (out / "report.md").read_text().strip() == printed.strip()
     assert printed.startswith("| dataset | mode | n | F1@0.5 | F1@0.95 | F1@mean |")
+    assert (
+        "F1@0.5 by object size and by GT count" in printed
+        and "gui_synthetic_screenspot (hybrid), accuracy by type" in printed
+    )
     assert (out / "f1_vs_iou.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for (dataset, mode), r in rows.items():
         assert r["s_per_image"] > 0 and r["boxes_per_s"] >= 0, (dataset, mode)
@@ -160,31 +164,56 @@ def library_pr(coco: dict, results: list[dict]) -> dict[int, dict[float, metrics
 
 
 def perturbed(lines: list[dict]) -> list[dict]:
-    """The answers with every third box shifted by 35 % of its width, every third one duplicated, and a box of a
-    category the image does not have (dropped, as the paper's conversion does)."""
+    """The answers with boxes in threes: the first shifted by 35 % of its width, the second twice, the third
+    followed by such a shifted copy; plus a box of a category the image lacks (dropped, as the paper does)."""
     out = []
     for line in lines:
         preds = {}
         for category, boxes in line["extracted_predictions"].items():
             kept = []
             for k, (x1, y1, x2, y2) in enumerate(boxes):
-                dx = 0.35 * (x2 - x1) if k % 3 == 0 else 0.0
-                kept += [[x1 + dx, y1, x2 + dx, y2]] * (2 if k % 3 == 1 else 1)
+                shifted = [x1 + 0.35 * (x2 - x1), y1, x2 + 0.35 * (x2 - x1), y2]
+                kept += [[shifted], [[x1, y1, x2, y2]] * 2, [[x1, y1, x2, y2], shifted]][k % 3]
             preds[category] = kept
         preds["star"] = preds.get("star", []) + [[0, 0, 20, 20]]
         out.append({**line, "extracted_predictions": preds, "scores": {}})
     return out
 
 
+def harder(coco: dict) -> list[dict]:
+    """The ground truth as exported, with a crowd region over the whole image for each image's first category,
+    and with a near copy of every box (shifted by a fifth of its width) listed before it."""
+    images = {img["id"]: img for img in coco["images"]}
+    first = {}
+    for a in coco["annotations"]:
+        first.setdefault(a["image_id"], a["category_id"])
+    crowds = []
+    for i, c in first.items():
+        w, h = images[i]["width"], images[i]["height"]
+        crowds.append(
+            {"id": 10_000 + i, "image_id": i, "category_id": c, "iscrowd": 1, "area": w * h, "bbox": [0, 0, w, h]}
+        )
+    copies = [
+        {**a, "id": 20_000 + a["id"], "bbox": [a["bbox"][0] + a["bbox"][2] / 5, *a["bbox"][1:]]}
+        for a in coco["annotations"]
+    ]
+    return [
+        coco,
+        {**coco, "annotations": coco["annotations"] + crowds},
+        {**coco, "annotations": copies + coco["annotations"]},
+    ]
+
+
 def test_coco_path_matches_the_coco_library(run, bench):
     out, _ = run
-    coco = json.loads((bench / "synthetic_coco.json").read_text())
-    crowd = {"id": 10_000, "image_id": 1, "category_id": 1, "bbox": [0, 0, 60, 60], "area": 3600, "iscrowd": 1}
-    coco_crowd = {**coco, "annotations": coco["annotations"] + [crowd]}
     lines = ev.read_answers(out / "synthetic_coco_hybrid.jsonl")
     checked = 0
-    for gt, answers in ((coco, lines), (coco, perturbed(lines)), (coco_crowd, perturbed(lines))):
-        per_category, results = ev.coco_inputs(gt, answers)
+    for gt, answers in (
+        (gt, answers)
+        for gt in harder(json.loads((bench / DATA[1]).read_text()))
+        for answers in (lines, perturbed(lines))
+    ):
+        per_category, results, _ = ev.coco_inputs(gt, answers)
         ours, theirs = ev.coco_pr(per_category), library_pr(gt, results)
         assert set(ours) == set(theirs)
         for cat in ours:
@@ -216,12 +245,14 @@ def test_predictions_are_scored_without_a_model(run, bench, tmp_path, monkeypatc
     import mlx_locate.locate
 
     monkeypatch.setattr(mlx_locate.locate, "load", lambda *a, **k: pytest.fail("a model was loaded"))
-    files = [str(out / f"synthetic_coco_{m}.jsonl") for m in MODES]
+    # The COCO answers get the COCO path; the JSONL's detection answers on the same images do not.
+    files = [str(out / f"synthetic_coco_{m}.jsonl") for m in MODES] + [str(out / "synthetic_hybrid.jsonl")]
     code, printed = run_main(["--predictions", *files, "--data", str(bench / DATA[1]), "--out", str(tmp_path)])
     assert code == 0
     rescored = json.loads((tmp_path / "report.json").read_text())["rows"]
     original = {(r["dataset"], r["mode"]): r for r in json.loads((out / "report.json").read_text())["rows"]}
-    assert [r["mode"] for r in rescored] == list(MODES)  # from the lines' stats
+    assert [r["mode"] for r in rescored[:3]] == list(MODES)  # from the lines' stats
+    assert len(rescored) == 6 and rescored[3]["metric"] == "box"
     for r in rescored:
         assert r == original[(r["dataset"], r["mode"])]
 
@@ -294,3 +325,15 @@ def test_bad_input_is_one_error_line(tmp_path, monkeypatch, capsys, argv, messag
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_failed_request_is_an_error_line_left_out_of_the_scores():
+    sample = ev.BenchSample(0, "gone.png", ["cat"], {"cat": [[0, 0, 10, 10]]}, "common_object_detection", "Toy")
+    asked = ev.queries(sample)
+    assert asked == [ev.Query("detect", "cat", None)]
+    line = ev.answer_line(sample, asked, [ev.RequestError("cannot read gone.png")], "hybrid", 0.01)
+    assert line["error"] == "cannot read gone.png" and line["extracted_predictions"] == {}
+    good = {**line, "extracted_predictions": {"cat": [[0, 0, 10, 10]]}}
+    del good["error"]
+    (row,) = ev.score_lines([line, good], "hybrid")
+    assert (row.samples, row.errors, row.f1_50) == (1, 1, 1.0)

@@ -17,7 +17,7 @@ from mlx_locate.draw import draw_objects
 from mlx_locate.locate import load
 from mlx_locate.metrics import iou
 from mlx_locate.parse import LocatedObject
-from mlx_locate.tuner.large_scenes import Mover, moving_frames
+from mlx_locate.tuner.large_scenes import DEMO_MOVERS, write_clip
 
 try:
     import av
@@ -26,25 +26,9 @@ except ImportError:  # the [video] extra; under CI (.ci/run) its absence is a fa
         raise
     pytest.skip('PyAV is not installed (pip install "mlx-locate[video]")', allow_module_level=True)
 
-RATE = 10  # source frames per second
-N_FRAMES = 30  # 3 s
-MOVERS = (  # pixels per source frame: 10-12 px between frames sampled at 2 per second
-    Mover("square", "red", (10, 20), (2.0, 1.0), 48),
-    Mover("square", "blue", (160, 150), (-2.0, -1.5), 52),
-    Mover("circle", "green", (120, 20), (0.5, 2.0), 44),  # not asked for
-)
+RATE, N_FRAMES = 10, 30  # the clip: 3 s at 10 frames per second
+MOVERS = DEMO_MOVERS  # two squares (asked for) and a circle (not asked for)
 SQUARES = [m for m in MOVERS if m.shape == "square"]
-
-
-def write_clip(path, frames, rate=RATE):
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=rate)
-        stream.width, stream.height = frames[0].size
-        stream.pix_fmt = "yuv420p"
-        for image in frames:
-            out.mux(stream.encode(av.VideoFrame.from_image(image)))
-        out.mux(stream.encode(None))
-    return path
 
 
 def decode_all(path):
@@ -54,8 +38,7 @@ def decode_all(path):
 
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
-    frames = [image for image, _ in moving_frames(MOVERS, N_FRAMES)]
-    return write_clip(tmp_path_factory.mktemp("video") / "shapes.mp4", frames)
+    return write_clip(tmp_path_factory.mktemp("video") / "shapes.mp4", MOVERS, N_FRAMES, rate=RATE)
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +90,7 @@ def test_tracker_keeps_ids_and_predicts_motion():
     tracker = video.IouTracker((200, 200))
     a, b = ("q", "square"), ("q", "circle")
     # Two objects of one key moving apart, one of another key in the same place as the first.
-    for step in range(6):
-        dx = 15 * step  # 15 px per frame on 30 px boxes: IoU with the last box 0.33, with the prediction 1
+    for dx in (0, 10, 35, 60, 85, 110):  # 10 px, then 25 px a frame on 30 px boxes: IoU 0.09 with the last box
         ids = tracker.update(
             [(a, (10 + dx, 10, 40 + dx, 40)), (a, (150 - dx, 100, 180 - dx, 130)), (b, (10, 10, 40, 40))]
         )

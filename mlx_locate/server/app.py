@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from importlib.resources import files
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from ..engine import EventKind, Request, RequestError
@@ -54,6 +54,7 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f'the server needs its extra: pip install "mlx-locate[server]" ({e})') from e
 
+MAX_TEXT = 4096  # characters of one query, instruction or chat text
 OPEN_PATHS = ("/", "/health", "/example.png", "/favicon.ico")  # no API key needed: the page asks for it itself
 ANSWER_END = "<|im_end|>"  # how `Result.text` ends when the model closed its answer
 WEB = files("mlx_locate.server") / "web"
@@ -151,6 +152,10 @@ class Guard:
 # -- request bodies ---------------------------------------------------------------------------------------
 
 
+# Tokenizing runs on the worker thread, between everyone's steps: a query's length is bounded here.
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+
+
 class Decoding(BaseModel):
     """Decoding fields every endpoint takes (see `mlx_locate.Request`)."""
 
@@ -178,8 +183,8 @@ class Decoding(BaseModel):
 
 class LocateBody(Decoding):
     image: str | None = None  # data URL or base64 (or a file part in multipart)
-    query: str | list[str] | None = None  # a list: separate questions, answered under "queries"
-    categories: list[str] | None = None  # several categories in ONE detect prompt
+    query: Text | list[Text] | None = None  # a list: separate questions, answered under "queries"
+    categories: list[Text] | None = None  # several categories in ONE detect prompt
     task: Literal[TASKS] = "detect"
     tiles: Literal["auto"] | tuple[int, int] | None = None
     stream: bool = False
@@ -187,7 +192,7 @@ class LocateBody(Decoding):
 
 class GroundBody(Decoding):
     image: str
-    instruction: str = Field(min_length=1)
+    instruction: Text = Field(min_length=1)
     max_tokens: int = Field(64, ge=1, le=65536)
 
 
@@ -580,7 +585,10 @@ def chat_input(messages: list[dict[str, Any]]) -> tuple[str, str]:
             raise InputError("invalid_request", f"unsupported content part {kind!r}; use 'text' and 'image_url'")
     if len(images) != 1 or not isinstance(images[0], str):
         raise InputError("invalid_request", f"the user message needs exactly one image_url, got {len(images)}")
-    return "\n".join(texts).strip(), images[0]
+    text = "\n".join(texts).strip()
+    if len(text) > MAX_TEXT:
+        raise InputError("invalid_request", f"the text has {len(text)} characters; at most {MAX_TEXT}")
+    return text, images[0]
 
 
 def finish_reason(result: Result) -> str:

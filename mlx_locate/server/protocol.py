@@ -9,11 +9,10 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from ..engine import Request
 from ..locate import Result
@@ -21,10 +20,7 @@ from ..parse import LocatedObject
 from ..preprocess import load_image
 from ..prompts import CATEGORY_SEPARATOR, task_text
 
-ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # Pillow decoders a client may reach
 DEFAULT_MAX_PIXELS = 4096 * 4096  # a decoded RGBA image of this size is 64 MiB; the queue bounds how many wait
-# What Pillow raises on corrupt or truncated data, besides the OSError it documents.
-DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, struct.error, IndexError, Image.DecompressionBombError)
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -88,27 +84,13 @@ def image_bytes(source: str) -> bytes:
 
 
 def open_image(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Decode `data` as one of `ALLOWED_FORMATS`, its size checked from the header (`preprocess.load_image`)
-    before any pixel is decoded. Every failure is an `InputError`."""
+    """Decode `data` with `preprocess.load_image` (allowed formats found from the content, size checked from the
+    header before any pixel is decoded); every failure is an `InputError`, `image_too_large` for the size."""
     try:
-        opened = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-    except UnidentifiedImageError:
-        raise InputError(
-            "unsupported_image", f"not an image in an accepted format ({', '.join(ALLOWED_FORMATS)})"
-        ) from None
-    except Image.DecompressionBombError as e:
-        raise InputError("image_too_large", str(e)) from None
-    except DECODE_ERRORS as e:
-        raise InputError("invalid_image", f"the image could not be read: {e}") from None
-    try:
-        load_image(opened, max_pixels)
+        return load_image(io.BytesIO(data), max_pixels)
     except ValueError as e:
-        raise InputError("image_too_large", str(e)) from None
-    try:
-        opened.load()
-    except DECODE_ERRORS as e:
-        raise InputError("invalid_image", f"the {opened.format} image is corrupt or truncated: {e}") from None
-    return opened
+        code = "image_too_large" if "over the limit" in str(e) else "invalid_image"
+        raise InputError(code, str(e)) from None
 
 
 def build_requests(image: Image.Image, queries: Sequence[str | None], task: str, **options) -> list[Request]:

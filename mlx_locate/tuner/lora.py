@@ -340,6 +340,8 @@ def read_adapter(folder: str | Path) -> Adapter:
             pairs[path] = (value, weights[f"{path}.lora_b"], lora.scale)
         elif leaf != "lora_b":
             tensors[key] = value
+        elif f"{path}.lora_a" not in weights:
+            raise ValueError(f"{folder / ADAPTER_FILE}: {key} has no matching lora_a")
     return Adapter(pairs, tensors, spec)
 
 
@@ -383,6 +385,8 @@ def _read_peft(folder: Path, config: dict) -> Adapter:
             pairs[module] = (value.T, b.T, scale)  # PEFT: A (r, in), B (out, r)
         elif not key.endswith(".lora_B.weight"):
             tensors[key] = value
+        elif key.replace(".lora_B.", ".lora_A.") not in weights:
+            raise ValueError(f"{path}: {key} has no matching lora_A")
     return Adapter(pairs, tensors, None)
 
 

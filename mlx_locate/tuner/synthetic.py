@@ -32,7 +32,9 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "orange": (240, 135, 25),
 }
 SHAPES = ("circle", "square", "triangle", "diamond", "star")
-NOVEL_SHAPE = "cross"  # drawn here but never in the demo's training data: what the fine-tuning test teaches
+# Drawn here but never in the demo's training data: what fine-tuning teaches it (`make_novel_sample`).
+NOVEL_SHAPES = ("cross",)
+NOVEL_COLORS = {"black": (35, 35, 35)}
 SIDES = (112, 140, 168, 196, 224)  # image sides: multiples of 28, so preprocessing never resizes
 MAX_OBJECTS = 4
 SIZE_RANGE = (0.18, 0.40)  # object side, as a fraction of the image's shorter side
@@ -173,16 +175,18 @@ def make_scene(
     shapes: tuple[str, ...] = SHAPES,
     required: tuple[str, ...] = (),
     sides: tuple[int, ...] = SIDES,
+    colors: dict[str, tuple[int, int, int]] = COLORS,
 ) -> Scene:
     """A W x H image (sides from `sides`) with `n_objects` (default 1-4, evenly) non-overlapping shapes drawn
-    from a palette of `shapes` that holds `required`."""
+    from a palette of `shapes` that holds `required` (shapes or colour names), in `colors`."""
     width, height = (int(rng.choice(sides)) for _ in range(2))
     if n_objects is None:
         n_objects = int(rng.integers(1, MAX_OBJECTS + 1))
     # A small palette per scene, so that colours and shapes repeat and "all the red circles" means several.
-    palette_colors = rng.choice(list(COLORS), size=int(rng.integers(1, 4)), replace=False).tolist()
+    palette_colors = rng.choice(list(colors), size=int(rng.integers(1, 4)), replace=False).tolist()
     palette_shapes = rng.choice(shapes, size=int(rng.integers(1, 4)), replace=False).tolist()
-    palette_shapes += [s for s in required if s not in palette_shapes]
+    palette_shapes += [s for s in required if s in shapes and s not in palette_shapes]
+    palette_colors += [c for c in required if c in colors and c not in palette_colors]
     short = min(width, height)
     objects: list[Obj] = []
     for _ in range(n_objects):
@@ -211,7 +215,7 @@ def make_scene(
                 r = int(rng.integers(1, 4))
                 draw.ellipse((x - r, y - r, x + r, y + r), fill=(grey, grey, grey))
     for obj in objects:
-        fill = tuple(int(np.clip(c + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1), 0, 255)) for c in COLORS[obj.color])
+        fill = tuple(int(np.clip(c + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1), 0, 255)) for c in colors[obj.color])
         _draw(draw, obj, fill)
     return Scene(image, tuple(objects))
 
@@ -386,26 +390,40 @@ def make_sample(seed: int, index: int, split: str = "train") -> Sample:
 
 
 NOVEL_SPLITS = {"train": 2, "eval": 3}  # streams of their own, apart from the demo's
-NOVEL_SIDES = (112, 140, 168)
+NOVEL_SIDES = (112,)
 
 
-def make_novel_sample(seed: int, index: int, split: str = "train", word: str = NOVEL_SHAPE) -> Sample:
-    """A detection sample about `word`, a shape the demo model never saw, among the shapes it knows.
+def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "black") -> Sample:
+    """A sample about `word`, a colour (`NOVEL_COLORS`) or shape (`NOVEL_SHAPES`) the demo model never saw,
+    among the ones it knows; 112 x 112 images of 1-3 objects.
 
-    Train: 70 % ask for `word` alone, 15 % for `word` and a present known shape (either order), 15 % for `word`
-    in a scene without one (`<box>None</box>`). Eval: always `word` alone in a scene that has at least one.
+    A colour: referring phrases ("black square", "the black circle", "black shape", ...) for all matching
+    objects; 15 % of the training ones ask for a `word` object that is absent (`<box>None</box>`). A shape:
+    detection of `word`, 15 % of the training samples with a known shape too and 15 % without any `word`.
+    Held-out samples always ask for something present.
     """
     rng = np.random.default_rng([NOVEL_SPLITS[split], seed, index])
-    kind = rng.random() if split == "train" else 0.0
-    if kind < 0.85:
-        scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (word,), NOVEL_SIDES)
-        while not any(o.shape == word for o in scene.objects):  # the placement may drop every `word`
-            scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (word,), NOVEL_SIDES)
+    negative = split == "train" and rng.random() < 0.15
+    colors = {**COLORS, **NOVEL_COLORS}
+    if negative and word in NOVEL_SHAPES:
+        scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (), NOVEL_SIDES, colors)
     else:
-        scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (), NOVEL_SIDES)
+        while True:  # the placement may drop every `word` object; draw again
+            scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES + NOVEL_SHAPES, (word,), NOVEL_SIDES, colors)
+            if any(word in (o.color, o.shape) for o in scene.objects):
+                break
+    if word in NOVEL_COLORS:
+        present = sorted({o.shape for o in scene.objects if o.color == word})
+        if negative:
+            absent = [s for s in SHAPES if s not in present]
+            return Sample(scene, _grounding("refer", _phrase(rng, word, str(rng.choice(absent))), scene))
+        shape = None if rng.random() < 0.2 else present[int(rng.integers(len(present)))]
+        return Sample(scene, _grounding("refer", _phrase(rng, word, shape), scene))
     categories = [word]
     known = sorted({o.shape for o in scene.objects} - {word})
-    if 0.7 <= kind < 0.85 and known:
+    if not negative and known and rng.random() < 0.18:
+        categories.insert(int(rng.integers(2)), known[int(rng.integers(len(known)))])
+    if negative and known and rng.random() < 0.5:
         categories.insert(int(rng.integers(2)), known[int(rng.integers(len(known)))])
     parts, targets = [], []
     for category in categories:
@@ -416,7 +434,6 @@ def make_novel_sample(seed: int, index: int, split: str = "train", word: str = N
             parts.append(f"<ref>{category}</ref><box>{_coords_text(t.box_norm)}</box>")
         if not matched:
             parts.append(f"<ref>{category}</ref><box>None</box>")
-    negative = not any(o.shape == word for o in scene.objects)
     return Sample(scene, Task("detect", categories, "".join(parts), tuple(targets), negative))
 
 

@@ -348,10 +348,10 @@ def encode(sample: Sample, tokenizer: Tokenizer, ids: TokenIds) -> Encoded:
 ROW_FIELDS = ("ids", "positions", "targets", "kinds", "clean_lim", "own_lo", "own_hi", "image_slot")
 
 
-def collate_rows(samples: list[Encoded], pad_id: int) -> dict[str, np.ndarray]:
-    """The rows of `samples`, padded to a LENGTH_BUCKET multiple; padding rows see only themselves."""
+def collate_rows(samples: list[Encoded], pad_id: int, bucket: int = LENGTH_BUCKET) -> dict[str, np.ndarray]:
+    """The rows of `samples`, padded to a `bucket` multiple; padding rows see only themselves."""
     B = len(samples)
-    T = -(-max(len(s.ids) for s in samples) // LENGTH_BUCKET) * LENGTH_BUCKET
+    T = -(-max(len(s.ids) for s in samples) // bucket) * bucket
     batch = {
         "ids": np.full((B, T), pad_id, np.int32),
         "positions": np.zeros((B, T), np.int32),

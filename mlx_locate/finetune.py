@@ -1,0 +1,159 @@
+"""mlx-locate-finetune: teach a LocateAnything checkpoint your own boxes with LoRA (next-token + block losses).
+
+    mlx-locate-finetune --model demo --data train.jsonl --images images/ --out adapters/
+    mlx-locate --model demo --adapter adapters/ --image shot.png --query "my part"
+
+`--data` is LocateAnything SFT JSONL, a recipe JSON of such files, or COCO instances (`tuner/datasets.py`).
+The training itself is `tuner/finetune.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .loader import DTYPES
+from .tuner.datasets import read_data, split
+from .tuner.finetune import MODES, FinetuneOptions, finetune, load_base
+from .tuner.lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
+
+DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_DROPOUT = 64, 128.0, 0.05  # NVIDIA's LoRA script
+DEFAULT_HELD_OUT = 0.1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-locate-finetune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="demo", help="base checkpoint: folder, hub id or 'demo' (float or quantized)")
+    p.add_argument("--data", required=True, help="training data: SFT .jsonl, recipe .json or COCO instances .json")
+    p.add_argument("--images", help="folder the data's image paths are relative to (default: the data's folder)")
+    p.add_argument("--out", required=True, help="output folder: adapter, checkpoints, log.jsonl, training.png")
+    p.add_argument("--val-data", help="held-out data (default: a --val-fraction of --data's images)")
+    p.add_argument("--val-fraction", type=float, default=DEFAULT_HELD_OUT, help="held-out share (default: 0.1)")
+    p.add_argument("--categories-per-prompt", type=int, default=10, help="COCO: categories per detection prompt")
+    p.add_argument("--dtype", choices=list(DTYPES), help="cast the base (CPU: float32; bf16 has no BLAS there)")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--batch-size", type=int, default=4)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--warmup", type=int, help="warmup steps (default: a tenth of --steps, at most 500)")
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--grad-checkpoint", action="store_true", help="recompute decoder activations (less memory)")
+    t.add_argument("--no-compile", action="store_true")
+
+    lo = p.add_argument_group("LoRA")
+    lo.add_argument("--rank", type=int, default=DEFAULT_RANK, help="decoder LoRA rank (default: 64)")
+    lo.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="scale = alpha / rank (default: 128)")
+    lo.add_argument("--dropout", type=float, default=DEFAULT_DROPOUT, help="LoRA input dropout (default: 0.05)")
+    lo.add_argument("--lora-layers", type=int, help="LoRA on the last N decoder layers (default: all)")
+    lo.add_argument("--lora-keys", nargs="+", choices=DECODER_KEYS, default=list(DECODER_KEYS), metavar="KEY")
+    lo.add_argument("--vision-rank", type=int, default=0, help="LoRA on the vision tower too, this rank (0: frozen)")
+    lo.add_argument("--vision-alpha", type=float, help="vision LoRA alpha (default: 2 x --vision-rank)")
+    lo.add_argument("--vision-layers", type=int, help="vision LoRA on the last N blocks (default: all)")
+    lo.add_argument("--freeze-connector", action="store_true", help="do not train the connector (mlp1)")
+
+    e = p.add_argument_group("held-out evaluation, checkpoints")
+    e.add_argument("--eval-every", type=int, default=100, help="score the held-out split every N steps (0: start, end)")
+    e.add_argument("--eval-samples", type=int, default=64, help="held-out samples decoded for F1")
+    e.add_argument("--eval-modes", nargs="+", choices=MODES, default=list(MODES))
+    e.add_argument("--eval-max-tokens", type=int, default=256)
+    e.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at every evaluation)")
+    e.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    e.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    e.add_argument("--no-plot", action="store_true", help="do not draw training.png (needs matplotlib)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def specs(args: argparse.Namespace) -> AdapterSpec:
+    decoder = LoRASpec(args.rank, args.alpha, args.dropout, args.lora_layers, tuple(args.lora_keys))
+    vision = None
+    if args.vision_rank:
+        alpha = 2.0 * args.vision_rank if args.vision_alpha is None else args.vision_alpha
+        vision = LoRASpec(args.vision_rank, alpha, args.dropout, args.vision_layers, VISION_KEYS)
+    return AdapterSpec(decoder, vision, () if args.freeze_connector else ("mlp1",))
+
+
+def options(args: argparse.Namespace) -> FinetuneOptions:
+    for name in ("steps", "batch_size", "eval_samples", "eval_max_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    return FinetuneOptions(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        clip=args.clip,
+        seed=args.seed,
+        grad_checkpoint=args.grad_checkpoint,
+        compile=not args.no_compile,
+        eval_every=args.eval_every,
+        eval_samples=args.eval_samples,
+        eval_modes=tuple(args.eval_modes),
+        eval_max_tokens=args.eval_max_tokens,
+        save_every=args.save_every,
+    )
+
+
+def summary_table(result) -> str:
+    lines = ["mode      F1@0.5 before   after"]
+    for mode, after in result.after["f1"].items():
+        before = result.before["f1"].get(mode, {}).get("f1@0.5")
+        cells = [f"{v:>13.3f}" if v is not None else f"{'-':>13}" for v in (before, after["f1@0.5"])]
+        lines.append(f"{mode:<8}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        spec, opts = specs(args), options(args)
+        records = read_data(args.data, args.images, args.categories_per_prompt, args.seed)
+        if args.val_data:
+            train, held = records, read_data(args.val_data, args.images, args.categories_per_prompt, args.seed)
+        else:
+            train, held = split(records, args.val_fraction, args.seed)
+        base = load_base(args.model, args.dtype)
+        result = finetune(
+            base,
+            train,
+            held,
+            args.out,
+            spec,
+            opts,
+            resume=args.resume,
+            force=args.force,
+            progress=not args.no_progress,
+            draw=not args.no_plot,
+        )
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = {
+        "out": str(result.out),
+        "before": result.before,
+        "after": result.after,
+        "steps_per_s": result.steps_per_s,
+        "samples_per_s": result.samples_per_s,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "trainable_parameters": result.trainable_parameters,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(summary_table(result))
+        print(
+            f"{result.steps_per_s:.2f} steps/s, {result.samples_per_s:.1f} samples/s, peak memory "
+            f"{result.peak_memory_bytes / 2**20:.0f} MiB; adapter in {result.out} "
+            f"(mlx-locate --model {args.model} --adapter {result.out} ...)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

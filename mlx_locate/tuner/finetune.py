@@ -1,0 +1,513 @@
+"""Fine-tune a LocateAnything checkpoint with LoRA on the next-token and block objectives (TRAINING.md).
+
+NVIDIA's LoRA recipe on MLX: LoRA on every decoder projection (`lora.DECODER_KEYS`, rank 64, alpha 128), the
+connector trained whole, the vision tower frozen (or with LoRA of its own), the base float or quantized (a q8 or
+mixed_4_8 conversion) and never written. Each step is `train.Trainer`'s: the NTP and block streams of every
+sample in one sequence under the §2.2 mask, one float32 cross-entropy, AdamW with warmup and cosine decay.
+
+A frozen tower runs once per image (its merged rows are cached) and only the connector and the decoder run in
+the step. Every `eval_every` steps the held-out split is scored: its loss per stream, and F1@0.5 per decoding
+mode through the engine (`LocateModel.locate_many`) on a view of the network being trained. The output folder
+gets the adapter (`adapters.safetensors` + `adapter_config.json`), checkpoints to resume from, `log.jsonl`
+and `training.png`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..config import ModelConfig
+from ..engine import Request, RequestError
+from ..loader import build_model, read_json, resolve
+from ..locate import LocateModel
+from ..model import LocateAnything
+from ..preprocess import IN_TOKEN_LIMIT, preprocess
+from ..projector import merge_2x2
+from ..tokenizer import Tokenizer
+from ..vision import rope2d_tables
+from .datasets import Example, Record, box_counts, encode_record, truth_of
+from .lora import ADAPTER_FILE, AdapterSpec, add_lora, save_adapter
+from .train import KIND_NTP, NUM_KINDS, STAT_COLUMNS, Trainer, TrainOptions, collate_rows, describe, learning_rate
+
+MODES = ("slow", "fast", "hybrid")
+ROW_BUCKET = 64  # merged image rows (and patches / 4) are padded to a multiple of this: few compiled shapes
+CHECKPOINTS = "checkpoints"
+KEEP_CHECKPOINTS = 3  # as NVIDIA's save_total_limit
+LOG_FILE = "log.jsonl"
+PLOT_FILE = "training.png"
+
+
+@dataclass(frozen=True)
+class FinetuneOptions:
+    steps: int = 1000
+    batch_size: int = 4
+    lr: float = 1e-4
+    warmup: int | None = None  # None: a tenth of the steps, at most NVIDIA's 500
+    weight_decay: float = 0.01  # NVIDIA's
+    clip: float = 1.0
+    seed: int = 0
+    grad_checkpoint: bool = False
+    compile: bool = True
+    log_every: int = 10
+    eval_every: int = 100  # also at step 0 and at the end; 0: only then
+    eval_samples: int = 64  # held-out samples scored for F1 (the loss uses all of them)
+    eval_modes: tuple[str, ...] = MODES
+    eval_max_tokens: int = 256
+    save_every: int | None = None  # checkpoints; None: at every evaluation
+    feature_cache_mb: int = 4096  # frozen-tower rows kept in memory
+    row_bucket: int = 32  # sequences are padded to a multiple of this (each length compiles once)
+
+    def warmup_steps(self) -> int:
+        return min(500, max(1, self.steps // 10)) if self.warmup is None else self.warmup
+
+
+@dataclass
+class FinetuneResult:
+    out: Path
+    history: list[dict]  # log lines: training steps and evaluations
+    before: dict  # the first evaluation (step 0)
+    after: dict  # the last one
+    steps_per_s: float
+    samples_per_s: float
+    peak_memory_bytes: int
+    trainable_parameters: int
+    train_samples: int
+    eval_samples: int
+    skipped: dict = field(default_factory=dict)  # records left out, by reason
+
+
+# --- The base model -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Base:
+    network: LocateAnything  # unfused: fine-tuning wraps its projections
+    tokenizer: Tokenizer
+    in_token_limit: int
+    path: str
+
+    def max_length(self) -> int:
+        """Rows a sample may have: as `LocateModel.max_length` (tokenizer and position limits)."""
+        positions = self.network.config.raw.get("text_config", {}).get("max_position_embeddings")
+        return min(self.tokenizer.model_max_length, positions or self.tokenizer.model_max_length)
+
+
+def load_base(path_or_hub_id: str | Path, dtype: str | None = None) -> Base:
+    """The network as `locate.load` builds it, before the inference-only fusing of projections."""
+    folder = resolve(path_or_hub_id)
+    raw = read_json(folder, "config.json")
+    tokenizer = Tokenizer.from_folder(folder)
+    network = build_model(folder, ModelConfig.from_dict(raw), tokenizer.token_ids(raw), dtype)
+    limit = IN_TOKEN_LIMIT
+    if (folder / "preprocessor_config.json").is_file():
+        limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
+    return Base(network, tokenizer, limit, str(path_or_hub_id))
+
+
+def module_view(module):
+    """A copy of a module tree that shares every array: inference may fuse its projections, not the original's."""
+    if isinstance(module, nn.Module):
+        view = copy.copy(module)
+        for key, value in module.items():
+            view[key] = module_view(value)
+        return view
+    if isinstance(module, list):
+        return [module_view(m) for m in module]
+    if isinstance(module, dict):
+        return {k: module_view(v) for k, v in module.items()}
+    return module
+
+
+def inference_model(base: Base) -> LocateModel:
+    """`LocateModel` over a view of the network as it is now (LoRA unmerged, dropout off)."""
+    view = module_view(base.network)
+    view.eval()
+    return LocateModel(view, base.tokenizer, base.in_token_limit)
+
+
+# --- Images ---------------------------------------------------------------------------------------------------
+
+
+def padded(n: int) -> int:
+    return -(-n // ROW_BUCKET) * ROW_BUCKET
+
+
+class TowerRows:
+    """The frozen tower's merged rows (M, 4C) per image, computed once and kept up to a byte budget (LRU)."""
+
+    def __init__(self, base: Base, budget_bytes: int):
+        self.base, self.budget = base, budget_bytes
+        self.rows: OrderedDict[Path, mx.array] = OrderedDict()
+        self.bytes = 0
+
+    def __call__(self, image: Path) -> mx.array:
+        if image in self.rows:
+            self.rows.move_to_end(image)
+            return self.rows[image]
+        network = self.base.network
+        pre = preprocess(image, self.base.in_token_limit, network.config.vision.patch_size)
+        rows = merge_2x2(network.vision_model(mx.array(pre.patches), pre.grid), pre.grid)
+        mx.eval(rows)
+        self.rows[image] = rows
+        self.bytes += rows.nbytes
+        while self.bytes > self.budget and len(self.rows) > 1:
+            self.bytes -= self.rows.popitem(last=False)[1].nbytes
+        return rows
+
+
+def merged_batch(rows: list[mx.array]) -> mx.array:
+    """(B, M, 4C) with M padded to ROW_BUCKET (the padding rows are never spliced)."""
+    m = padded(max(r.shape[0] for r in rows))
+    return mx.stack([mx.pad(r, [(0, m - r.shape[0]), (0, 0)]) for r in rows])
+
+
+def tower_inputs(base: Base, images: list[Path]) -> dict[str, np.ndarray | mx.array]:
+    """Padded patches and per-image tower inputs for a tower that trains (LoRA): `train.tower_features`."""
+    network = base.network
+    v = network.config.vision
+    pres = [preprocess(p, base.in_token_limit, v.patch_size) for p in images]
+    n = 4 * padded(max(pre.patches.shape[0] for pre in pres) // 4)
+    B = len(pres)
+    patches = np.zeros((B, n, 3 * v.patch_size**2), np.float32)
+    cos = np.ones((B, n, v.head_dim // 2), np.float32)
+    sin = np.zeros((B, n, v.head_dim // 2), np.float32)
+    valid = np.zeros((B, n), bool)
+    merge = np.zeros((B, n), np.int32)
+    pos = []
+    for b, pre in enumerate(pres):
+        h, w = pre.grid
+        patches[b, : h * w] = pre.patches.reshape(h * w, -1)
+        c, s = rope2d_tables(h, w, v.head_dim, v.rope_theta)
+        cos[b, : h * w], sin[b, : h * w], valid[b, : h * w] = np.array(c), np.array(s), True
+        i, j = np.meshgrid(np.arange(h // 2), np.arange(w // 2), indexing="ij")
+        top = (2 * i * w + 2 * j).reshape(-1, 1)
+        merge[b, : h * w] = np.concatenate([top, top + 1, top + w, top + w + 1], axis=1).reshape(-1)
+        table = network.vision_model.patch_embed.pos_emb(h, w)
+        pos.append(mx.pad(table, [(0, n - h * w), (0, 0)]))
+    return {"patches": patches, "pos": mx.stack(pos), "cos": cos, "sin": sin, "valid": valid, "merge": merge}
+
+
+# --- Examples -------------------------------------------------------------------------------------------------
+
+
+def encode_examples(base: Base, records: list[Record], max_length: int) -> tuple[list[Example], dict[str, int]]:
+    """Records as examples; those whose image cannot be read or whose rows exceed `max_length` are counted out."""
+    from ..preprocess import load_image, target_size
+
+    network, tok = base.network, base.tokenizer
+    patch = network.config.vision.patch_size
+    examples, skipped = [], {}
+    sizes: dict[Path, tuple[int, int]] = {}
+    for record in records:
+        if record.image not in sizes:
+            if not record.image.is_file():
+                raise FileNotFoundError(f"{record.where}: image {record.image} does not exist")
+            sizes[record.image] = load_image(record.image).size
+        size = sizes[record.image]
+        final = target_size(*size, in_token_limit=base.in_token_limit, patch=patch).final
+        grid = (final[1] // patch, final[0] // patch)
+        rows = encode_record(record, grid, tok, network.token_ids)
+        if len(rows.ids) > max_length:
+            skipped[f"longer than {max_length} rows"] = skipped.get(f"longer than {max_length} rows", 0) + 1
+            continue
+        truth = truth_of(record.turns[0].answer, tok, network.token_ids, size)
+        examples.append(Example(record, rows, grid, truth))
+    return examples, skipped
+
+
+class Batches:
+    """Batch `step` of an epoch-wise seeded shuffle: the same steps give the same batches after a resume."""
+
+    def __init__(self, n: int, batch_size: int, seed: int):
+        if n < batch_size:
+            raise ValueError(f"{n} training samples are fewer than the batch size {batch_size}")
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.per_epoch = n // batch_size
+
+    def indices(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+
+
+def make_batch(examples: list[Example], base: Base, tower: TowerRows | None, pad_id: int, bucket: int) -> dict:
+    batch = collate_rows([e.rows for e in examples], pad_id, bucket)
+    images = [e.record.image for e in examples]
+    if tower is None:
+        batch.update(tower_inputs(base, images))
+    else:
+        batch["merged"] = merged_batch([tower(p) for p in images])
+    return batch
+
+
+# --- Evaluation ------------------------------------------------------------------------------------------------
+
+
+def f1_scores(model: LocateModel, examples: list[Example], modes: tuple[str, ...], max_tokens: int) -> dict:
+    """F1@0.5 of the boxes (matched per label), ended rate and errors per mode, through the engine."""
+    requests = [
+        Request(e.record.image, prompt=e.record.turns[0].user, mode=mode, max_tokens=max_tokens)
+        for mode in modes
+        for e in examples
+    ]
+    results = model.locate_many(requests)
+    out = {}
+    for m, mode in enumerate(modes):
+        matched = pred = gt = ended = errors = 0
+        for k, e in enumerate(examples):
+            r = results[m * len(examples) + k]
+            if isinstance(r, RequestError):
+                errors += 1
+                gt += sum(o.box_norm is not None for o in e.truth)
+                continue
+            a, b, c = box_counts(e.truth, r.objects)
+            matched, pred, gt = matched + a, pred + b, gt + c
+            ended += r.stats["stop_reason"] != "length_cap"
+        out[mode] = {
+            "f1@0.5": 2 * matched / (pred + gt) if pred + gt else None,
+            "boxes_pred": pred,
+            "boxes_gt": gt,
+            "ended_rate": ended / len(examples) if examples else None,
+            "errors": errors,
+        }
+    return out
+
+
+def held_out_loss(
+    trainer: Trainer, examples: list[Example], base: Base, tower, options: FinetuneOptions, pad: int
+) -> dict:
+    stats = mx.zeros((3, STAT_COLUMNS))
+    size = options.batch_size
+    for i in range(0, len(examples), size):
+        _, s = trainer.score(make_batch(examples[i : i + size], base, tower, pad, options.row_bucket))
+        stats = stats + s
+    d = describe(np.array(stats))
+    ce, n, _ = np.array(stats)
+    d["loss"] = float(ce[KIND_NTP:NUM_KINDS].sum() / max(n[KIND_NTP:NUM_KINDS].sum(), 1))
+    return d
+
+
+# --- Checkpoints ------------------------------------------------------------------------------------------------
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    return sorted((out / CHECKPOINTS).glob("step-*"))
+
+
+def save_checkpoint(out: Path, step: int, base: Base, trainer: Trainer, spec: AdapterSpec, state: dict) -> None:
+    """Adapter, optimizer and random state, and the run's state, as `checkpoints/step-N/` (the last few kept)."""
+    folder = out / CHECKPOINTS / f"step-{step:07d}"
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_adapter(tmp, base.network, spec, base_model=base.path, step=step)
+    arrays = dict(tree_flatten(trainer.optimizer.state))
+    arrays["random_state"] = mx.random.state[0]
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), arrays)
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step}) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    for old in checkpoint_dirs(out)[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old)
+
+
+def restore_checkpoint(folder: Path, base: Base, trainer: Trainer) -> dict:
+    """Load a checkpoint's trained tensors, optimizer and random state; returns its run state."""
+    weights = mx.load(str(folder / ADAPTER_FILE))
+    trainable = dict(tree_flatten(base.network.trainable_parameters()))
+    if weights.keys() != trainable.keys():
+        raise ValueError(f"{folder}: the checkpoint's tensors do not match this run's LoRA settings")
+    base.network.update(tree_unflatten([(k, v.astype(trainable[k].dtype)) for k, v in weights.items()]))
+    arrays = mx.load(str(folder / "optimizer.safetensors"))
+    mx.random.state[0] = arrays.pop("random_state")
+    trainer.optimizer.state.update(tree_unflatten(list(arrays.items())))
+    return json.loads((folder / "state.json").read_text())
+
+
+# --- The plot ---------------------------------------------------------------------------------------------------
+
+
+def require_matplotlib():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError(
+            'the training plot needs matplotlib: pip install "mlx-locate[finetune]" (or pass --no-plot)'
+        ) from e
+    return plt
+
+
+def plot(history: list[dict], path: Path) -> None:
+    """Training and held-out loss, and held-out F1@0.5 per mode, against the step (matplotlib, `[finetune]`)."""
+    plt = require_matplotlib()
+    train = [h for h in history if "loss" in h]
+    evals = [h for h in history if "eval" in h]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    for key, name in (("loss", "train"), ("ntp_loss", "train NTP"), ("block_loss", "train block")):
+        left.plot([h["step"] for h in train], [h[key] for h in train], label=name, lw=1)
+    left.plot([h["step"] for h in evals], [h["eval"]["loss"] for h in evals], "o-", label="held-out", lw=1.5)
+    left.set(xlabel="step", ylabel="cross-entropy", yscale="log", title="loss")
+    left.legend()
+    for mode in evals[0]["eval"]["f1"] if evals else ():
+        values = [h["eval"]["f1"][mode]["f1@0.5"] or 0.0 for h in evals]
+        right.plot([h["step"] for h in evals], values, "o-", label=mode)
+    right.set(xlabel="step", ylabel="F1@0.5", ylim=(-0.02, 1.02), title="held-out F1@0.5")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --- The run ----------------------------------------------------------------------------------------------------
+
+
+def check_out(out: Path, resume: bool, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a folder")
+    if resume:
+        if not checkpoint_dirs(out):
+            raise FileNotFoundError(f"{out}: no checkpoint to resume from")
+    elif out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{out} already exists; pass --resume to continue its run or --force to replace it")
+
+
+def finetune(
+    base: Base,
+    train_records: list[Record],
+    eval_records: list[Record],
+    out: str | Path,
+    spec: AdapterSpec | None = None,
+    options: FinetuneOptions | None = None,
+    *,
+    resume: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    draw: bool = True,
+    say=print,
+) -> FinetuneResult:
+    """Train `spec`'s adapter on `base` (which it changes: LoRA layers, unfrozen connector) and write `out`."""
+    spec = AdapterSpec() if spec is None else spec
+    options = FinetuneOptions() if options is None else options
+    out = Path(out).expanduser()
+    check_out(out, resume, force)
+    if draw:
+        require_matplotlib()
+    for mode in options.eval_modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    mx.random.seed(options.seed)
+    trainable = add_lora(base.network, spec)
+    max_length = base.max_length()
+    train, skipped = encode_examples(base, train_records, max_length)
+    held, held_skipped = encode_examples(base, eval_records, max_length)
+    for reason, n in {**skipped, **held_skipped}.items():
+        say(f"[INFO] left out {n} sample(s): {reason}")
+    batches = Batches(len(train), options.batch_size, options.seed)
+    tower = None if spec.vision is not None else TowerRows(base, options.feature_cache_mb * 2**20)
+    trainer = Trainer(
+        base.network,
+        TrainOptions(
+            options.lr, options.weight_decay, options.clip, "float32", options.compile, options.grad_checkpoint
+        ),
+        tables={},
+    )
+    pad = base.tokenizer.added_tokens.get("<|endoftext|>", base.network.token_ids.im_end)  # padding rows' input
+    state = {"history": [], "options": asdict(options), "spec": json.loads(json.dumps(asdict(spec)))}
+    start = 0
+    if resume:
+        last = checkpoint_dirs(out)[-1]
+        saved = restore_checkpoint(last, base, trainer)
+        if saved["spec"] != state["spec"]:
+            raise ValueError(f"{last}: saved with other LoRA settings ({saved['spec']})")
+        state["history"], start = saved["history"], saved["step"]
+        say(f"[INFO] resuming from {last} (step {start})")
+    out.mkdir(parents=True, exist_ok=True)
+    say(
+        f"[INFO] {len(train)} training and {len(held)} held-out samples; {trainable / 1e6:.2f} M trainable "
+        f"parameters; {options.steps} steps x {options.batch_size}"
+    )
+    scored = held[: options.eval_samples]
+
+    def evaluate(step: int) -> dict:
+        entry = {"step": step, "eval": {"loss": None, "f1": {}}}
+        if held:
+            entry["eval"].update(held_out_loss(trainer, held, base, tower, options, pad))
+            entry["eval"]["f1"] = f1_scores(inference_model(base), scored, options.eval_modes, options.eval_max_tokens)
+        return entry
+
+    def record(entry: dict) -> None:
+        state["history"].append(entry)
+        with (out / LOG_FILE).open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    if start == 0:
+        record(evaluate(0))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=options.steps, initial=start, unit="step", desc="fine-tuning")
+    warmup = options.warmup_steps()
+    save_every = options.save_every or options.eval_every
+    acc, loss_sum, seen = mx.zeros((3, STAT_COLUMNS)), mx.zeros(()), 0
+    t_start = t_last = time.perf_counter()
+    previous = None
+    mx.reset_peak_memory()
+    for step in range(start, options.steps):
+        batch = make_batch([train[i] for i in batches.indices(step)], base, tower, pad, options.row_bucket)
+        lr = learning_rate(step, options.steps, options.lr, warmup)
+        loss, stats, norm = trainer.step(batch, lr)
+        if previous is not None:
+            mx.eval(previous)  # at most two steps queued
+        previous = loss
+        acc, loss_sum, seen = acc + stats, loss_sum + loss, seen + 1
+        done = step + 1
+        if done % options.log_every == 0 or done == options.steps:
+            now = time.perf_counter()
+            entry = {"step": done, "loss": loss_sum.item() / seen, **describe(np.array(acc))}
+            entry.update(grad_norm=norm.item(), lr=lr, samples_per_s=seen * options.batch_size / (now - t_last))
+            record(entry)
+            if bar is not None:
+                bar.set_postfix(loss=f"{entry['loss']:.3f}")
+            acc, loss_sum, seen, t_last = mx.zeros((3, STAT_COLUMNS)), mx.zeros(()), 0, now
+        if bar is not None:
+            bar.update(1)
+        if (options.eval_every and done % options.eval_every == 0) or done == options.steps:
+            record(evaluate(done))
+            if draw:
+                plot(state["history"], out / PLOT_FILE)
+        if done % save_every == 0 or done == options.steps:
+            save_checkpoint(out, done, base, trainer, spec, state)
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_start
+    ran = options.steps - start
+    save_adapter(out, base.network, spec, base_model=base.path, steps=options.steps, options=asdict(options))
+    evals = [h for h in state["history"] if "eval" in h]
+    return FinetuneResult(
+        out=out,
+        history=state["history"],
+        before=evals[0]["eval"],
+        after=evals[-1]["eval"],
+        steps_per_s=ran / elapsed if ran else math.nan,
+        samples_per_s=ran * options.batch_size / elapsed if ran else math.nan,
+        peak_memory_bytes=mx.get_peak_memory(),
+        trainable_parameters=trainable,
+        train_samples=len(train),
+        eval_samples=len(held),
+        skipped={**skipped, **held_skipped},
+    )
