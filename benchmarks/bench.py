@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from PIL import Image
@@ -34,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 import mlx_locate  # noqa: E402
 from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
+from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
+from mlx_locate.convert import quantization_plan  # noqa: E402
 from mlx_locate.decode import summary_functions  # noqa: E402
 from mlx_locate.engine import Request, Schedule, run_prefill  # noqa: E402
 from mlx_locate.loader import resolve  # noqa: E402
@@ -69,8 +72,9 @@ def make_image(size: tuple[int, int], out: Path) -> Path:
     return out
 
 
-def in_memory_model(preset: str, dtype: str) -> LocateModel:
-    """The preset's architecture with random weights drawn on the device (no checkpoint file)."""
+def in_memory_model(preset: str, dtype: str, quantize: str | None = None) -> LocateModel:
+    """The preset's architecture with random weights drawn on the device (no checkpoint file), quantized as the
+    converter's `quantize` preset would (q8, mixed_4_8, ...) when given."""
     p = PRESETS[preset]
     raw = p.config(dtype)
     config = ModelConfig.from_dict(raw)
@@ -84,6 +88,10 @@ def in_memory_model(preset: str, dtype: str) -> LocateModel:
 
     network.update(tree_map(draw, network.parameters()))
     mx.eval(network.parameters())
+    if quantize is not None:
+        plan, _ = quantization_plan(network, QUANT_PRESETS[quantize])
+        nn.quantize(network, class_predicate=lambda path, module: plan[path].params() if path in plan else False)
+        mx.eval(network.parameters())
     return LocateModel(network, tokenizer)
 
 
@@ -344,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--query", default=QUERY)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--in-memory", action="store_true", help="random weights on the device, no checkpoint")
+    parser.add_argument("--quantize", help="with --in-memory: quantize as mlx-locate-convert's preset (q8, ...)")
     parser.add_argument("--modes", nargs="+", default=["slow", "fast", "hybrid"])
     parser.add_argument(
         "--images", nargs="+", default=["640x480"], help="golden 640x480, WxH (generated) or an image file"
@@ -366,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve(args.model)
         model = mlx_locate.load(model_dir, dtype=args.dtype)
     elif args.in_memory:
-        model, model_dir = in_memory_model(args.preset, args.dtype), None
+        model, model_dir = in_memory_model(args.preset, args.dtype, args.quantize), None
     else:
         model_dir = work / f"{args.preset}-{args.dtype}"
         if not (model_dir / "config.json").is_file():
@@ -382,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             images[name] = make_image(tuple(int(v) for v in name.split("x")), work / f"{name}.png")
 
     report = {
-        "preset": args.model or args.preset,
+        "preset": args.model or args.preset + (f"-{args.quantize}" if args.quantize else ""),
         "query": args.query,
         "dtype": args.dtype,
         "device": str(mx.default_device()),

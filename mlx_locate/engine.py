@@ -23,13 +23,13 @@ device's picks before the read, as in slow mode alone; rows that do not continue
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -59,7 +59,7 @@ class PreparedImage(NamedTuple):
 
     rgb: Image.Image
     pre: Preprocessed
-    key: tuple  # (sha256 of the RGB bytes, size, grid)
+    key: tuple  # (sha256 of the resized pixels, original size, grid)
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Result:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out["objects"] = [{k: v for k, v in asdict(o).items() if v is not None or k == "label"} for o in self.objects]
+        out["objects"] = [o.to_dict() for o in self.objects]
         return out
 
 
@@ -156,6 +156,12 @@ class Schedule:
         return cls(mixed=gpu, dense=gpu)
 
 
+@lru_cache(maxsize=256)
+def row_sampling(settings: tuple[Sampling, ...]) -> RowSampling:
+    """The per-row sampling arrays of a batch, made once per mix of settings."""
+    return RowSampling.of(settings)
+
+
 def default_rows() -> int:
     """Rows per step when the caller does not say: 16 on a GPU (a step is bound by reading the weights),
     4 on a CPU (bound by arithmetic)."""
@@ -188,7 +194,7 @@ def prepare_image(model: LocateModel, image: str | Path | Image.Image | Prepared
         return image
     rgb = to_rgb(load_image(image, max_pixels))
     pre = preprocess(rgb, in_token_limit=model.in_token_limit, patch_size=model.network.config.vision.patch_size)
-    return PreparedImage(rgb, pre, (hashlib.sha256(rgb.tobytes()).hexdigest(), rgb.size, pre.grid))
+    return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid))
 
 
 @dataclass(eq=False)
@@ -446,20 +452,22 @@ class Engine:
         """The compiled summary of one forward's logits, taken at `rows`' entries: (len(rows), width)."""
         R = rows_bucket(len(rows))
         pad = R - len(rows)
-        take = index + [i for i in range(logits.shape[0]) if i not in set(index)][:pad]
+        used = set(index)
+        take = index + [i for i in range(logits.shape[0]) if i not in used][:pad]
         take += [index[0]] * (R - len(take))
         if take != list(range(logits.shape[0])):
             logits = mx.take(logits, mx.array(take), axis=0)
-        settings = [row.options.sampling for row in rows]
+        settings = tuple(row.options.sampling for row in rows) + (Sampling(),) * pad
         features = Features.of(settings)
         block_fn, ar_fn = summary_functions(features, self.model.token_ids)
-        rs = RowSampling.of(settings + [Sampling()] * pad)
-        keys = mx.array([row.decoder.key() for row in rows] + [(0, 0)] * pad, dtype=mx.uint32)
-        seen = None
+        rs = row_sampling(settings)
+        keys = seen = ar_rows = None
+        if features.temperature:  # only draws need keys, and only their AR rows read a last row alone
+            keys = mx.array([row.decoder.key() for row in rows] + [(0, 0)] * pad, dtype=mx.uint32)
+            ar_rows = mx.array([row.decoder.next is Next.AR for row in rows] + [False] * pad)
         if features.penalty:
             seen = mx.take(self.seen, mx.array([row.slot for row in rows] + [self.cache.scratch] * pad), axis=0)
         if phase is Phase.BLOCK:
-            ar_rows = mx.array([row.decoder.next is Next.AR for row in rows] + [False] * pad)
             return block_fn(logits, seen, keys, rs, ar_rows)[: len(rows)]
         return ar_fn(logits, seen, keys, rs)[: len(rows)]
 
@@ -598,9 +606,7 @@ def build_result(model: LocateModel, row: _Row) -> Result:
     )
 
 
-def run_prefill(
-    model: LocateModel, cache: SlotCache, items: list[tuple[int, mx.array, int]]
-) -> dict[int, mx.array]:
+def run_prefill(model: LocateModel, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
     """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most PREFILL_ROWS rows
     (sequences x padded rows; a longer prompt goes in chunks); returns each cache row's last logits (1, V)."""
     last: dict[int, mx.array] = {}

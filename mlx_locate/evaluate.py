@@ -635,12 +635,12 @@ def _gui_breakdown(lines: list[dict], correct: list[float]) -> dict:
 
 
 def score_lines(lines: list[dict], mode: str, coco: dict | None = None) -> list[Row]:
-    """One row per `task_dataset` of the answer lines (in order of first appearance)."""
+    """One row per `task_dataset` of the answer lines, sorted by name (lines are written as they finish)."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for ln in lines:
         groups.setdefault((ln["task_name"], ln["dataset_name"]), []).append(ln)
     rows = []
-    for (task, dataset), group in groups.items():
+    for (task, dataset), group in sorted(groups.items()):
         scored = [ln for ln in group if "error" not in ln]
         row = Row(f"{task}_{dataset}", task, mode, len(scored), "box", errors=len(group) - len(scored))
         cleaned = [clean_predictions(ln["extracted_predictions"]) for ln in scored]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from .tokens import TokenIds
 
@@ -22,6 +22,10 @@ class LocatedObject:
     point: tuple[float, float] | None  # x, y in original pixels, clamped
     point_norm: tuple[int, int] | None  # 0..1000
     confidence: float | None  # geometric mean of the probabilities of <box>, the coordinates and </box>
+
+    def to_dict(self) -> dict:
+        """JSON fields: the label, and the box or the point (pixels and 0..1000) with its confidence."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "label"}
 
 
 @dataclass(frozen=True)

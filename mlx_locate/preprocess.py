@@ -6,6 +6,7 @@ patches are bit-identical to the reference's `pixel_values`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
@@ -29,6 +30,7 @@ class Preprocessed(NamedTuple):
     grid: tuple[int, int]  # (h, w) in patches; L = h * w
     processed_size: tuple[int, int]  # (W, H) in pixels of the stretched image
     original_size: tuple[int, int]  # (W0, H0) after RGB conversion; model coordinates map onto this
+    digest: str  # sha256 of the resized pixels: what the vision features depend on, so their cache key
 
 
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb warning threshold (1024 * 1024 * 1024 // 4 // 3)
@@ -211,10 +213,12 @@ def preprocess(
     if sizes.final != rgb.size:
         rgb = rgb.resize(sizes.final, Image.Resampling.BICUBIC)
 
-    patches, grid = patchify(np.asarray(rgb, dtype=np.uint8), patch_size)
+    pixels = np.asarray(rgb, dtype=np.uint8)
+    digest = hashlib.sha256(pixels.tobytes()).hexdigest()
+    patches, grid = patchify(pixels, patch_size)
     patches = patches.astype(np.float32)
     # Same float32 operations as the reference's ToTensor + Normalize(0.5, 0.5): x / 255, then (x - 0.5) / 0.5.
     patches /= np.float32(255.0)
     patches -= np.float32(0.5)
     patches /= np.float32(0.5)
-    return Preprocessed(patches, grid, sizes.final, original_size)
+    return Preprocessed(patches, grid, sizes.final, original_size, digest)

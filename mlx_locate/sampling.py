@@ -9,6 +9,7 @@ e.g. `mx.compile(partial(block_summary, f=features, ids=ids))`. A step then need
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -34,10 +35,17 @@ class Sampling:
     OFFICIAL: ClassVar[Sampling]
 
     def __post_init__(self) -> None:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
+        finite = all(math.isfinite(v) for v in (self.temperature, self.top_p, self.repetition_penalty))
+        if (
+            not finite
+            or self.temperature < 0
+            or not 0 < self.top_p <= 1
+            or self.top_k < 0
+            or self.repetition_penalty <= 0
+        ):
             raise ValueError(
-                f"invalid sampling settings {self}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, "
-                "repetition_penalty > 0"
+                f"invalid sampling settings {self}: need finite numbers with temperature >= 0, 0 < top_p <= 1, "
+                "top_k >= 0, repetition_penalty > 0"
             )
 
 

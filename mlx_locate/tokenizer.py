@@ -99,6 +99,11 @@ class Tokenizer:
         return cls(tok, int(config.get("model_max_length", DEFAULT_MODEL_MAX_LENGTH)))
 
     def encode(self, text: str) -> list[int]:
+        """Ids of `text`; `ValueError` for text that is not valid Unicode (a lone surrogate)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the text is not valid Unicode ({e.reason} at position {e.start})") from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

@@ -346,15 +346,15 @@ def test_default_limit_is_pillows_warning_threshold():
     assert DEFAULT_MAX_PIXELS == int(1024 * 1024 * 1024 // 4 // 3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Session.locate asserts that the prompt extends the image prefix (locate.py, the lead's): a query "
-    "holding the image placeholder must be a clear ValueError",
-)
 def test_image_placeholder_inside_a_query(demo):
+    """Rendering A puts the image where the user text names it (MODEL.md §8.1), as the reference does; rendering B
+    always puts it first, so a second placeholder is a clear error."""
+    result = demo.locate(EXAMPLE, "the <image-1> square")
+    image = demo.token_ids.image
+    start = result.prompt_ids.index(image)
+    assert demo.tokenizer.decode(result.prompt_ids[:start]).endswith("the <image 1><img>")
     with pytest.raises(ValueError, match="<image-1>"):
-        demo.locate(EXAMPLE, "the <image-1> square")
+        demo.locate(EXAMPLE, "the <image-1> square", rendering="B")
 
 
 @pytest.mark.parametrize(

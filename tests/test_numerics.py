@@ -298,8 +298,8 @@ def test_vision_block():
 
 
 def test_vision_attention_split_over_cpu_streams(monkeypatch):
-    """Heads split over CPU streams give the single call's result bit for bit, against float64 too; a masked call
-    (a padded batch) is not split."""
+    """Heads split over CPU streams, and queries in chunks, give the single call's result bit for bit, against
+    float64 too; a masked call (a padded batch) is not split."""
     rng = np.random.default_rng(31)
     q, k, v = (rng.normal(size=(1, 5, 37, 8)) for _ in range(3))
     qm, km, vm = (mx.array(t.astype(np.float32)) for t in (q, k, v))
@@ -316,6 +316,11 @@ def test_vision_attention_split_over_cpu_streams(monkeypatch):
     calls.clear()
     vision.attention(qm, km, vm, scale, mx.ones((37, 37), dtype=mx.bool_))
     assert len(calls) == 1 and "stream" not in calls[0]
+    calls.clear()
+    monkeypatch.setattr(vision, "CPU_SCORES", 2 * 37 * 10)  # 10 query rows for 2 heads, 20 for 1
+    chunked = vision.attention(qm, km, vm, scale)
+    assert len(calls) == 4 + 2 + 4  # heads 2, 1, 2 over 3 streams
+    np.testing.assert_array_equal(np.array(chunked), np.array(whole))
 
 
 def test_vision_block_padded_batch_equals_each_image_alone():

@@ -34,7 +34,6 @@ from .protocol import (
     image_bytes,
     is_remote,
     locate_json,
-    object_json,
     open_image,
     result_json,
 )
@@ -548,7 +547,7 @@ async def event_stream(worker, job_requests, settings, start: dict, queries: lis
         async for i, event in job:
             where = {"query_index": i, "query": queries[i]}
             if event.kind is EventKind.OBJECT:
-                yield sse("object", {**where, **object_json(event.object)})
+                yield sse("object", {**where, **event.object.to_dict()})
             elif event.kind is EventKind.EMPTY:
                 yield sse("empty", {**where, "label": event.label})
             elif event.kind is EventKind.ERROR:
@@ -637,7 +636,7 @@ async def chat_stream(worker, job_requests, settings, completion_id, created, in
         yield chunk({"role": "assistant", "content": ""})
         async for _, event in job:
             if event.kind is EventKind.OBJECT:
-                yield chunk({"content": ""}, objects=[object_json(event.object)])
+                yield chunk({"content": ""}, objects=[event.object.to_dict()])
             elif event.kind is EventKind.ERROR:
                 yield f"data: {json.dumps(error_body('invalid_request', str(event.error)))}\n\n"
                 return

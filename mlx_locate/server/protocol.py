@@ -10,13 +10,12 @@ import base64
 import binascii
 import io
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from PIL import Image
 
 from ..engine import Request
 from ..locate import Result
-from ..parse import LocatedObject
 from ..preprocess import load_image
 from ..prompts import CATEGORY_SEPARATOR, task_text
 
@@ -107,11 +106,6 @@ def build_requests(image: Image.Image, queries: Sequence[str | None], task: str,
 def categories_query(categories: Sequence[str]) -> str:
     """Several categories asked in one detect prompt, as the CLI's `--categories` does."""
     return CATEGORY_SEPARATOR.join(c.strip() for c in categories)
-
-
-def object_json(obj: LocatedObject) -> dict:
-    """A box or point as `Result.to_dict` writes it: the label always, box or point fields when present."""
-    return {k: v for k, v in asdict(obj).items() if v is not None or k == "label"}
 
 
 RESULT_FIELDS = ("mode", "objects", "empty_labels", "truncated", "text", "stats")
