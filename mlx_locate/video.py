@@ -282,8 +282,8 @@ def locate_frames(
 ) -> Iterator[tuple[Frame, dict, bool]]:
     """`(frame, line, new)` for every frame, in order, with track ids set on its objects.
 
-    Frames in `done` (index -> its line from an earlier run) skip the model; the others go through one engine,
-    at most `2 * rows` requests in flight, so only the frames of that window are held in memory."""
+    Frames in `done` (index -> its line from an earlier run) skip the model; the others go through one engine.
+    At most `2 * rows` requests and as many frames are in flight, so memory does not grow with the video."""
     done = done or {}
     engine = model.engine(batch_size)
     window = max(2 * engine.max_rows, len(settings.queries))
@@ -294,7 +294,7 @@ def locate_frames(
     tracker: IouTracker | None = None
     exhausted = False
     while True:
-        while not exhausted and in_flight < window:
+        while not exhausted and in_flight < window and len(queue) < window:
             frame = next(frames, None)
             if frame is None:
                 exhausted = True
