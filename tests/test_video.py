@@ -52,7 +52,7 @@ class Runner:
     def __init__(self, model, capfd):
         self.model, self.capfd, self.loads = model, capfd, 0
 
-    def load(self, path, dtype=None):
+    def load(self, path, **options):
         self.loads += 1
         return self.model
 
@@ -141,7 +141,7 @@ def tracked(model, clip, tmp_path_factory):
         clip, paths["frames.jsonl"], "--annotated", str(paths["annotated.mp4"]), "--mot", str(paths["tracks.txt"])
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(video, "load", lambda path, dtype=None: model)
+        mp.setattr(video, "load", lambda path, **options: model)
         assert video.main(["--no-progress", *args]) == 0
     return paths
 
