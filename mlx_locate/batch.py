@@ -43,16 +43,13 @@ from tqdm import tqdm
 from .decide import Mode
 from .draw import draw_objects
 from .engine import EventKind, Request
-from .generate import DEFAULT_MODEL, DTYPES, positive_int, tiles_arg
+from .generate import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_MODEL, DEFAULT_TASK, DTYPES, positive_int, tiles_arg
 from .locate import LocateModel, Result, load
 from .parse import LocatedObject
 from .preprocess import load_image
 from .prompts import TASKS, task_text
 from .tiles import check_tiling
 
-DEFAULT_TASK = "detect"
-DEFAULT_MODE = Mode.HYBRID.value
-DEFAULT_MAX_TOKENS = 512
 DEFAULT_IMAGES_PER_TASK = 16
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LEAN_DROPPED = ("prompt_ids", "token_probs")  # per-token fields left out of the JSONL unless --full
