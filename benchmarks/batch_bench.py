@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     model, name = load_model(args)
-    folder = Path(args.folder) if args.folder else synthetic_folder(Path(args.workdir) / "scenes", args.scenes)
+    folder = (
+        Path(args.folder) if args.folder else synthetic_folder(Path(args.workdir) / f"scenes{args.scenes}", args.scenes)
+    )
     queries = [a for q in args.query or ["square"] for a in ("--query", q)]
     options = [*queries, "--mode", args.mode, "--max-tokens", str(args.max_tokens)]
     images = batch.list_images(str(folder))

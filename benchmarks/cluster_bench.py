@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="default: benchmarks/results/cluster_<model>.json")
     args = p.parse_args(argv)
 
-    folder = Path(args.folder) if args.folder else synthetic_folder(Path(args.workdir) / "scenes", args.scenes)
+    folder = (
+        Path(args.folder) if args.folder else synthetic_folder(Path(args.workdir) / f"scenes{args.scenes}", args.scenes)
+    )
     paths = [str(Path(path).resolve()) for path in batch.list_images(str(folder))]
     questions = tuple(batch.Question("detect", q) for q in args.query or ["square"])
     settings = batch.Settings(questions, mode=args.mode, max_tokens=args.max_tokens, batch_size=args.batch_size)

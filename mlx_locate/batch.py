@@ -43,20 +43,18 @@ from tqdm import tqdm
 from .decide import Mode
 from .draw import draw_objects
 from .engine import EventKind, Request
-from .generate import DEFAULT_MODEL, DTYPES, positive_int, tiles_arg
+from .generate import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_MODEL, DEFAULT_TASK, DTYPES, positive_int, tiles_arg
 from .locate import LocateModel, Result, load
 from .parse import LocatedObject
 from .preprocess import load_image
 from .prompts import TASKS, task_text
 from .tiles import check_tiling
 
-DEFAULT_TASK = "detect"
-DEFAULT_MODE = Mode.HYBRID.value
-DEFAULT_MAX_TOKENS = 512
 DEFAULT_IMAGES_PER_TASK = 16
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 LEAN_DROPPED = ("prompt_ids", "token_probs")  # per-token fields left out of the JSONL unless --full
 QUESTION_KEYS = ("task", "query", "prompt")  # what a result entry says about its question
+LINE_START = b'{"image": '  # how every line Jsonl writes begins (json.dumps keeps the key order)
 
 
 class Question(NamedTuple):
@@ -308,21 +306,20 @@ def question_keys(entry: dict) -> list[dict]:
 def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool = True) -> dict[str, bool]:
     """The images already in the JSONL at `path`, each mapped to whether it was answered (False: error line).
 
-    A last line without its newline (an interrupted write) is cut off the file (`repair`) or ignored. A
-    complete line that is not JSON, or that answers other questions than `questions`, raises `ValueError`:
-    nothing is rewritten."""
+    A complete line that is not JSON or not ours, or that answers other questions than `questions`, raises
+    `ValueError` and nothing is changed. Then a last line of ours cut short (an interrupted write) is cut off
+    the file (`repair`) or ignored."""
     if not path.exists():
         return {}
     data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if repair and len(complete) < len(data):
-        with path.open("r+b") as f:
-            f.truncate(len(complete))
-            f.flush()
-            os.fsync(f.fileno())
+    complete, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1 :]
+    try:
+        text = complete.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a JSONL file ({e}); use another --out") from None
     expected = None if questions is None else [q.key() for q in questions]
     done = {}
-    for number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         try:
             entry = json.loads(line)
         except json.JSONDecodeError as e:
@@ -336,6 +333,13 @@ def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool
                 f"{path} holds answers to {question_keys(entry)}, not {expected}; use another --out to start over"
             )
         done[entry["image"]] = "results" in entry
+    if tail and not tail.startswith(LINE_START):
+        raise ValueError(f"{path} does not end with a line of mlx-locate-batch; use another --out")
+    if tail and repair:
+        with path.open("r+b") as f:
+            f.truncate(len(complete))
+            f.flush()
+            os.fsync(f.fileno())
     return done
 
 
@@ -521,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.merge is not None:
             return merge(Path(args.merge[0]), [Path(p) for p in args.merge[1:]], args.coco, args.overwrite)
         return run(args)
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError, OutputError) as e:
+    except (OSError, ValueError, ImportError, OutputError) as e:  # OSError: a path that cannot be read or made
         print(f"error: {e}", file=sys.stderr)
         return 2
 

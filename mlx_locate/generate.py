@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint folder, Hugging Face hub id (e.g. nvidia/LocateAnything-3B) or 'demo' (default: demo, "
         "the bundled tiny model trained on synthetic shapes)",
     )
+    p.add_argument("--adapter", help="LoRA adapter folder on top of --model (mlx-locate-finetune's, or PEFT's)")
     p.add_argument("--image", required=True, help=f"image file ({', '.join(FORMATS)})")
     p.add_argument(
         "--max-pixels",
@@ -298,7 +299,7 @@ def run(args: argparse.Namespace) -> str:
         if args.tile_overlap is not None:
             tiling["tile_overlap"] = args.tile_overlap
         check_tiling(args.tiles, tiling.get("tile_overlap", 0))
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, adapter_path=args.adapter)
     options = {
         "task": task,
         "mode": args.mode,

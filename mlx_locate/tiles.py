@@ -15,7 +15,8 @@ to the image and merges the duplicates that tiles share:
   `POINT_RADIUS` of a tile's shorter side. A group keeps the box of a view that saw the whole object (not cut
   by a seam, its tile holding every box of the group), an uncut tile before the whole image, the most
   confident first, and the group's best confidence. A tile box covering the whole tile is a piece of
-  something larger than the tile and is dropped (the whole image sees such objects).
+  something larger than the tile and is dropped (the whole image sees such objects); so is an object only the
+  whole image found that lies inside a tile: that tile saw it at full resolution and found nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ MAX_TILES = 64  # tiles per image (auto or given); bounds what one request may c
 MAX_TILE_ASPECT = 1.5  # auto tiles are at most this elongated (or as elongated as the image)
 MAX_OVERLAP = 0.5  # fraction of a tile shared with its neighbour
 MERGE_IOU = 0.5  # boxes of one label from two views with this IoU are one object
-MERGE_CONTAINMENT = 0.8  # a seam-cut box this much inside another box of its label is part of it
+MERGE_CONTAINMENT = 0.8  # a box this much inside a larger box of its label from another view is part of it
 SEAM_MARGIN = 0.02  # a box edge within this fraction of a tile side from an inner seam is cut by it
 SPAN_FRACTION = 0.9  # a tile box this wide and this high (fractions of the tile) is a seam artefact
 POINT_RADIUS = 0.05  # points of one label closer than this fraction of a tile's shorter side are one

@@ -282,8 +282,8 @@ def locate_frames(
 ) -> Iterator[tuple[Frame, dict, bool]]:
     """`(frame, line, new)` for every frame, in order, with track ids set on its objects.
 
-    Frames in `done` (index -> its line from an earlier run) skip the model; the others go through one engine,
-    at most `2 * rows` requests in flight, so only the frames of that window are held in memory."""
+    Frames in `done` (index -> its line from an earlier run) skip the model; the others go through one engine.
+    At most `2 * rows` requests and as many frames are in flight, so memory does not grow with the video."""
     done = done or {}
     engine = model.engine(batch_size)
     window = max(2 * engine.max_rows, len(settings.queries))
@@ -294,7 +294,7 @@ def locate_frames(
     tracker: IouTracker | None = None
     exhausted = False
     while True:
-        while not exhausted and in_flight < window:
+        while not exhausted and in_flight < window and len(queue) < window:
             frame = next(frames, None)
             if frame is None:
                 exhausted = True
@@ -496,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tile-whole", action="store_true", help="with --tiles: tiles only, not the whole frame too")
     p.add_argument("--batch-size", type=positive_int, help="engine rows (default: 4 on a CPU, 16 on a GPU)")
     p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder applied on top of --model")
     p.add_argument("--out", required=True, help="JSONL, one line per sampled frame; an existing file is resumed")
     p.add_argument("--annotated", metavar="PATH", help="write the sampled frames with boxes and track ids drawn")
     p.add_argument("--mot", metavar="PATH", help="write the tracks in MOT Challenge format")
@@ -546,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = min(rate, Fraction(info.rate))
         if args.annotated:
             annotated = AnnotatedVideo(args.annotated, rate)
-        model = load(args.model, dtype=args.dtype)
+        model = load(args.model, dtype=args.dtype, adapter_path=args.adapter)
         written = run(model, args, settings, info, out, header, done, has_header, annotated)
         annotated = None
     except (FileNotFoundError, FileExistsError, ValueError, OutputError) as e:

@@ -347,6 +347,19 @@ def test_resume_refuses_other_questions_and_foreign_lines(run, folder, finished,
     assert out.read_bytes() == before + b'{"image": "x"}\n'
 
 
+def test_an_output_that_cannot_be_read_is_an_error(run, folder, tmp_path):
+    code, err = run("--images", str(folder), "--out", str(tmp_path))
+    assert code == 2 and err.startswith("error: [Errno 21] Is a directory")
+    binary = tmp_path / "photo.jpg"
+    binary.write_bytes(IMAGE.read_bytes())
+    code, err = run("--images", str(folder), "--out", str(binary))
+    assert code == 2 and "is not a JSONL file" in err and binary.read_bytes() == IMAGE.read_bytes()
+    notes = tmp_path / "notes.txt"  # no newline at all: not a line cut short by an interruption
+    notes.write_text("my notes")
+    code, err = run("--images", str(folder), "--out", str(notes))
+    assert code == 2 and "does not end with a line of mlx-locate-batch" in err and notes.read_text() == "my notes"
+
+
 def coco_expected(lines: dict[str, dict], ids: dict[str, int]) -> list[tuple]:
     """(image_id, category_id, [x, y, w, h], score) of every box, from the JSONL lines."""
     expected = []

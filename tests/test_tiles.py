@@ -332,7 +332,7 @@ def test_every_mode_and_task(model):
 
 
 def test_cli_tiles(model, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate, "load", lambda path, dtype=None: model)
+    monkeypatch.setattr(generate, "load", lambda path, **options: model)
     image = draw_scene((392, 196), (Obj("square", "red", (20, 40, 70, 90)),))
     image.save(tmp_path / "wide.png")
     args = ["--image", str(tmp_path / "wide.png"), "--query", "square", "--mode", "fast", "--json"]

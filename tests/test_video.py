@@ -52,7 +52,7 @@ class Runner:
     def __init__(self, model, capfd):
         self.model, self.capfd, self.loads = model, capfd, 0
 
-    def load(self, path, dtype=None):
+    def load(self, path, **options):
         self.loads += 1
         return self.model
 
@@ -141,7 +141,7 @@ def tracked(model, clip, tmp_path_factory):
         clip, paths["frames.jsonl"], "--annotated", str(paths["annotated.mp4"]), "--mot", str(paths["tracks.txt"])
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(video, "load", lambda path, dtype=None: model)
+        mp.setattr(video, "load", lambda path, **options: model)
         assert video.main(["--no-progress", *args]) == 0
     return paths
 
@@ -231,3 +231,22 @@ def test_missing_pyav_names_the_extra(run, clip, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)
     code, err = run("--video", str(clip), "--out", str(tmp_path / "out.jsonl"), "--query", "square")
     assert code == 2 and err.strip() == 'error: mlx-locate-video needs PyAV: pip install "mlx-locate[video]"'
+
+
+def test_frames_in_flight_stay_bounded(model):
+    """At most `2 * rows` frames are taken from the video ahead of the last line given back, resumed or new."""
+    settings = video.Settings("detect", ("square",), None, "fast", 8, 2.0, None, 0.2, True)
+    taken = []
+
+    def frames(n):
+        for i in range(n):
+            taken.append(i)
+            yield video.Frame(i, i / 2, Image.new("RGB", (56, 56), (230, 230, 230)))
+
+    empty = {"results": [{"query": "square", "objects": [], "empty_labels": ["square"]}]}
+    done = {i: {"frame": i, "time": i / 2, **json.loads(json.dumps(empty))} for i in range(40)}
+    ahead = []
+    for frame, line, new in video.locate_frames(model, frames(44), settings, done, batch_size=1):
+        assert line["frame"] == frame.index and new == (frame.index >= 40)
+        ahead.append(len(taken) - frame.index - 1)
+    assert len(ahead) == 44 and max(ahead) <= 2  # window: 2 rows x 1
