@@ -42,6 +42,7 @@ from mlx_locate.engine import Request, Schedule, run_prefill  # noqa: E402
 from mlx_locate.loader import resolve  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
+from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 from mlx_locate.sampling import Features, RowSampling, Sampling  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
@@ -264,16 +265,21 @@ def request_ms(stats: dict, key: str) -> float | None:
     return 1e3 * (stats["preprocess_s"] + stats["vision_s"] + stats["prefix_prefill_s"] + stats[key])
 
 
-def run_modes(model: LocateModel, image: Path, query: str, modes: list[str], max_tokens: int, repeat: int) -> dict:
+def run_modes(
+    model: LocateModel, image: Path, query: str, modes: list[str], max_tokens: int, repeat: int, prompt: str | None
+) -> dict:
+    """Each mode in-process, warm: one request to compile every shape, then `repeat` more (the median reported);
+    with `prompt`, strict greedy decoding of that raw text (as the whole-process run does)."""
     results = {}
+    ask = {"prompt": prompt, "task": "raw", "strict": True} if prompt else {}
     for mode in modes:
-        model.locate(image, query, mode=mode, max_tokens=max_tokens)  # warm-up: compiles every bucket
+        model.locate(image, query, mode=mode, max_tokens=max_tokens, **ask)  # warm-up: compiles every bucket
         warm = model.compilations
         mx.reset_peak_memory()
         runs = []
         for _ in range(repeat):
             model.features.clear()
-            runs.append(model.locate(image, query, mode=mode, max_tokens=max_tokens))
+            runs.append(model.locate(image, query, mode=mode, max_tokens=max_tokens, **ask))
         r = sorted(runs, key=lambda x: x.stats["decode_s"])[len(runs) // 2]  # the median run
         s = r.stats
         boxes = len(r.objects)
@@ -304,6 +310,60 @@ def run_modes(model: LocateModel, image: Path, query: str, modes: list[str], max
             "token_ids": r.token_ids,
         }
     return results
+
+
+def whole_process(
+    model_dir: Path, image: Path, prompt: str, modes: list[str], short: int, long: int, dtype: str, peer: str | None
+) -> dict:
+    """What a CLI user sees: each side run as a whole process (`mlx-locate` / mlx-vlm's PBD loop), `short` and
+    `long` max tokens, min of 2 runs each; decode tokens/s = extra tokens / extra seconds (the delta method), so
+    load, vision and prefill cancel out. Strict greedy decoding; the peer gets our prompt ids."""
+    out = {}
+    ids_file = Path(os.environ.get("TMPDIR", "/tmp")) / "mlx_locate_bench_whole_prompt.json"
+    for mode in modes:
+        sides = {}
+        for side in ("ours", "mlx_vlm") if peer else ("ours",):
+            runs = {}
+            for n in (short, long):
+                if side == "ours":
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "mlx_locate.generate",
+                        "--model",
+                        str(model_dir),
+                        "--image",
+                        str(image),
+                    ]
+                    cmd += ["--prompt", prompt, "--mode", mode, "--max-tokens", str(n), "--strict", "--json"]
+                    cmd += ["--dtype", dtype]
+                else:
+                    cmd = [peer, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(model_dir)]
+                    cmd += ["--image", str(image), "--prompt-ids", str(ids_file), "--mode", mode]
+                    cmd += ["--max-tokens", str(n), "--dtype", dtype]
+                best = None
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), cwd=ROOT)
+                    seconds = time.perf_counter() - t0
+                    if proc.returncode != 0:
+                        raise RuntimeError(f"{side} {mode} failed: {proc.stderr.strip()[-400:]}")
+                    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+                    if side == "ours":  # runs first: the peer reads these ids
+                        ids_file.write_text(json.dumps(answer["prompt_ids"]))
+                    tokens = len(answer["token_ids"]) if side == "ours" else answer["num_generated"]
+                    best = min(best or (seconds, tokens), (seconds, tokens))
+                runs[n] = best
+            (t_short, n_short), (t_long, n_long) = runs[short], runs[long]
+            sides[side] = {
+                "seconds": {str(short): t_short, str(long): t_long},
+                "tokens": {str(short): n_short, str(long): n_long},
+                "decode_tokens_per_s": (n_long - n_short) / (t_long - t_short),
+            }
+        if peer:
+            sides["ratio"] = sides["ours"]["decode_tokens_per_s"] / sides["mlx_vlm"]["decode_tokens_per_s"]
+        out[mode] = sides
+    return out
 
 
 def run_peer(python: str, model_dir: Path, image: Path, ours: dict, dtype: str, max_tokens: int, repeat: int) -> dict:
@@ -363,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--peer", help="python of a venv with mlx-vlm 0.7.10: run the peer side by side")
     parser.add_argument("--batch", type=int, nargs="+", help="batch sizes: the engine's scaling instead")
+    parser.add_argument("--prompt", help="raw user text instead of --query (the whole-process run uses it too)")
+    parser.add_argument(
+        "--whole-process", type=int, nargs=2, metavar=("SHORT", "LONG"), help="also time whole processes (CLI)"
+    )
     parser.add_argument("--folder", type=int, default=64, help="with --batch: images in the folder run")
     parser.add_argument("--schedule", choices=["device", "mixed", "split"], default="device")
     parser.add_argument("--workdir", default=str(ROOT / ".bench"))
@@ -427,8 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     for context in args.contexts:
         report["steps"][context] = step_costs(model, context, args.iters)
     for name, path in images.items():
-        ours = run_modes(model, path, args.query, args.modes, args.max_tokens, args.repeat)
+        ours = run_modes(model, path, args.query, args.modes, args.max_tokens, args.repeat, args.prompt)
         entry = {"ours": ours}
+        if args.whole_process and model_dir is not None:
+            prompt = args.prompt or task_text("detect", args.query)
+            entry["whole_process"] = whole_process(
+                model_dir, path, prompt, args.modes, *args.whole_process, args.dtype, args.peer
+            )
         if args.peer and model_dir is not None:
             entry["mlx_vlm"] = run_peer(args.peer, model_dir, path, ours, args.dtype, args.max_tokens, args.repeat)
             entry["ratios"] = ratios(ours, entry["mlx_vlm"])
@@ -528,6 +597,11 @@ def print_table(report: dict) -> None:
                 print(f"{side:8} {mode:7} " + " ".join(f"{fmt(r.get(c)):>14}" for c in cols))
         for mode, q in entry.get("ratios", {}).items():
             print(f"ratio    {mode:7} " + ", ".join(f"{k} {fmt(v, 2)}" for k, v in q.items()))
+        for mode, w in entry.get("whole_process", {}).items():
+            sides = ", ".join(
+                f"{side} {w[side]['decode_tokens_per_s']:.1f} tokens/s" for side in ("ours", "mlx_vlm") if side in w
+            )
+            print(f"whole process {mode:7} {sides}" + (f" ({w['ratio']:.2f}x)" if "ratio" in w else ""))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,11 @@ def demo():
 def cli(demo, monkeypatch, capsys):
     """`cli(*args, image=, query=)` -> (exit code, stdout, stderr) of `main` on the demo model (loaded once)."""
     real_load = generate.load
-    monkeypatch.setattr(generate, "load", lambda path, dtype=None: demo if path == "demo" else real_load(path, dtype))
+    monkeypatch.setattr(
+        generate,
+        "load",
+        lambda path, dtype=None, adapter_path=None: demo if path == "demo" else real_load(path, dtype, adapter_path),
+    )
 
     def run(*args: str, image: Path | str = EXAMPLE, query: str | None = "square") -> tuple[int, str, str]:
         argv = ["--image", str(image), *(["--query", query] if query is not None else []), "--max-tokens", "8"]

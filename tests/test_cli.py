@@ -24,11 +24,11 @@ QUERIES = ["--query", "red box", "--query", "green circle", "--query", "blue squ
 _models = {}
 
 
-def cached_load(path, dtype=None):
+def cached_load(path, dtype=None, adapter_path=None):
     """`load` once per checkpoint for the whole module: each CLI run would otherwise reload and recompile."""
-    key = (str(path), dtype)
+    key = (str(path), dtype, adapter_path)
     if key not in _models:
-        _models[key] = load(path, dtype)
+        _models[key] = load(path, dtype, adapter_path)
     return _models[key]
 
 

@@ -14,7 +14,6 @@ from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
 import mlx_locate
-from mlx_locate.server.protocol import object_json
 
 IMAGE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 
@@ -59,7 +58,7 @@ def test_locate_and_ground_over_stdio(alone):
     assert {"image_path", "image_base64", "instruction"} <= set(tools["ground"].input_schema["properties"])
     assert "objects" in tools["locate"].output_schema["properties"]
 
-    expected = [object_json(o) for o in alone["square"].objects]
+    expected = [o.to_dict() for o in alone["square"].objects]
     for r in results[:2]:
         assert not r.is_error, r.content
         out = r.structured_content

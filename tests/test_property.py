@@ -57,7 +57,13 @@ def main(workdir):
         return code, out.getvalue(), err.getvalue()
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(generate, "load", lambda path, dtype=None: demo if path == "demo" else real_load(path, dtype))
+        mp.setattr(
+            generate,
+            "load",
+            lambda path, dtype=None, adapter_path=None: (
+                demo if path == "demo" else real_load(path, dtype, adapter_path)
+            ),
+        )
         faulthandler.dump_traceback_later(HANG_S, repeat=True, exit=True)
         try:
             yield run

@@ -430,7 +430,9 @@ def test_cache_grows_by_buckets():
     cache.grow(4)  # four sequences and the scratch row; the first keeps its place
     for buffer in cache.kv:
         assert buffer.shape == (5, 2, 2, 512, 4)
-        assert (np.array(buffer[0, 0, :, :256].astype(mx.float32)) == 1).all() and not np.array(buffer[1:].astype(mx.float32)).any()
+        assert (np.array(buffer[0, 0, :, :256].astype(mx.float32)) == 1).all() and not np.array(
+            buffer[1:].astype(mx.float32)
+        ).any()
 
 
 def test_runner_grows_the_cache_across_a_request(golden):

@@ -234,7 +234,7 @@ def test_empty_labels_answer_text_and_stats():
 
 @pytest.fixture(scope="module")
 def model():
-    return load("demo")
+    return load("demo", dtype="bfloat16")  # the thresholds below were set with the demo model as stored
 
 
 def truth(scene, shape):
