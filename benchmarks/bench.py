@@ -217,11 +217,14 @@ def run_batches(
     for mode in modes:
         out[mode] = {}
         for B in batches:
-            requests = [Request(p, query, mode=mode, max_tokens=max_tokens) for p in paths]
+            # "mix": slow and fast requests alternate, so every step has AR rows and block rows
+            kinds = ["slow", "fast"] if mode == "mix" else [mode]
+            requests = [
+                Request(p, query, mode=kinds[i % len(kinds)], max_tokens=max_tokens) for i, p in enumerate(paths)
+            ]
             runs = []
             for _ in range(2):  # the first run compiles every shape this batch size meets
-                model.features.clear()
-                model.prefixes.clear()
+                model.clear_caches()
                 mx.reset_peak_memory()
                 before = model.compilations
                 engine = model.engine(B, schedule)
@@ -278,7 +281,7 @@ def run_modes(
         mx.reset_peak_memory()
         runs = []
         for _ in range(repeat):
-            model.features.clear()
+            model.clear_caches()
             runs.append(model.locate(image, query, mode=mode, max_tokens=max_tokens, **ask))
         r = sorted(runs, key=lambda x: x.stats["decode_s"])[len(runs) // 2]  # the median run
         s = r.stats
@@ -413,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--in-memory", action="store_true", help="random weights on the device, no checkpoint")
     parser.add_argument("--quantize", help="with --in-memory: quantize as mlx-locate-convert's preset (q8, ...)")
-    parser.add_argument("--modes", nargs="+", default=["slow", "fast", "hybrid"])
+    parser.add_argument("--modes", nargs="+", default=["slow", "fast", "hybrid"], help="with --batch also 'mix'")
     parser.add_argument(
         "--images", nargs="+", default=["640x480"], help="golden 640x480, WxH (generated) or an image file"
     )
@@ -427,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--whole-process", type=int, nargs=2, metavar=("SHORT", "LONG"), help="also time whole processes (CLI)"
     )
-    parser.add_argument("--folder", type=int, default=64, help="with --batch: images in the folder run")
+    parser.add_argument("--folder", type=int, default=64, help="with --batch: images in the folder run (0: none)")
     parser.add_argument("--schedule", choices=["device", "mixed", "split"], default="device")
     parser.add_argument("--workdir", default=str(ROOT / ".bench"))
     parser.add_argument("--json", default=None, help="write results here (default benchmarks/results/<preset>.json)")
@@ -474,10 +477,11 @@ def main(argv: list[str] | None = None) -> int:
         schedule = {"device": None, "mixed": Schedule(True, True), "split": Schedule(False, False)}[args.schedule]
         report["schedule"] = args.schedule
         report["batch_steps"] = {c: batch_step_costs(model, c, args.batch, args.iters) for c in args.contexts}
-        size = tuple(int(v) for v in args.images[0].split("x")) if "x" in args.images[0] else (640, 480)
-        paths, query = folder_images(args.model, size, args.folder, work)
-        report["folder"] = {"images": len(paths), "size": list(size), "query": query}
-        report["batches"] = run_batches(model, paths, query, args.modes, args.batch, args.max_tokens, schedule)
+        if args.folder:
+            size = tuple(int(v) for v in args.images[0].split("x")) if "x" in args.images[0] else (640, 480)
+            paths, query = folder_images(args.model, size, args.folder, work)
+            report["folder"] = {"images": len(paths), "size": list(size), "query": query}
+            report["batches"] = run_batches(model, paths, query, args.modes, args.batch, args.max_tokens, schedule)
         out = (
             Path(args.json)
             if args.json
@@ -551,6 +555,8 @@ def print_batch_table(report: dict) -> None:
             ax = f" ({r['ar_step_ms'] / floor:.1f}x)" if floor else ""
             print(f"  {B:>3}  {r['block_step_ms']:8.2f}{bx}  {r['block_throughput_x']:6.1f}x"
                   f"  {r['ar_step_ms']:8.2f}{ax}  {r['ar_throughput_x']:6.1f}x")  # fmt: skip
+    if "folder" not in report:
+        return
     f = report["folder"]
     print(f"\nfolder of {f['images']} images {f['size'][0]}x{f['size'][1]}, query {f['query']!r}")
     cols = ["images_per_s", "images_per_s_x", "ms_per_engine_step", "blocks_per_s", "boxes_per_s",

@@ -100,6 +100,11 @@ class LocateModel:
                 self.features.popitem(last=False)
         return [(image.key not in out, out.get(image.key, self.features.get(image.key))) for image in images]
 
+    def clear_caches(self) -> None:
+        """Forget cached vision features and prompt prefixes (the next request of an image computes them again)."""
+        self.features.clear()
+        self.prefixes.clear()
+
     def store_prefix(self, key: tuple, prefix: list[mx.array]) -> None:
         self.prefixes[key] = prefix
         while len(self.prefixes) > 1 and (

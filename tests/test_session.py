@@ -23,7 +23,7 @@ def test_prefix_reuse_gives_the_same_tokens_as_separate_calls(model, golden_dir)
     fresh = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
     for query, result in zip(QUERIES, together, strict=True):
         alone = fresh.locate(IMAGE, query, mode="hybrid", max_tokens=24)
-        fresh.features.clear()
+        fresh.clear_caches()
         assert result.prompt_ids == alone.prompt_ids
         assert result.token_ids == alone.token_ids
         assert result.objects == alone.objects
