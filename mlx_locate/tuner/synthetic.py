@@ -33,7 +33,7 @@ COLORS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES = ("circle", "square", "triangle", "diamond", "star")
 # Drawn here but never in the demo's training data: what fine-tuning teaches it (`make_novel_sample`).
-NOVEL_SHAPES = ("cross",)
+NOVEL_SHAPES = ("ring", "cross")
 NOVEL_COLORS = {"black": (35, 35, 35)}
 SIDES = (112, 140, 168, 196, 224)  # image sides: multiples of 28, so preprocessing never resizes
 MAX_OBJECTS = 4
@@ -159,6 +159,8 @@ def _draw(draw: ImageDraw.ImageDraw, obj: Obj, fill: tuple[int, int, int]) -> No
     x1, y1, x2, y2 = obj.box
     if obj.shape == "circle":
         draw.ellipse((x1, y1, x2 - 1, y2 - 1), fill=fill)
+    elif obj.shape == "ring":  # a circle's outline, a fifth of its side wide
+        draw.ellipse((x1, y1, x2 - 1, y2 - 1), outline=fill, width=max(2, (x2 - x1) // 5))
     elif obj.shape == "square":
         draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=fill)
     else:
@@ -193,7 +195,7 @@ def make_scene(
         for _attempt in range(60):
             side = int(rng.uniform(*SIZE_RANGE) * short)
             shape = str(rng.choice(palette_shapes))
-            w = side if shape in ("circle", "square") else int(side * rng.uniform(0.8, 1.25))
+            w = side if shape in ("circle", "square", "ring") else int(side * rng.uniform(0.8, 1.25))
             w, h = min(w, width - 2), min(side, height - 2)
             x1, y1 = int(rng.integers(1, width - w)), int(rng.integers(1, height - h))
             box = (x1, y1, x1 + w, y1 + h)
@@ -409,7 +411,8 @@ def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "
         scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (), NOVEL_SIDES, colors)
     else:
         while True:  # the placement may drop every `word` object; draw again
-            scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES + NOVEL_SHAPES, (word,), NOVEL_SIDES, colors)
+            shapes = SHAPES + (word,) if word in NOVEL_SHAPES else SHAPES
+            scene = make_scene(rng, int(rng.integers(1, 4)), shapes, (word,), NOVEL_SIDES, colors)
             if any(word in (o.color, o.shape) for o in scene.objects):
                 break
     if word in NOVEL_COLORS:
