@@ -315,36 +315,16 @@ def test_box_counts_match_within_labels():
 
 # --- A real fine-tune: the demo model learns a shape it never saw ---------------------------------------------
 
-WORD = "ring"  # drawn by synthetic.py, spelled by the demo tokenizer (3 tokens), never in its training data
 TRAIN_SAMPLES, HELD_OUT = 300, 24
-
-
-def _write_novel(folder, split, n):
-    from mlx_locate.prompts import task_text
-    from mlx_locate.tuner.synthetic import make_novel_sample
-
-    (folder / split).mkdir(parents=True)
-    with (folder / f"{split}.jsonl").open("w") as f:
-        for i in range(n):
-            s = make_novel_sample(0, i, split, WORD)
-            s.scene.image.save(folder / split / f"{i:04d}.png")
-            turns = [{"from": "human", "value": task_text(s.task.task, s.task.query)}]
-            f.write(
-                json.dumps(
-                    {
-                        "image": f"{split}/{i:04d}.png",
-                        "conversations": turns + [{"from": "gpt", "value": s.task.answer}],
-                    }
-                )
-                + "\n"
-            )
-    return folder / f"{split}.jsonl"
 
 
 @pytest.fixture(scope="module")
 def novel_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("novel")
-    return _write_novel(folder, "train", TRAIN_SAMPLES), _write_novel(folder, "eval", HELD_OUT)
+    from mlx_locate.tuner.finetune import DEMO_WORD
+    from mlx_locate.tuner.synthetic import write_novel_data
+
+    folder = write_novel_data(tmp_path_factory.mktemp("novel"), DEMO_WORD, TRAIN_SAMPLES, HELD_OUT)
+    return folder / "train.jsonl", folder / "eval.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -352,22 +332,15 @@ def novel_data(novel_files):
     return read_data(novel_files[0]), read_data(novel_files[1])
 
 
-SPEC = AdapterSpec(LoRASpec(rank=8, alpha=16, dropout=0.0), trainable=())
-STEPS = 150
-
-
 @pytest.fixture(scope="module")
 def tuned(novel_data, tmp_path_factory):
-    from mlx_locate.tuner.finetune import FinetuneOptions, finetune
+    """The README's walk-through: the demo model learns "ring" (a shape it never saw; 3 tokens in its vocabulary)."""
+    from mlx_locate.tuner.finetune import DEMO_OPTIONS, DEMO_SPEC, finetune
 
     base_hash = hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest()
     base = _demo_network()
     out = tmp_path_factory.mktemp("tuned") / "adapter"
-    options = FinetuneOptions(
-        steps=STEPS, batch_size=8, lr=1e-3, warmup=15, eval_every=0, eval_samples=HELD_OUT, eval_max_tokens=64,
-        save_every=STEPS // 2,
-    )  # fmt: skip
-    result = finetune(base, *novel_data, out, SPEC, options, progress=False, say=lambda *_: None)
+    result = finetune(base, *novel_data, out, DEMO_SPEC, DEMO_OPTIONS, progress=False, say=lambda *_: None)
     return base, result, base_hash
 
 
@@ -375,7 +348,7 @@ def test_finetune_teaches_a_new_shape(tuned):
     """Held-out F1@0.5 (boxes with the right label) about 0 before, at least 0.8 after, in every mode."""
     _, result, _ = tuned
     for mode in ("slow", "fast", "hybrid"):
-        assert result.before["f1"][mode]["f1@0.5"] <= 0.05, result.before["f1"]
+        assert result.before["f1"][mode]["f1@0.5"] <= 0.1, result.before["f1"]
         assert result.after["f1"][mode]["f1@0.5"] >= 0.8, (mode, result.after["f1"])
         assert result.after["f1"][mode]["ended_rate"] == 1.0
     assert result.after["loss"] < result.before["loss"] / 5
@@ -383,7 +356,7 @@ def test_finetune_teaches_a_new_shape(tuned):
     assert {p.name for p in out.iterdir()} >= {ADAPTER_FILE, CONFIG_FILE, "log.jsonl", "training.png", "checkpoints"}
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in lines if "eval" in h] == [0, STEPS]
+    assert [h["step"] for h in lines if "eval" in h] == [0, result.history[-1]["step"]]
     assert len([p for p in (out / "checkpoints").iterdir()]) == 2
 
 
@@ -451,7 +424,7 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
     base = load_base(q)
     frozen = np.array(base.network.language_model.model.layers[0].mlp.down_proj.weight)
     spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.0))
-    _, result = _small_run(novel_data, tmp_path / "a", spec, 6, base=base)
+    _, result = _small_run(novel_data, tmp_path / "a", spec, 4, base=base)
     losses = [h["loss"] for h in result.history if "loss" in h]
     assert losses[-1] < losses[0]
     assert isinstance(base.network.language_model.model.layers[0].mlp.down_proj.linear, nn.QuantizedLinear)
@@ -465,7 +438,7 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
     assert isinstance(loaded.network.mlp1[1], nn.Linear)  # the trained connector, float
     requests = [
         Request(r.image, prompt=r.turns[0].user, mode=m, max_tokens=48)
-        for r in novel_data[1][:4]
+        for r in novel_data[1][:3]
         for m in ("slow", "fast")
     ]
     want = [r.token_ids for r in inference_model(base).locate_many(requests)]

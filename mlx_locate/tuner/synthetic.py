@@ -11,8 +11,12 @@ Answers follow MODEL.md §9 and TRAINING.md §4.3-§4.4; `cut_blocks` cuts them 
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -395,7 +399,7 @@ NOVEL_SPLITS = {"train": 2, "eval": 3}  # streams of their own, apart from the d
 NOVEL_SIDES = (112,)
 
 
-def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "black") -> Sample:
+def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "ring") -> Sample:
     """A sample about `word`, a colour (`NOVEL_COLORS`) or shape (`NOVEL_SHAPES`) the demo model never saw,
     among the ones it knows; 112 x 112 images of 1-3 objects.
 
@@ -440,6 +444,26 @@ def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "
     return Sample(scene, Task("detect", categories, "".join(parts), tuple(targets), negative))
 
 
+def write_novel_data(folder: Path, word: str = "ring", train: int = 300, held_out: int = 24, seed: int = 0) -> Path:
+    """`make_novel_sample`s as fine-tuning data: `train.jsonl` and `eval.jsonl` in LocateAnything's SFT format,
+    images under `train/` and `eval/`. Returns `folder`."""
+    from ..prompts import task_text
+
+    for split, n in (("train", train), ("eval", held_out)):
+        (folder / split).mkdir(parents=True, exist_ok=True)
+        with (folder / f"{split}.jsonl").open("w") as f:
+            for i in range(n):
+                sample = make_novel_sample(seed, i, split, word)
+                name = f"{split}/{i:05d}.png"
+                sample.scene.image.save(folder / name)
+                human = {"from": "human", "value": task_text(sample.task.task, sample.task.query)}
+                f.write(
+                    json.dumps({"image": name, "conversations": [human, {"from": "gpt", "value": sample.task.answer}]})
+                    + "\n"
+                )
+    return folder
+
+
 # --- Blocks -----------------------------------------------------------------------------------------------
 
 
@@ -474,3 +498,26 @@ def cut_blocks(seq: list[int], start: int, ids: TokenIds) -> list[Block]:
                 break
         blocks.append(Block(begin - 1, tuple(window[:length]) + (ids.null,) * (BLOCK - length)))
         begin += length
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_locate.tuner.synthetic",
+        description="Write fine-tuning data about a shape or colour the demo model never saw (SFT JSONL + PNGs).",
+    )
+    p.add_argument("--out", required=True, type=Path, help="folder for train.jsonl, eval.jsonl, train/, eval/")
+    p.add_argument("--word", default="ring", choices=[*NOVEL_SHAPES, *NOVEL_COLORS])
+    p.add_argument("--train", type=int, default=300, help="training samples")
+    p.add_argument("--eval", type=int, default=24, help="held-out samples")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.out.exists() and any(args.out.iterdir()):
+        print(f"error: {args.out} already exists and is not empty", file=sys.stderr)
+        return 2
+    write_novel_data(args.out, args.word, args.train, args.eval, args.seed)
+    print(f"wrote {args.train} + {args.eval} samples about {args.word!r} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
