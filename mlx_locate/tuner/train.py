@@ -366,6 +366,12 @@ def collate_rows(samples: list[Encoded], pad_id: int, bucket: int = LENGTH_BUCKE
     for b, s in enumerate(samples):
         for name in ROW_FIELDS:
             batch[name][b, : len(s.ids)] = getattr(s, name)
+    # The supervised rows, padded with row 0 (never supervised): the head and the loss run on these only.
+    counts = [int((s.targets >= 0).sum()) for s in samples]
+    S = -(-max(counts) // bucket) * bucket
+    batch["supervised"] = np.zeros((B, S), np.int32)
+    for b, s in enumerate(samples):
+        batch["supervised"][b, : counts[b]] = np.flatnonzero(s.targets >= 0)
     return batch
 
 
@@ -504,13 +510,15 @@ def loss_and_stats(model: LocateAnything, batch: dict, tables: dict) -> tuple[mx
     Stats (3, STAT_COLUMNS): CE sum, count and correct argmax per row kind, then for coordinate targets of
     the NTP and the block stream (TRAINING.md §5: block coordinates should stay above NTP ones).
     """
-    logits = model.language_model.logits(forward_hidden(model, batch, tables))  # (B, T, V) float32
-    targets = batch["targets"]
+    rows = batch["supervised"]  # (B, S): the head's rows, as fused linear + cross-entropy would skip the rest
+    hidden = mx.take_along_axis(forward_hidden(model, batch, tables), rows[..., None], axis=1)
+    logits = model.language_model.logits(hidden)  # (B, S, V) float32
+    targets = mx.take_along_axis(batch["targets"], rows, axis=1)
     valid = targets >= 0
     picked = mx.take_along_axis(logits, mx.maximum(targets, 0)[..., None], axis=-1)[..., 0]
     ce = (mx.logsumexp(logits, axis=-1) - picked) * valid
     loss = ce.sum() / mx.maximum(valid.sum(), 1)
-    kinds = batch["kinds"][..., None]
+    kinds = mx.take_along_axis(batch["kinds"], rows, axis=1)[..., None]
     ids = model.token_ids
     coord = ((targets >= ids.coord_start) & (targets <= ids.coord_end))[..., None]
     columns = mx.concatenate(
