@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             progress=not args.no_progress,
             draw=not args.no_plot,
+            say=lambda line: print(line, file=sys.stderr),
         )
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -147,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=1))
     else:
         print(summary_table(result))
+        speed = f"{result.steps_per_s:.2f} steps/s, " if result.steps_per_s else ""
         print(
-            f"{result.steps_per_s:.2f} steps/s, {result.samples_per_s:.1f} samples/s, peak memory "
-            f"{result.peak_memory_bytes / 2**20:.0f} MiB; adapter in {result.out} "
+            f"{speed}peak memory {result.peak_memory_bytes / 2**20:.0f} MiB; adapter in {result.out} "
             f"(mlx-locate --model {args.model} --adapter {result.out} ...)"
         )
     return 0

@@ -297,3 +297,186 @@ def test_record_prompt_matches_inference(tmp_path):
     rows = encode_record(record, tuple(result.grid), Tokenizer.from_folder(DEMO_DIR), model.token_ids)
     assert rows.ids[: len(result.prompt_ids)].tolist() == result.prompt_ids
     assert math.isfinite(len(result.prompt_ids))
+
+
+def test_box_counts_match_within_labels():
+    from mlx_locate.parse import LocatedObject
+    from mlx_locate.tuner.datasets import box_counts
+
+    def obj(label, box):
+        return LocatedObject(label, None, box, None, None, None)
+
+    truth = [obj("ring", (0, 0, 100, 100)), obj("ring", (500, 500, 600, 600)), obj("star", (0, 500, 100, 600))]
+    found = [obj("Ring ", (0, 0, 100, 90)), obj("star", (500, 500, 600, 600)), obj("ring", (300, 300, 400, 400))]
+    assert box_counts(truth, found) == (1, 3, 3)  # the star box on a ring does not count
+    assert box_counts(truth, found, labels=False) == (2, 3, 3)
+    assert box_counts(truth, [obj("ring", (0, 0, 100, 40))]) == (0, 1, 3)  # IoU 0.4 < 0.5
+
+
+# --- A real fine-tune: the demo model learns a shape it never saw ---------------------------------------------
+
+TRAIN_SAMPLES, HELD_OUT = 300, 24
+
+
+@pytest.fixture(scope="module")
+def novel_files(tmp_path_factory):
+    from mlx_locate.tuner.finetune import DEMO_WORD
+    from mlx_locate.tuner.synthetic import write_novel_data
+
+    folder = write_novel_data(tmp_path_factory.mktemp("novel"), DEMO_WORD, TRAIN_SAMPLES, HELD_OUT)
+    return folder / "train.jsonl", folder / "eval.jsonl"
+
+
+@pytest.fixture(scope="module")
+def novel_data(novel_files):
+    return read_data(novel_files[0]), read_data(novel_files[1])
+
+
+@pytest.fixture(scope="module")
+def tuned(novel_data, tmp_path_factory):
+    """The README's walk-through: the demo model learns "ring" (a shape it never saw; 3 tokens in its vocabulary)."""
+    from mlx_locate.tuner.finetune import DEMO_OPTIONS, DEMO_SPEC, finetune
+
+    base_hash = hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest()
+    base = _demo_network()
+    out = tmp_path_factory.mktemp("tuned") / "adapter"
+    result = finetune(base, *novel_data, out, DEMO_SPEC, DEMO_OPTIONS, progress=False, say=lambda *_: None)
+    return base, result, base_hash
+
+
+def test_finetune_teaches_a_new_shape(tuned):
+    """Held-out F1@0.5 (boxes with the right label) about 0 before, at least 0.8 after, in every mode."""
+    _, result, _ = tuned
+    for mode in ("slow", "fast", "hybrid"):
+        assert result.before["f1"][mode]["f1@0.5"] <= 0.1, result.before["f1"]
+        assert result.after["f1"][mode]["f1@0.5"] >= 0.8, (mode, result.after["f1"])
+        assert result.after["f1"][mode]["ended_rate"] == 1.0
+    assert result.after["loss"] < result.before["loss"] / 5
+    out = result.out
+    assert {p.name for p in out.iterdir()} >= {ADAPTER_FILE, CONFIG_FILE, "log.jsonl", "training.png", "checkpoints"}
+    assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in lines if "eval" in h] == [0, result.history[-1]["step"]]
+    assert len([p for p in (out / "checkpoints").iterdir()]) == 2
+
+
+def test_adapter_loaded_and_fused_give_training_time_tokens(tuned, novel_data, tmp_path):
+    """The network as trained (LoRA beside the weights), `load(adapter_path=)` (merged) and the checkpoint that
+    `mlx-locate-convert --adapter --fuse` writes produce the same tokens; the base files never change."""
+    from mlx_locate.convert import main as convert_main
+    from mlx_locate.engine import Request
+    from mlx_locate.tuner.finetune import inference_model
+
+    base, result, base_hash = tuned
+    fused = tmp_path / "fused"
+    argv = ["--hf-path", "demo", "--mlx-path", str(fused), "--dtype", "float32", "--adapter", str(result.out)]
+    assert convert_main([*argv, "--fuse"]) == 0
+    models = [inference_model(base), load("demo", "float32", adapter_path=result.out), load(fused)]
+    requests = [
+        Request(r.image, prompt=r.turns[0].user, mode=mode, max_tokens=64)
+        for r in novel_data[1][:8]
+        for mode in ("slow", "fast", "hybrid")
+    ]
+    tokens = [[r.token_ids for r in m.locate_many(requests)] for m in models]
+    assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
+    assert hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest() == base_hash
+
+
+def _small_run(novel_data, out, spec, steps, base=None, resume=False, **options):
+    from mlx_locate.tuner.finetune import FinetuneOptions, finetune
+
+    options = FinetuneOptions(steps=steps, batch_size=2, lr=1e-3, warmup=1, eval_every=0, log_every=1, **options)
+    base = base or _demo_network()
+    records = novel_data[0][:12]
+    result = finetune(base, records, [], out, spec, options, resume=resume, progress=False, draw=False, say=print)
+    return base, result
+
+
+def test_resume_continues_the_same_run(novel_data, tmp_path):
+    """Stopped after 2 of 4 steps and resumed (dropout on: the random state is restored), the run ends with the
+    same adapter as one that never stopped."""
+    import shutil
+
+    spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.1))
+    _small_run(novel_data, tmp_path / "straight", spec, 4, save_every=2)
+    stopped = tmp_path / "stopped"
+    (stopped / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-0000002", stopped / "checkpoints" / "step-0000002")
+    _, resumed = _small_run(novel_data, stopped, spec, 4, save_every=2, resume=True)
+    a, b = mx.load(str(tmp_path / "straight" / ADAPTER_FILE)), mx.load(str(stopped / ADAPTER_FILE))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(np.array(a[k]), np.array(b[k]), atol=1e-6, err_msg=k)
+    assert [h["step"] for h in resumed.history if "loss" in h] == [1, 2, 3, 4]
+    with pytest.raises(FileExistsError, match="--resume"):
+        _small_run(novel_data, stopped, spec, 4)
+
+
+def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
+    """A mixed_4_8+vision8 base: LoRA trains through the quantized layers (the connector dequantized to train),
+    the quantized weights stay as they were, and loading keeps the pairs beside them, q|k|v and gate|up fused,
+    with the training-time tokens."""
+    from mlx_locate.convert import convert
+    from mlx_locate.engine import Request
+    from mlx_locate.tuner.finetune import inference_model, load_base
+
+    q = convert("demo", tmp_path / "q", dtype="float32", quantize="mixed_4_8+vision8")
+    base = load_base(q)
+    frozen = np.array(base.network.language_model.model.layers[0].mlp.down_proj.weight)
+    spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.0))
+    _, result = _small_run(novel_data, tmp_path / "a", spec, 4, base=base)
+    losses = [h["loss"] for h in result.history if "loss" in h]
+    assert losses[-1] < losses[0]
+    assert isinstance(base.network.language_model.model.layers[0].mlp.down_proj.linear, nn.QuantizedLinear)
+    np.testing.assert_array_equal(
+        np.array(base.network.language_model.model.layers[0].mlp.down_proj.linear.weight), frozen
+    )
+    loaded = load(q, adapter_path=tmp_path / "a")
+    layer = loaded.network.language_model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, FusedLoRALinear) and isinstance(layer.mlp.gate_up_proj, FusedLoRALinear)
+    assert isinstance(layer.self_attn.qkv_proj.linear, nn.QuantizedLinear)
+    assert isinstance(loaded.network.mlp1[1], nn.Linear)  # the trained connector, float
+    requests = [
+        Request(r.image, prompt=r.turns[0].user, mode=m, max_tokens=48)
+        for r in novel_data[1][:3]
+        for m in ("slow", "fast")
+    ]
+    want = [r.token_ids for r in inference_model(base).locate_many(requests)]
+    assert [r.token_ids for r in loaded.locate_many(requests)] == want
+    assert [r.token_ids for r in load(q).locate_many(requests)] != want
+
+
+def test_gradient_checkpointing_gives_the_same_step(novel_data):
+    from mlx_locate.tuner.finetune import TowerRows, encode_examples, make_batch
+    from mlx_locate.tuner.train import Trainer, TrainOptions
+
+    results = []
+    for checkpoint in (False, True):
+        mx.random.seed(3)
+        base = _demo_network()
+        add_lora(base.network, AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.0)))
+        examples, _ = encode_examples(base, novel_data[0][:4], 2048)
+        batch = make_batch(examples, base, TowerRows(base, 2**30), 0, 32)
+        trainer = Trainer(base.network, TrainOptions(lr=1e-3, compile=False, grad_checkpoint=checkpoint), tables={})
+        loss, _, norm = trainer.step(batch)
+        results.append((loss.item(), norm.item(), dict(tree_flatten(base.network.trainable_parameters()))))
+    (loss0, norm0, p0), (loss1, norm1, p1) = results
+    assert loss0 == pytest.approx(loss1, rel=1e-5) and norm0 == pytest.approx(norm1, rel=1e-4)
+    for k in p0:
+        np.testing.assert_allclose(np.array(p0[k]), np.array(p1[k]), atol=1e-6, err_msg=k)
+
+
+def test_cli_runs_and_refuses_to_overwrite(novel_files, tmp_path, capsys):
+    from mlx_locate.finetune import main
+
+    out = tmp_path / "out"
+    argv = ["--data", str(novel_files[0]), "--val-data", str(novel_files[1]), "--out", str(out), "--dtype", "float32"]
+    small = ["--steps", "2", "--batch-size", "2", "--rank", "4", "--eval-samples", "2", "--eval-modes", "fast"]
+    assert main([*argv, *small, "--eval-max-tokens", "16", "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert set(summary["before"]["f1"]) == {"fast"} and summary["trainable_parameters"] > 0
+    assert (out / ADAPTER_FILE).is_file() and (out / "training.png").is_file()
+    assert main([*argv, *small]) == 2
+    assert "already exists; pass --resume" in capsys.readouterr().err
+    assert main(["--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err

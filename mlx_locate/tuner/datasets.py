@@ -243,15 +243,19 @@ def norm_label(label: str | None) -> str:
     return (label or "").strip().lower()
 
 
-def box_counts(truth: list[LocatedObject], found: list[LocatedObject]) -> tuple[int, int, int]:
-    """(matched at IoU 0.5, predicted, ground-truth) boxes of one sample, matched per label (0..1000 space)."""
+def box_counts(truth: list[LocatedObject], found: list[LocatedObject], labels: bool = True) -> tuple[int, int, int]:
+    """(matched at IoU 0.5, predicted, ground-truth) boxes of one sample in 0..1000 space: matched within each
+    label (case and spaces aside), or with `labels=False` regardless of them."""
     from ..eval import greedy_match
+
+    def key(o: LocatedObject) -> str:
+        return norm_label(o.label) if labels else ""
 
     gts = [o for o in truth if o.box_norm is not None]
     preds = [o for o in found if o.box_norm is not None]
     matched = 0
-    for label in {norm_label(o.label) for o in gts + preds}:
-        g = [o.box_norm for o in gts if norm_label(o.label) == label]
-        p = [o.box_norm for o in preds if norm_label(o.label) == label]
+    for label in {key(o) for o in gts + preds}:
+        g = [o.box_norm for o in gts if key(o) == label]
+        p = [o.box_norm for o in preds if key(o) == label]
         matched += len(greedy_match(p, g, 0.5))
     return matched, len(preds), len(gts)

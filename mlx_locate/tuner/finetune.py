@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import shutil
 import time
 from collections import OrderedDict
@@ -38,8 +37,19 @@ from ..projector import merge_2x2
 from ..tokenizer import Tokenizer
 from ..vision import rope2d_tables
 from .datasets import Example, Record, box_counts, encode_record, truth_of
-from .lora import ADAPTER_FILE, AdapterSpec, add_lora, save_adapter
-from .train import KIND_NTP, NUM_KINDS, STAT_COLUMNS, Trainer, TrainOptions, collate_rows, describe, learning_rate
+from .lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
+from .train import (
+    KIND_NTP,
+    NUM_KINDS,
+    STAT_COLUMNS,
+    Trainer,
+    TrainOptions,
+    collate_rows,
+    describe,
+    forward_hidden,
+    layer_view,
+    learning_rate,
+)
 
 MODES = ("slow", "fast", "hybrid")
 ROW_BUCKET = 64  # merged image rows (and patches / 4) are padded to a multiple of this: few compiled shapes
@@ -73,14 +83,23 @@ class FinetuneOptions:
         return min(500, max(1, self.steps // 10)) if self.warmup is None else self.warmup
 
 
+# The README's walk-through, the test and the benchmark: the demo model learns a shape it never saw
+# (`synthetic.write_novel_data`: "ring", 300 scenes), LoRA on every decoder projection, the connector frozen.
+DEMO_WORD = "ring"
+DEMO_SPEC = AdapterSpec(LoRASpec(rank=8, alpha=16, dropout=0.0), trainable=())
+DEMO_OPTIONS = FinetuneOptions(
+    steps=150, batch_size=8, lr=1e-3, warmup=15, eval_every=0, eval_samples=24, eval_max_tokens=64, save_every=75
+)
+
+
 @dataclass
 class FinetuneResult:
     out: Path
     history: list[dict]  # log lines: training steps and evaluations
     before: dict  # the first evaluation (step 0)
     after: dict  # the last one
-    steps_per_s: float
-    samples_per_s: float
+    steps_per_s: float | None  # None when a resumed run had nothing left to do
+    samples_per_s: float | None
     peak_memory_bytes: int
     trainable_parameters: int
     train_samples: int
@@ -242,13 +261,52 @@ class Batches:
         return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
 
 
-def make_batch(examples: list[Example], base: Base, tower: TowerRows | None, pad_id: int, bucket: int) -> dict:
-    batch = collate_rows([e.rows for e in examples], pad_id, bucket)
+def frozen_layers(base: Base, spec: AdapterSpec) -> int:
+    """How many decoder layers lie below everything `spec` trains (their outputs never change): 0 unless the
+    tower and the connector are frozen and LoRA sits on the last layers only."""
+    if spec.vision is not None or spec.trainable or spec.decoder is None or spec.decoder.num_layers is None:
+        return 0
+    return len(base.network.language_model.model.layers) - spec.decoder.num_layers
+
+
+class LowerRows:
+    """The output (R, D) of the frozen lower decoder layers per example, computed once (LRU up to a budget)."""
+
+    def __init__(self, base: Base, layers: int, tower: TowerRows, pad_id: int, budget_bytes: int):
+        self.lower = layer_view(base.network, slice(0, layers))
+        self.tower, self.pad, self.budget = tower, pad_id, budget_bytes
+        self.rows: OrderedDict[int, mx.array] = OrderedDict()
+        self.bytes = 0
+
+    def __call__(self, example: Example) -> mx.array:
+        key = id(example)
+        if key in self.rows:
+            self.rows.move_to_end(key)
+            return self.rows[key]
+        batch = {k: mx.array(v) for k, v in collate_rows([example.rows], self.pad, 1).items()}
+        batch["merged"] = self.tower(example.record.image)[None]
+        rows = forward_hidden(self.lower, batch, {})[0]
+        mx.eval(rows)
+        self.rows[key] = rows
+        self.bytes += rows.nbytes
+        while self.bytes > self.budget and len(self.rows) > 1:
+            self.bytes -= self.rows.popitem(last=False)[1].nbytes
+        return rows
+
+
+def make_batch(
+    examples: list[Example], base: Base, inputs: TowerRows | LowerRows | None, pad: int, bucket: int
+) -> dict:
+    """Rows and the model input: the frozen lower layers' output, the frozen tower's rows, or tower inputs."""
+    batch = collate_rows([e.rows for e in examples], pad, bucket)
     images = [e.record.image for e in examples]
-    if tower is None:
-        batch.update(tower_inputs(base, images))
+    if isinstance(inputs, LowerRows):
+        T = batch["ids"].shape[1]
+        batch["hidden"] = mx.stack([mx.pad(r, [(0, T - r.shape[0]), (0, 0)]) for r in map(inputs, examples)])
+    elif isinstance(inputs, TowerRows):
+        batch["merged"] = merged_batch([inputs(p) for p in images])
     else:
-        batch["merged"] = merged_batch([tower(p) for p in images])
+        batch.update(tower_inputs(base, images))
     return batch
 
 
@@ -256,7 +314,8 @@ def make_batch(examples: list[Example], base: Base, tower: TowerRows | None, pad
 
 
 def f1_scores(model: LocateModel, examples: list[Example], modes: tuple[str, ...], max_tokens: int) -> dict:
-    """F1@0.5 of the boxes (matched per label), ended rate and errors per mode, through the engine."""
+    """Per mode, through the engine: F1@0.5 of the boxes matched within their labels (`f1@0.5`) and regardless of
+    them (`box_f1@0.5`), the counts, how often decoding ended by itself, and failed requests."""
     requests = [
         Request(e.record.image, prompt=e.record.turns[0].user, mode=mode, max_tokens=max_tokens)
         for mode in modes
@@ -265,18 +324,18 @@ def f1_scores(model: LocateModel, examples: list[Example], modes: tuple[str, ...
     results = model.locate_many(requests)
     out = {}
     for m, mode in enumerate(modes):
-        matched = pred = gt = ended = errors = 0
+        counts, boxes, ended, errors = np.zeros(3, int), np.zeros(3, int), 0, 0
         for k, e in enumerate(examples):
             r = results[m * len(examples) + k]
-            if isinstance(r, RequestError):
-                errors += 1
-                gt += sum(o.box_norm is not None for o in e.truth)
-                continue
-            a, b, c = box_counts(e.truth, r.objects)
-            matched, pred, gt = matched + a, pred + b, gt + c
-            ended += r.stats["stop_reason"] != "length_cap"
+            found = [] if isinstance(r, RequestError) else r.objects
+            counts += box_counts(e.truth, found)
+            boxes += box_counts(e.truth, found, labels=False)
+            errors += isinstance(r, RequestError)
+            ended += not isinstance(r, RequestError) and r.stats["stop_reason"] != "length_cap"
+        matched, pred, gt = (int(v) for v in counts)
         out[mode] = {
             "f1@0.5": 2 * matched / (pred + gt) if pred + gt else None,
+            "box_f1@0.5": 2 * int(boxes[0]) / (pred + gt) if pred + gt else None,
             "boxes_pred": pred,
             "boxes_gt": gt,
             "ended_rate": ended / len(examples) if examples else None,
@@ -286,12 +345,12 @@ def f1_scores(model: LocateModel, examples: list[Example], modes: tuple[str, ...
 
 
 def held_out_loss(
-    trainer: Trainer, examples: list[Example], base: Base, tower, options: FinetuneOptions, pad: int
+    trainer: Trainer, examples: list[Example], base: Base, inputs, options: FinetuneOptions, pad: int
 ) -> dict:
     stats = mx.zeros((3, STAT_COLUMNS))
     size = options.batch_size
     for i in range(0, len(examples), size):
-        _, s = trainer.score(make_batch(examples[i : i + size], base, tower, pad, options.row_bucket))
+        _, s = trainer.score(make_batch(examples[i : i + size], base, inputs, pad, options.row_bucket))
         stats = stats + s
     d = describe(np.array(stats))
     ce, n, _ = np.array(stats)
@@ -307,14 +366,12 @@ def checkpoint_dirs(out: Path) -> list[Path]:
 
 
 def save_checkpoint(out: Path, step: int, base: Base, trainer: Trainer, spec: AdapterSpec, state: dict) -> None:
-    """Adapter, optimizer and random state, and the run's state, as `checkpoints/step-N/` (the last few kept)."""
+    """Adapter, optimizer state and the run's state as `checkpoints/step-N/` (the last few kept)."""
     folder = out / CHECKPOINTS / f"step-{step:07d}"
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_adapter(tmp, base.network, spec, base_model=base.path, step=step)
-    arrays = dict(tree_flatten(trainer.optimizer.state))
-    arrays["random_state"] = mx.random.state[0]
-    mx.save_safetensors(str(tmp / "optimizer.safetensors"), arrays)
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(trainer.optimizer.state)))
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
@@ -323,15 +380,17 @@ def save_checkpoint(out: Path, step: int, base: Base, trainer: Trainer, spec: Ad
 
 
 def restore_checkpoint(folder: Path, base: Base, trainer: Trainer) -> dict:
-    """Load a checkpoint's trained tensors, optimizer and random state; returns its run state."""
+    """Load a checkpoint's trained tensors and optimizer state; returns its run state."""
     weights = mx.load(str(folder / ADAPTER_FILE))
     trainable = dict(tree_flatten(base.network.trainable_parameters()))
     if weights.keys() != trainable.keys():
         raise ValueError(f"{folder}: the checkpoint's tensors do not match this run's LoRA settings")
     base.network.update(tree_unflatten([(k, v.astype(trainable[k].dtype)) for k, v in weights.items()]))
-    arrays = mx.load(str(folder / "optimizer.safetensors"))
-    mx.random.state[0] = arrays.pop("random_state")
-    trainer.optimizer.state.update(tree_unflatten(list(arrays.items())))
+    for key, value in mx.load(str(folder / "optimizer.safetensors")).items():
+        node, *path, leaf = [trainer.optimizer.state, *key.split(".")]
+        for part in path:  # in place: the compiled step holds this very tree
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[int(leaf) if isinstance(node, list) else leaf] = value
     return json.loads((folder / "state.json").read_text())
 
 
@@ -417,15 +476,21 @@ def finetune(
     for reason, n in {**skipped, **held_skipped}.items():
         say(f"[INFO] left out {n} sample(s): {reason}")
     batches = Batches(len(train), options.batch_size, options.seed)
-    tower = None if spec.vision is not None else TowerRows(base, options.feature_cache_mb * 2**20)
+    pad = base.tokenizer.added_tokens.get("<|endoftext|>", base.network.token_ids.im_end)  # padding rows' input
+    budget = options.feature_cache_mb * 2**20
+    tower = None if spec.vision is not None else TowerRows(base, budget)
+    frozen = frozen_layers(base, spec)
+    inputs = LowerRows(base, frozen, tower, pad, budget) if frozen else tower
+    if frozen:
+        say(f"[INFO] the {frozen} lower decoder layers are frozen: their outputs are computed once per sample")
     trainer = Trainer(
         base.network,
         TrainOptions(
             options.lr, options.weight_decay, options.clip, "float32", options.compile, options.grad_checkpoint
         ),
         tables={},
+        forward_model=layer_view(base.network, slice(frozen, None)),
     )
-    pad = base.tokenizer.added_tokens.get("<|endoftext|>", base.network.token_ids.im_end)  # padding rows' input
     state = {"history": [], "options": asdict(options), "spec": json.loads(json.dumps(asdict(spec)))}
     start = 0
     if resume:
@@ -445,7 +510,7 @@ def finetune(
     def evaluate(step: int) -> dict:
         entry = {"step": step, "eval": {"loss": None, "f1": {}}}
         if held:
-            entry["eval"].update(held_out_loss(trainer, held, base, tower, options, pad))
+            entry["eval"].update(held_out_loss(trainer, held, base, inputs, options, pad))
             entry["eval"]["f1"] = f1_scores(inference_model(base), scored, options.eval_modes, options.eval_max_tokens)
         return entry
 
@@ -462,14 +527,15 @@ def finetune(
 
         bar = tqdm(total=options.steps, initial=start, unit="step", desc="fine-tuning")
     warmup = options.warmup_steps()
-    save_every = options.save_every or options.eval_every
+    save_every = options.save_every or options.eval_every or options.steps
     acc, loss_sum, seen = mx.zeros((3, STAT_COLUMNS)), mx.zeros(()), 0
     t_start = t_last = time.perf_counter()
     previous = None
     mx.reset_peak_memory()
     for step in range(start, options.steps):
-        batch = make_batch([train[i] for i in batches.indices(step)], base, tower, pad, options.row_bucket)
+        batch = make_batch([train[i] for i in batches.indices(step)], base, inputs, pad, options.row_bucket)
         lr = learning_rate(step, options.steps, options.lr, warmup)
+        mx.random.seed(options.seed * 1_000_003 + step)  # dropout: the same draws after a resume
         loss, stats, norm = trainer.step(batch, lr)
         if previous is not None:
             mx.eval(previous)  # at most two steps queued
@@ -503,8 +569,8 @@ def finetune(
         history=state["history"],
         before=evals[0]["eval"],
         after=evals[-1]["eval"],
-        steps_per_s=ran / elapsed if ran else math.nan,
-        samples_per_s=ran * options.batch_size / elapsed if ran else math.nan,
+        steps_per_s=ran / elapsed if ran else None,
+        samples_per_s=ran * options.batch_size / elapsed if ran else None,
         peak_memory_bytes=mx.get_peak_memory(),
         trainable_parameters=trainable,
         train_samples=len(train),

@@ -11,8 +11,12 @@ Answers follow MODEL.md §9 and TRAINING.md §4.3-§4.4; `cut_blocks` cuts them 
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -33,7 +37,7 @@ COLORS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES = ("circle", "square", "triangle", "diamond", "star")
 # Drawn here but never in the demo's training data: what fine-tuning teaches it (`make_novel_sample`).
-NOVEL_SHAPES = ("cross",)
+NOVEL_SHAPES = ("ring", "cross")
 NOVEL_COLORS = {"black": (35, 35, 35)}
 SIDES = (112, 140, 168, 196, 224)  # image sides: multiples of 28, so preprocessing never resizes
 MAX_OBJECTS = 4
@@ -159,6 +163,8 @@ def _draw(draw: ImageDraw.ImageDraw, obj: Obj, fill: tuple[int, int, int]) -> No
     x1, y1, x2, y2 = obj.box
     if obj.shape == "circle":
         draw.ellipse((x1, y1, x2 - 1, y2 - 1), fill=fill)
+    elif obj.shape == "ring":  # a circle's outline, a fifth of its side wide
+        draw.ellipse((x1, y1, x2 - 1, y2 - 1), outline=fill, width=max(2, (x2 - x1) // 5))
     elif obj.shape == "square":
         draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=fill)
     else:
@@ -193,7 +199,7 @@ def make_scene(
         for _attempt in range(60):
             side = int(rng.uniform(*SIZE_RANGE) * short)
             shape = str(rng.choice(palette_shapes))
-            w = side if shape in ("circle", "square") else int(side * rng.uniform(0.8, 1.25))
+            w = side if shape in ("circle", "square", "ring") else int(side * rng.uniform(0.8, 1.25))
             w, h = min(w, width - 2), min(side, height - 2)
             x1, y1 = int(rng.integers(1, width - w)), int(rng.integers(1, height - h))
             box = (x1, y1, x1 + w, y1 + h)
@@ -393,7 +399,7 @@ NOVEL_SPLITS = {"train": 2, "eval": 3}  # streams of their own, apart from the d
 NOVEL_SIDES = (112,)
 
 
-def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "black") -> Sample:
+def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "ring") -> Sample:
     """A sample about `word`, a colour (`NOVEL_COLORS`) or shape (`NOVEL_SHAPES`) the demo model never saw,
     among the ones it knows; 112 x 112 images of 1-3 objects.
 
@@ -409,7 +415,8 @@ def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "
         scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES, (), NOVEL_SIDES, colors)
     else:
         while True:  # the placement may drop every `word` object; draw again
-            scene = make_scene(rng, int(rng.integers(1, 4)), SHAPES + NOVEL_SHAPES, (word,), NOVEL_SIDES, colors)
+            shapes = SHAPES + (word,) if word in NOVEL_SHAPES else SHAPES
+            scene = make_scene(rng, int(rng.integers(1, 4)), shapes, (word,), NOVEL_SIDES, colors)
             if any(word in (o.color, o.shape) for o in scene.objects):
                 break
     if word in NOVEL_COLORS:
@@ -435,6 +442,26 @@ def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "
         if not matched:
             parts.append(f"<ref>{category}</ref><box>None</box>")
     return Sample(scene, Task("detect", categories, "".join(parts), tuple(targets), negative))
+
+
+def write_novel_data(folder: Path, word: str = "ring", train: int = 300, held_out: int = 24, seed: int = 0) -> Path:
+    """`make_novel_sample`s as fine-tuning data: `train.jsonl` and `eval.jsonl` in LocateAnything's SFT format,
+    images under `train/` and `eval/`. Returns `folder`."""
+    from ..prompts import task_text
+
+    for split, n in (("train", train), ("eval", held_out)):
+        (folder / split).mkdir(parents=True, exist_ok=True)
+        with (folder / f"{split}.jsonl").open("w") as f:
+            for i in range(n):
+                sample = make_novel_sample(seed, i, split, word)
+                name = f"{split}/{i:05d}.png"
+                sample.scene.image.save(folder / name)
+                human = {"from": "human", "value": task_text(sample.task.task, sample.task.query)}
+                f.write(
+                    json.dumps({"image": name, "conversations": [human, {"from": "gpt", "value": sample.task.answer}]})
+                    + "\n"
+                )
+    return folder
 
 
 # --- Blocks -----------------------------------------------------------------------------------------------
@@ -471,3 +498,26 @@ def cut_blocks(seq: list[int], start: int, ids: TokenIds) -> list[Block]:
                 break
         blocks.append(Block(begin - 1, tuple(window[:length]) + (ids.null,) * (BLOCK - length)))
         begin += length
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_locate.tuner.synthetic",
+        description="Write fine-tuning data about a shape or colour the demo model never saw (SFT JSONL + PNGs).",
+    )
+    p.add_argument("--out", required=True, type=Path, help="folder for train.jsonl, eval.jsonl, train/, eval/")
+    p.add_argument("--word", default="ring", choices=[*NOVEL_SHAPES, *NOVEL_COLORS])
+    p.add_argument("--train", type=int, default=300, help="training samples")
+    p.add_argument("--eval", type=int, default=24, help="held-out samples")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.out.exists() and any(args.out.iterdir()):
+        print(f"error: {args.out} already exists and is not empty", file=sys.stderr)
+        return 2
+    write_novel_data(args.out, args.word, args.train, args.eval, args.seed)
+    print(f"wrote {args.train} + {args.eval} samples about {args.word!r} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

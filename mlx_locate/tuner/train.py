@@ -15,6 +15,7 @@ from three ints per row, so one compiled step serves each bucket. The same code 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import multiprocessing
@@ -365,6 +366,12 @@ def collate_rows(samples: list[Encoded], pad_id: int, bucket: int = LENGTH_BUCKE
     for b, s in enumerate(samples):
         for name in ROW_FIELDS:
             batch[name][b, : len(s.ids)] = getattr(s, name)
+    # The supervised rows, padded with row 0 (never supervised): the head and the loss run on these only.
+    counts = [int((s.targets >= 0).sum()) for s in samples]
+    S = -(-max(counts) // bucket) * bucket
+    batch["supervised"] = np.zeros((B, S), np.int32)
+    for b, s in enumerate(samples):
+        batch["supervised"][b, : counts[b]] = np.flatnonzero(s.targets >= 0)
     return batch
 
 
@@ -469,8 +476,11 @@ def training_mask_rows(clean_lim: mx.array, own_lo: mx.array, own_hi: mx.array) 
 
 def forward_hidden(model: LocateAnything, batch: dict, tables: dict) -> mx.array:
     """Final hidden states (B, T, D), before the final norm, of a collated batch: rows (`collate_rows`) and the
-    image input in one of three forms (see below)."""
+    input of the first decoder layer as `hidden` (B, T, D), or the image in one of three forms (see below)."""
     lm = model.language_model
+    mask = training_mask_rows(batch["clean_lim"], batch["own_lo"], batch["own_hi"])
+    if "hidden" in batch:  # the output of frozen lower layers, computed beforehand (`model` holds the rest)
+        return lm(batch["hidden"], batch["positions"], mask)[0]
     if "merged" in batch:  # a frozen tower's merged rows (B, M, 4C), computed beforehand
         features = run_connector(model.mlp1, batch["merged"])
     elif "patches" in batch:  # float patches with their own tower inputs (any grids)
@@ -482,9 +492,16 @@ def forward_hidden(model: LocateAnything, batch: dict, tables: dict) -> mx.array
     slot = batch["image_slot"]
     image = mx.take_along_axis(features, mx.maximum(slot, 0)[..., None], axis=1)
     x = mx.where((slot >= 0)[..., None], image.astype(embeds.dtype), embeds)
-    mask = training_mask_rows(batch["clean_lim"], batch["own_lo"], batch["own_hi"])
-    hidden, _ = lm(x, batch["positions"], mask)
-    return hidden
+    return lm(x, batch["positions"], mask)[0]
+
+
+def layer_view(model: LocateAnything, layers: slice) -> LocateAnything:
+    """`model` with only `layers` of its decoder: a shallow view sharing every module and array."""
+    view, lm, inner = copy.copy(model), copy.copy(model.language_model), copy.copy(model.language_model.model)
+    inner.layers = model.language_model.model.layers[layers]
+    lm.model = inner
+    view.language_model = lm
+    return view
 
 
 def loss_and_stats(model: LocateAnything, batch: dict, tables: dict) -> tuple[mx.array, mx.array]:
@@ -493,13 +510,15 @@ def loss_and_stats(model: LocateAnything, batch: dict, tables: dict) -> tuple[mx
     Stats (3, STAT_COLUMNS): CE sum, count and correct argmax per row kind, then for coordinate targets of
     the NTP and the block stream (TRAINING.md §5: block coordinates should stay above NTP ones).
     """
-    logits = model.language_model.logits(forward_hidden(model, batch, tables))  # (B, T, V) float32
-    targets = batch["targets"]
+    rows = batch["supervised"]  # (B, S): the head's rows, as fused linear + cross-entropy would skip the rest
+    hidden = mx.take_along_axis(forward_hidden(model, batch, tables), rows[..., None], axis=1)
+    logits = model.language_model.logits(hidden)  # (B, S, V) float32
+    targets = mx.take_along_axis(batch["targets"], rows, axis=1)
     valid = targets >= 0
     picked = mx.take_along_axis(logits, mx.maximum(targets, 0)[..., None], axis=-1)[..., 0]
     ce = (mx.logsumexp(logits, axis=-1) - picked) * valid
     loss = ce.sum() / mx.maximum(valid.sum(), 1)
-    kinds = batch["kinds"][..., None]
+    kinds = mx.take_along_axis(batch["kinds"], rows, axis=1)[..., None]
     ids = model.token_ids
     coord = ((targets >= ids.coord_start) & (targets <= ids.coord_end))[..., None]
     columns = mx.concatenate(
@@ -567,8 +586,17 @@ class Trainer:
     fine-tune unfroze); the learning rate is an input, so the schedule is plain Python. `tables`: the tower
     inputs of batches that index them (default: the synthetic grids)."""
 
-    def __init__(self, model: LocateAnything, options: TrainOptions, tables: dict | None = None):
+    def __init__(
+        self,
+        model: LocateAnything,
+        options: TrainOptions,
+        tables: dict | None = None,
+        forward_model: LocateAnything | None = None,
+    ):
+        """`forward_model`: what the loss runs, sharing `model`'s modules (a `layer_view` of its upper layers
+        when batches carry their `hidden` input); default `model`."""
         self.model = model
+        forward_model = model if forward_model is None else forward_model
         self.tables = demo_tables(model) if tables is None else tables
         self.optimizer = optim.AdamW(learning_rate=options.lr, betas=[0.9, 0.999], weight_decay=options.weight_decay)
         self.optimizer.init(model.trainable_parameters())
@@ -580,7 +608,7 @@ class Trainer:
             if compute != mx.float32:
                 params = tree_map(lambda p: p.astype(compute), params)
             model.update(params)
-            return loss_and_stats(model, batch, tables)
+            return loss_and_stats(forward_model, batch, tables)
 
         grad_fn = mx.value_and_grad(loss_fn)
 
@@ -595,7 +623,7 @@ class Trainer:
         # The random state goes in and out too: LoRA dropout draws from it.
         state = [model.state, self.optimizer.state, mx.random.state]
         self.step_fn = partial(mx.compile, inputs=state, outputs=state)(step) if options.compile else step
-        score = partial(loss_and_stats, model)
+        score = partial(loss_and_stats, forward_model)
         self.score_fn = partial(mx.compile, inputs=[model.state])(score) if options.compile else score
 
     def step(self, batch: dict[str, np.ndarray], lr: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
