@@ -1,11 +1,15 @@
 """Fine-tuning figures: the demo model learning a new shape end to end, and LoRA steps at LocateAnything-3B's shapes.
 
     python benchmarks/finetune_bench.py                       # both; JSON in benchmarks/results/finetune_<device>.json
-    python benchmarks/finetune_bench.py --only demo           # or --only 3b
+    python benchmarks/finetune_bench.py --only demo           # or --only inference, --only 3b
 
 - demo: the README's walk-through (the test's run, `tuner.finetune.DEMO_SPEC` / `DEMO_OPTIONS`): the bundled demo
   model learns "ring" from 300 synthetic scenes; held-out F1@0.5 per mode before and after, steps/s, samples/s,
   peak memory.
+- inference: decode step costs (`bench.step_costs`: AR and block step at 512 cached tokens) of the 3B shapes
+  without an adapter and with a rank-64 one on every projection: merged into the bf16 weights (what `load`
+  does for a float base: the same cost by construction), and beside q8 / mixed_4_8 weights, fused
+  (`FusedLoRALinear`, what `load` does) and unfused (`LoRALinear` per projection, for comparison).
 - 3b: random weights of the 3B model's shapes drawn on the device (bfloat16; q8 and mixed_4_8 quantized in
   memory as `mlx-locate-convert --quantize` does), NVIDIA's recipe (LoRA rank 64, alpha 128 on every decoder
   projection, the connector trained), samples of one synthetic image with 8 boxes in a detection answer, with and
@@ -29,15 +33,17 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_map, tree_unflatten
 from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench.step_costs
 
 from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
+from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import DEFAULT_TOKENIZER_DIR, PRESETS  # noqa: E402
@@ -52,7 +58,16 @@ from mlx_locate.tuner.finetune import (  # noqa: E402
     finetune,
     load_base,
 )
-from mlx_locate.tuner.lora import AdapterSpec, LoRASpec  # noqa: E402
+from mlx_locate.tuner.lora import (  # noqa: E402
+    DECODER_PREFIX,
+    Adapter,
+    AdapterSpec,
+    LoRALinear,
+    LoRASpec,
+    apply_adapter,
+    layer_targets,
+    linear_dims,
+)
 from mlx_locate.tuner.synthetic import write_novel_data  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -102,14 +117,15 @@ def run_demo(work: Path, dtype: str) -> dict:
     }
 
 
-def random_model(preset: str, quantize: str | None) -> Base:
-    """A preset's architecture (the 3B's by default), N(0, 0.02) bf16 weights drawn on the device, optionally
+def random_model(preset: str, quantize: str | None, dtype: str = "bfloat16") -> Base:
+    """A preset's architecture (the 3B's by default), N(0, 0.02) weights drawn on the device, optionally
     quantized."""
-    raw = PRESETS[preset].config("bfloat16")
+    raw = PRESETS[preset].config(dtype)
     tokenizer = Tokenizer.from_folder(DEFAULT_TOKENIZER_DIR)
     network = LocateAnything(ModelConfig.from_dict(raw), tokenizer.token_ids(raw))
     mx.random.seed(0)
-    network.update(tree_map(lambda w: (mx.random.normal(w.shape) * 0.02).astype(mx.bfloat16), network.parameters()))
+    target = getattr(mx, dtype)
+    network.update(tree_map(lambda w: (mx.random.normal(w.shape) * 0.02).astype(target), network.parameters()))
     mx.eval(network.parameters())
     if quantize is not None:
         plan, _ = quantization_plan(network, QUANT_PRESETS[quantize])
@@ -174,12 +190,53 @@ def run_3b(work: Path, preset: str, quantize: str | None, batch: int, checkpoint
     }
 
 
+def random_adapter(network: nn.Module, rank: int = 64, alpha: float = 128.0) -> Adapter:
+    """Random low-rank pairs on every decoder projection (their values do not change the cost)."""
+    pairs = {}
+    keys = iter(mx.random.split(mx.random.key(1), 1000))
+    for path, linear in layer_targets(network, LoRASpec(rank, alpha), DECODER_PREFIX):
+        in_dims, out_dims = linear_dims(linear)
+        a = mx.random.normal((in_dims, rank), key=next(keys)) * in_dims**-0.5
+        pairs[path] = (a, mx.random.normal((rank, out_dims), key=next(keys)) * 0.01, alpha / rank)
+    return Adapter(pairs, {}, None)
+
+
+def run_inference(preset: str, dtype: str, iters: int) -> list[dict]:
+    from bench import step_costs
+
+    rows = []
+    for quantize in (None, "q8", "mixed_4_8"):
+        variants = ("no adapter", "merged") if quantize is None else ("no adapter", "kept, fused", "kept, unfused")
+        for variant in variants:
+            base = random_model(preset, quantize, dtype)
+            network = base.network
+            if variant in ("merged", "kept, fused"):
+                apply_adapter(network, random_adapter(network))
+            elif variant == "kept, unfused":
+                updates = []
+                for path, (a, b, scale) in random_adapter(network).pairs.items():
+                    lora = LoRALinear.from_base(dict(network.named_modules())[path], a.shape[1], scale)
+                    lora.lora_a, lora.lora_b = a, b
+                    updates.append((path, lora))
+                network.update_modules(tree_unflatten(updates))
+            model = LocateModel(network, base.tokenizer)
+            row = {"preset": preset, "dtype": dtype, "quantize": quantize or "none", "adapter": variant}
+            row.update(step_costs(model, 512, iters))
+            rows.append(row)
+            print(json.dumps(row))
+            del model, network, base
+            mx.clear_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=("demo", "3b"), help="one part only")
+    p.add_argument("--only", choices=("demo", "inference", "3b"), help="one part only")
     p.add_argument("--demo-dtype", default="float32", help="the demo base's dtype (default float32)")
     p.add_argument("--steps", type=int, default=8, help="3b: steps per configuration (the first 2 are warm-up)")
-    p.add_argument("--preset", choices=list(PRESETS), default="3b", help="3b part: the sizes (small: a CPU check)")
+    p.add_argument("--preset", choices=list(PRESETS), default="3b", help="inference, 3b: the sizes (small: a check)")
+    p.add_argument("--dtype", default="bfloat16", help="inference: float dtype of the random weights")
+    p.add_argument("--iters", type=int, default=20, help="inference: timed steps per measurement")
     p.add_argument("--json", type=Path, help="output (default benchmarks/results/finetune_<device>.json)")
     args = p.parse_args(argv)
     device = "gpu" if mx.default_device() == mx.gpu else "cpu"
@@ -193,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"demo {mode}: F1@0.5 {report['demo']['before']['f1'][mode]['f1@0.5']:.3f} -> {after['f1@0.5']:.3f}"
                 )
+        if args.only in (None, "inference"):
+            report["inference"] = run_inference(args.preset, args.dtype, args.iters)
         if args.only in (None, "3b"):
             report["3b"] = []
             for quantize in (None, "q8", "mixed_4_8"):
