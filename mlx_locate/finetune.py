@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-data", help="held-out data (default: a --val-fraction of --data's images)")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_HELD_OUT, help="held-out share (default: 0.1)")
     p.add_argument("--categories-per-prompt", type=int, default=10, help="COCO: categories per detection prompt")
-    p.add_argument("--dtype", choices=list(DTYPES), help="cast the base (CPU: float32; bf16 has no BLAS there)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="cast the base (default: as `load`: float32 on a CPU)")
 
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)

@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..config import ModelConfig
 from ..engine import Request, RequestError
 from ..loader import build_model, read_json, resolve
-from ..locate import LocateModel
+from ..locate import CPU_DTYPE, LocateModel
 from ..model import LocateAnything
 from ..preprocess import IN_TOKEN_LIMIT, preprocess
 from ..projector import merge_2x2
@@ -124,7 +124,10 @@ class Base:
 
 
 def load_base(path_or_hub_id: str | Path, dtype: str | None = None) -> Base:
-    """The network as `locate.load` builds it, before the inference-only fusing of projections."""
+    """The network as `locate.load` builds it (float32 on the CPU backend unless `dtype` says otherwise), before
+    the inference-only fusing of projections."""
+    if dtype is None and mx.default_device() == mx.cpu:
+        dtype = CPU_DTYPE
     folder = resolve(path_or_hub_id)
     raw = read_json(folder, "config.json")
     tokenizer = Tokenizer.from_folder(folder)
