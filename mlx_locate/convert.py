@@ -50,6 +50,7 @@ from .loader import (
     resolve,
     sanitize,
     shard_names,
+    split_peft_checkpoint,
     weight_files,
     write_index,
 )
@@ -378,7 +379,11 @@ def convert(
         print(line)
     head = compare_head(raw)
     print(f"[INFO] lm_head: {head}")
+    raw, trained = split_peft_checkpoint(raw, raw_config, src)
     model = assemble_model(sanitize(raw, config.vision.patch_size), config, tokenizer.token_ids(raw_config), dtype, src)
+    if trained is not None:
+        apply_adapter(model, trained, merge=True)
+        print(f"[INFO] LoRA layers of a PEFT-wrapped checkpoint: {len(trained.pairs)} pairs merged")
     if adapter is not None:
         counts = apply_adapter(model, read_adapter(adapter), merge=True)
         print(f"[INFO] adapter {adapter}: {counts['merged']} LoRA pairs merged, {counts['replaced']} tensors replaced")

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 
 from .config import ModelConfig
 from .model import LocateAnything
+from .tuner.lora import Adapter, apply_adapter, peft_name
 
 HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -195,8 +196,43 @@ def check_names_and_shapes(model: nn.Module, weights: dict[str, mx.array], folde
 
 
 def build_model(folder: Path, config: ModelConfig, token_ids, dtype: str | None = None) -> LocateAnything:
-    weights = sanitize(read_weights(folder), config.vision.patch_size)
-    return assemble_model(weights, config, token_ids, dtype, folder)
+    weights, adapter = split_peft_checkpoint(read_weights(folder), config.raw, folder)
+    model = assemble_model(sanitize(weights, config.vision.patch_size), config, token_ids, dtype, folder)
+    if adapter is not None:
+        apply_adapter(model, adapter)
+    return model
+
+
+# NVIDIA's training (`eaglevl`) records LoRA ranks in config.json and wraps with lora_alpha = 2 * rank.
+PEFT_RANK_FIELDS = {"language_model.": "use_llm_lora", "vision_model.": "use_backbone_lora"}
+
+
+def split_peft_checkpoint(weights: dict[str, mx.array], raw_config: dict, folder: Path) -> tuple[dict, Adapter | None]:
+    """A whole checkpoint saved while PEFT wrapped the decoder (NVIDIA's LoRA script): base weights under
+    `...q_proj.base_layer.weight`, pairs under `...q_proj.lora_A.default.weight`. Returns the base weights under
+    their plain names and the pairs as an adapter to merge; other checkpoints pass through unchanged."""
+    if not any(".lora_A." in k for k in weights):
+        return weights, None
+    base, lora = {}, {}
+    for key, value in weights.items():
+        name = peft_name(key).replace(".base_layer.", ".")
+        (lora if ".lora_A." in name or ".lora_B." in name else base)[name] = value
+    pairs = {}
+    for name, a in lora.items():
+        if name.endswith(".lora_B.weight") and name.replace(".lora_B.", ".lora_A.") not in lora:
+            raise ValueError(f"{folder}: LoRA tensor {name} has no lora_A")
+        if not name.endswith(".lora_A.weight"):
+            continue
+        module = name[: -len(".lora_A.weight")]
+        field = next((f for prefix, f in PEFT_RANK_FIELDS.items() if module.startswith(prefix)), None)
+        rank = int(raw_config.get(field) or 0) if field else 0
+        if f"{module}.lora_B.weight" not in lora or rank != a.shape[0]:
+            raise ValueError(
+                f"{folder}: LoRA tensor {name} ({a.shape[0]} ranks) needs its lora_B and config.json's "
+                f"{field or 'use_llm_lora'} = {a.shape[0]}"
+            )
+        pairs[module] = (a.T, lora[f"{module}.lora_B.weight"].T, 2.0)  # alpha 2r over rank r
+    return base, Adapter(pairs, {}, None)
 
 
 def assemble_model(

@@ -89,7 +89,7 @@ def _demo_network(dtype="float32"):
     return load_base("demo", dtype)
 
 
-def _random_adapter(tmp_path, spec: AdapterSpec, seed: int = 0):
+def _random_adapter(tmp_path, spec: AdapterSpec, seed: int = 0, strength: float = 0.05):
     """The demo network with `spec`'s LoRA, every pair and the connector moved away from the base."""
     base = _demo_network()
     add_lora(base.network, spec)
@@ -97,7 +97,7 @@ def _random_adapter(tmp_path, spec: AdapterSpec, seed: int = 0):
     updates = []
     for name, value in tree_flatten(base.network.trainable_parameters()):
         noise = mx.random.normal(value.shape, key=next(keys))
-        updates.append((name, value + 0.05 * noise if not name.endswith("lora_b") else 0.05 * noise))
+        updates.append((name, value + strength * noise if not name.endswith("lora_b") else strength * noise))
     from mlx.utils import tree_unflatten
 
     base.network.update(tree_unflatten(updates))
@@ -508,3 +508,43 @@ def test_vision_lora_trains_and_loads(novel_data, tmp_path):
     merged = loaded.network.vision_model.encoder.blocks[0].wqkv
     assert isinstance(merged, nn.Linear)
     np.testing.assert_allclose(np.array(merged.weight), np.array(tower.linear.weight + tower.delta()), atol=1e-6)
+
+
+def test_nvidia_lora_checkpoint_loads_merged(tmp_path):
+    """NVIDIA's LoRA script saves the whole model with PEFT's names (`language_model.base_model.model...`,
+    `q_proj.base_layer.weight`, `q_proj.lora_A.default.weight`) and `use_llm_lora` (the rank, alpha = 2 x rank) in
+    config.json: `load` and `mlx-locate-convert` merge it, giving the tokens of the same pairs as an adapter."""
+    import shutil
+
+    from mlx_locate.convert import convert
+    from mlx_locate.tuner.lora import read_adapter
+
+    spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.0, keys=lora.DECODER_KEYS[:4]), trainable=())
+    _, folder = _random_adapter(tmp_path, spec, strength=0.3)
+    pairs = read_adapter(folder).pairs
+    nvidia = tmp_path / "nvidia"
+    shutil.copytree(DEMO_DIR, nvidia)
+    weights = {}
+    for key, value in mx.load(str(DEMO_DIR / "model.safetensors")).items():
+        module = key.rpartition(".")[0]
+        if key.startswith("language_model."):
+            inner = key.removeprefix("language_model.")
+            key = f"language_model.base_model.model.{inner}"
+            if module in pairs:
+                key = key.replace(f".{key.rpartition('.')[2]}", f".base_layer.{key.rpartition('.')[2]}")
+        weights[key] = value
+    for module, (a, b, _) in pairs.items():
+        peft = "language_model.base_model.model." + module.removeprefix("language_model.")
+        weights[f"{peft}.lora_A.default.weight"] = a.T
+        weights[f"{peft}.lora_B.default.weight"] = b.T
+    mx.save_safetensors(str(nvidia / "model.safetensors"), weights)
+    config = json.loads((nvidia / "config.json").read_text())
+    (nvidia / "config.json").write_text(json.dumps({**config, "use_llm_lora": 4}))
+    want = load("demo", adapter_path=folder).locate(IMAGE, "square", mode="fast", max_tokens=48).token_ids
+    assert load("demo").locate(IMAGE, "square", mode="fast", max_tokens=48).token_ids != want
+    assert load(nvidia).locate(IMAGE, "square", mode="fast", max_tokens=48).token_ids == want
+    merged = convert(nvidia, tmp_path / "merged", dtype="float32")
+    assert load(merged).locate(IMAGE, "square", mode="fast", max_tokens=48).token_ids == want
+    (nvidia / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="use_llm_lora = 4"):
+        load(nvidia)
