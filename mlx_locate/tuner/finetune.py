@@ -417,7 +417,7 @@ def plot(history: list[dict], path: Path) -> None:
     """Training and held-out loss, and held-out F1@0.5 per mode, against the step (matplotlib, `[finetune]`)."""
     plt = require_matplotlib()
     train = [h for h in history if "loss" in h]
-    evals = [h for h in history if "eval" in h]
+    evals = [h for h in history if "eval" in h and h["eval"]["loss"] is not None]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
     for key, name in (("loss", "train"), ("ntp_loss", "train NTP"), ("block_loss", "train block")):
         left.plot([h["step"] for h in train], [h[key] for h in train], label=name, lw=1)
@@ -428,7 +428,8 @@ def plot(history: list[dict], path: Path) -> None:
         values = [h["eval"]["f1"][mode]["f1@0.5"] or 0.0 for h in evals]
         right.plot([h["step"] for h in evals], values, "o-", label=mode)
     right.set(xlabel="step", ylabel="F1@0.5", ylim=(-0.02, 1.02), title="held-out F1@0.5")
-    right.legend()
+    if evals:
+        right.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
