@@ -104,7 +104,7 @@ def weight_bytes(model: LocateModel, decoder_only: bool = True) -> int:
 def measure_bandwidth(gigabytes: float = 6.4) -> float:
     """Bytes/s of a read-only pass (a sum) over `gigabytes` of bf16: the floor of a step is its weight bytes over
     this. A small copy (128 MB) understates it: the L2 cache and the write traffic distort it."""
-    x = mx.ones((int(gigabytes * 1e9) // 2,), dtype=mx.bfloat16)
+    x = mx.ones((int(gigabytes * 1e9) // 2 // 4096, 4096), dtype=mx.bfloat16)  # a dimension is an int32
     mx.eval(x)
     for _ in range(2):
         mx.eval(mx.sum(x, stream=mx.gpu))
@@ -113,8 +113,7 @@ def measure_bandwidth(gigabytes: float = 6.4) -> float:
     for _ in range(n):
         mx.eval(mx.sum(x))
     seconds = (time.perf_counter() - t0) / n
-    del x
-    return int(gigabytes * 1e9) // 2 * 2 / seconds
+    return x.nbytes / seconds
 
 
 def step_costs(model: LocateModel, context: int, iters: int) -> dict:

@@ -406,10 +406,11 @@ class Engine:
         model's prefix store); then every joining row gets its image's prefix in its cache row."""
         model = self.model
         keys = [(row.image.key, tuple(row.prompt[: row.prefix_len])) for row in joining]
+        have = {key: model.prefix(key) for key in keys if key in model.prefixes}  # held: storing may evict
         new: dict[tuple, _Row] = {}
         for row, key in zip(joining, keys, strict=True):
             row.timings.update(vision_cached=True, vision_s=0.0, prefix_prefill_s=0.0)
-            if key not in model.prefixes:
+            if key not in have:
                 new.setdefault(key, row)
         if new:
             t0 = time.perf_counter()
@@ -419,10 +420,11 @@ class Engine:
             prefixes = compute_prefixes(model, items)
             t2 = time.perf_counter()
             for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
+                have[key] = prefix
                 model.store_prefix(key, prefix)
                 row.timings.update(vision_cached=cached, vision_s=t1 - t0, prefix_prefill_s=t2 - t1)
         for row, key in zip(joining, keys, strict=True):
-            self.cache.copy_in(row.slot, model.prefix(key))
+            self.cache.copy_in(row.slot, have[key])
 
     def _entries(self, rows: list[_Row]) -> tuple[list[int], list[int], bool]:
         """A forward's entries: the index of each row's entry, the cache row of every entry and whether the

@@ -243,3 +243,19 @@ def test_memory_is_bounded_by_rows_and_buckets(models):
     longest = max(len(h.result.prompt_ids) + len(h.result.token_ids) for h in handles)
     prompt = max(len(h.result.prompt_ids) for h in handles)
     assert kv_bucket(prompt) <= biggest <= kv_bucket(longest + compiled_module.BLOCK_ROWS)
+
+
+def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
+    """Rows joining together with more new images than the prefix store holds each get their own prefix (a
+    prefix stored in the same admission must not push out one about to be copied)."""
+    import mlx_locate.locate as locate_module
+
+    monkeypatch.setattr(locate_module, "PREFIX_CACHE_SIZE", 2)
+    model = models["tiny_peaky"]
+    model.clear_caches()
+    rng = np.random.default_rng(9)
+    images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(5)]
+    batched = model.locate_many([Request(im, "red box", max_tokens=8) for im in images], batch_size=5)
+    alone = [model.locate_many([Request(im, "red box", max_tokens=8)], batch_size=1)[0] for im in images]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert len(model.prefixes) == 2
