@@ -91,6 +91,52 @@ def fuse_projections(layers: list[DecoderLayer]) -> None:
                     module[fused_name] = fused
 
 
+class InputMajorLinear(nn.Module):
+    """A float Linear stored input-major, (in, out). On MLX's CPU backend a product of a few rows with a weight at
+    least as wide as it is deep runs faster against this layout: measured on this project's CPU, 1.2-2.6x with
+    OpenBLAS (a 1,536 x 1,024 projection of one row: 0.70 -> 0.27 ms) and about 1.9x with the bundled BLAS; a
+    deep one (down_proj) runs slower with OpenBLAS and keeps its layout."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = mx.contiguous(linear.weight.T)
+        if "bias" in linear:
+            self.bias = linear.bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = x @ self.weight_t
+        return x + self.bias if "bias" in self else x
+
+
+class InputMajorEmbedding(nn.Module):
+    """The tied embedding stored (D, V): a lookup takes columns, the head is `x @ weight_t` (one row of the
+    3B-width head, 152,681 x 1,024 in float32: 84 -> 63 ms with OpenBLAS on this project's CPU)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.weight_t = mx.contiguous(embedding.weight.T)
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return mx.moveaxis(mx.take(self.weight_t, ids, axis=1), 0, -1)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ self.weight_t
+
+
+def store_input_major(model: Qwen2Model) -> None:
+    """For the CPU backend: the decoder's wide float projections (out >= in) and the tied head stored
+    input-major, module by module (memory grows by one matrix at most)."""
+    for layer in model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            for name, child in list(module.children().items()):
+                if type(child) is nn.Linear and child.weight.shape[0] >= child.weight.shape[1]:
+                    module[name] = InputMajorLinear(child)
+                    mx.eval(module[name].parameters())
+    if type(model.embed_tokens) is nn.Embedding:
+        model.embed_tokens = InputMajorEmbedding(model.embed_tokens)
+        mx.eval(model.embed_tokens.parameters())
+
+
 class Attention(nn.Module):
     def __init__(self, config: TextConfig):
         super().__init__()

@@ -30,7 +30,7 @@ from .engine import (
     compute_prefixes,
     prepare_image,
 )
-from .language import fuse_projections
+from .language import fuse_projections, store_input_major
 from .loader import build_model, read_json, resolve
 from .model import LocateAnything
 from .preprocess import IN_TOKEN_LIMIT
@@ -50,10 +50,13 @@ class LocateModel:
     """A loaded checkpoint: network, tokenizer, compiled step functions, and caches of vision features and
     prompt prefixes by image content.
 
-    Takes over `network` for inference: its decoder's projections are fused (`language.fuse_projections`)."""
+    Takes over `network` for inference: its decoder's projections are fused (`language.fuse_projections`) and,
+    on the CPU backend, its wide ones and the head stored input-major (`language.store_input_major`)."""
 
     def __init__(self, network: LocateAnything, tokenizer: Tokenizer, in_token_limit: int = IN_TOKEN_LIMIT):
         fuse_projections(network.language_model.model.layers)
+        if mx.default_device() == mx.cpu:
+            store_input_major(network.language_model.model)
         self.network = network
         self.tokenizer = tokenizer
         self.token_ids = network.token_ids

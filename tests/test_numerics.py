@@ -28,6 +28,7 @@ from mlx_locate.language import (
     fuse_projections,
     qkv_tables,
     rope_tables,
+    store_input_major,
 )
 from mlx_locate.masks import BLOCK, step_mask, step_positions, training_mask
 from mlx_locate.projector import make_connector, merge_2x2, run_connector
@@ -481,6 +482,35 @@ def test_decoder_layer(fused):
     mask = np.tril(np.ones((T, T), dtype=bool))
     got, _ = layer(mx.array(x[None].astype(np.float32)), *decoder_tables(positions), mx.array(mask))
     np.testing.assert_allclose(to_np(got[0]), np_decoder_layer(x, W, "", positions, mask, TEXT), atol=1e-4)
+
+
+def test_input_major_storage_keeps_every_output():
+    """The CPU layout: wide float projections and the tied head stored (in, out) give the same outputs (float32,
+    1e-5); deep ones (down_proj) and quantized ones keep their layout."""
+    lm = LanguageModel(TEXT)
+    randomize(lm, seed=21)
+    fuse_projections(lm.model.layers)
+    nn.quantize(lm.model.layers[1], group_size=32, bits=8)
+    rng = np.random.default_rng(22)
+    T = 7
+    x = mx.array(rng.normal(size=(1, T, TEXT.hidden_size)).astype(np.float32))
+    ids = mx.array(rng.integers(0, TEXT.vocab_size, (2, 3)))
+    positions, mask = mx.arange(T), mx.array(np.tril(np.ones((T, T), dtype=bool)))
+    before = (lm(x, positions, mask)[0], lm.logits(x), lm.model.embed_tokens(ids))
+    store_input_major(lm.model)
+    after = (lm(x, positions, mask)[0], lm.logits(x), lm.model.embed_tokens(ids))
+    for a, b in zip(after, before, strict=True):
+        np.testing.assert_allclose(to_np(a), to_np(b), atol=1e-5, rtol=0)
+    first, second = lm.model.layers
+    kinds = {name: type(m).__name__ for name, m in (*first.self_attn.children().items(), *first.mlp.children().items())}
+    assert kinds == {
+        "qkv_proj": "InputMajorLinear",
+        "o_proj": "InputMajorLinear",
+        "gate_up_proj": "InputMajorLinear",
+        "down_proj": "Linear",
+    }
+    assert isinstance(second.mlp.gate_up_proj, nn.QuantizedLinear)
+    assert type(lm.model.embed_tokens).__name__ == "InputMajorEmbedding"
 
 
 def test_fuse_linears_quantized_and_unlike_parts():
