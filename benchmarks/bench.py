@@ -248,6 +248,7 @@ def run_batches(
                 "compilations_warmup": runs[0][3],
                 "compilations_after": compiled,
                 "peak_memory_mb": mx.get_peak_memory() / 2**20,
+                "engine_seconds": engine.seconds,
                 "token_ids_equal_batch_1": None,
                 "tokens": [r.token_ids for r in results],
             }

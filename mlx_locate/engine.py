@@ -49,6 +49,9 @@ from .sampling import Features, RowSampling, Sampling
 if TYPE_CHECKING:
     from .locate import LocateModel
 
+# Engine.seconds: host preparation (image load, resize, prompt ids), vision tower, prefix prefill, the rows'
+# own prefill, decoding steps
+PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode")
 
 class RequestError(ValueError):
     """A request that cannot run (unreadable image, prompt too long, bad option); other requests go on."""
@@ -231,6 +234,7 @@ class Engine:
         self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}
         self.steps = 0  # forward steps (each with one host read)
         self.host_reads = 0
+        self.seconds = dict.fromkeys(PHASE_TIMES, 0.0)  # where the engine's time went, summed over its steps
         self._ids = itertools.count()
 
     # --- the caller's side ---
@@ -265,7 +269,9 @@ class Engine:
         self._admit(events)
         live = [r for r in self.rows if r is not None]
         if live:
+            t0 = time.perf_counter()
             self._decode(live, events)
+            self.seconds["decode"] += time.perf_counter() - t0
         if self.idle:
             self.cache, self.rows, self.seen = None, [], None  # memory goes back when there is no work
         return events
@@ -334,6 +340,7 @@ class Engine:
         redecode = r.redecode_labels if r.redecode_labels is not None else r.task == "ocr" and mode is Mode.HYBRID
         options = DecodeOptions(mode, budget, r.sampling, r.strict, r.guards, redecode_labels=redecode, seed=r.seed)
         timings = {"queue_s": t0 - handle.submitted, "preprocess_s": time.perf_counter() - t0}
+        self.seconds["prepare"] += timings["preprocess_s"]
         return _Row(handle, image, ids, ids.index(model.token_ids.img_end) + 1, options, budget, timings)
 
     def _expand_tiles(self, handle: Handle, out: list[EngineEvent]) -> list[Handle]:
@@ -369,6 +376,7 @@ class Engine:
         last = run_prefill(self.model, self.cache, items)
         mx.eval(list(last.values()))
         prefill_s = time.perf_counter() - t0
+        self.seconds["prefill"] += prefill_s
         for row in joining:
             row.timings["prefill_s"] = prefill_s
             row.decoder = RowDecoder(row.prompt, self.model.token_ids, row.options, self.model.max_length)
@@ -419,6 +427,8 @@ class Engine:
             items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
             prefixes = compute_prefixes(model, items)
             t2 = time.perf_counter()
+            self.seconds["vision"] += t1 - t0
+            self.seconds["prefix"] += t2 - t1
             for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
                 have[key] = prefix
                 model.store_prefix(key, prefix)

@@ -8,6 +8,8 @@ ids, stop reasons and forward counts equal the reference's, so they equal the si
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -63,11 +65,16 @@ def test_every_golden_case_in_one_batch(models, checkpoint, modes, schedule):
     cases = [n for n in golden_cases() if n.startswith(checkpoint)]
     pairs = [(n, m) for n in cases for m in (MODES if modes == "mixed" else [modes])]
     rows = 4 if modes == "mixed" else len(pairs)  # mixed: rows join as others finish
+    models[checkpoint].clear_caches()
     engine = models[checkpoint].engine(rows, SCHEDULES[schedule])
     handles = [engine.submit(golden_request(n, m)) for n, m in pairs]
+    t0 = time.perf_counter()
     engine.run()
+    wall = time.perf_counter() - t0
     check_golden(engine, pairs, handles)
     assert engine.cache is None  # released once idle
+    assert set(engine.seconds) == {"prepare", "vision", "prefix", "prefill", "decode"}
+    assert all(v > 0 for v in engine.seconds.values()) and sum(engine.seconds.values()) <= wall, engine.seconds
 
 
 def test_no_compilations_after_warm_up_for_a_steady_batch(models):

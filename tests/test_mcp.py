@@ -19,11 +19,12 @@ IMAGE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 
 
 async def session_calls(calls: list[tuple[str, dict]]):
-    """Start the MCP server as a subprocess, list its tools, make `calls`; returns (tools, results)."""
+    """Start the MCP server as a subprocess (the same BLAS as this process: answers are compared exactly), list
+    its tools, make `calls`; returns (tools, results)."""
     params = StdioServerParameters(
         command=sys.executable,
         args=["-m", "mlx_locate.server.mcp", "--model", "demo", "--timeout", "60"],
-        env={k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "MLX_LOCATE_CI")},
+        env={k: v for k, v in os.environ.items() if k in ("PYTHONPATH", "MLX_LOCATE_CI", "LD_PRELOAD")},
     )
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()

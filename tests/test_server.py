@@ -1,8 +1,9 @@
 """The HTTP server on the demo model, against the single-request path (`model.locate`), and its limits.
 
 Two servers run for the whole module on 127.0.0.1: `served` with the defaults, and `strict` with an API key and
-small limits (body, pixels, queue, a timeout every model request exceeds). The single-request answers are made
-by the served worker's own loader, on the worker thread, before it starts serving.
+small limits (body, pixels, queue, a timeout every model request exceeds: its engine steps are slowed, so the
+timeout holds on any machine). The single-request answers are made by the served worker's own loader, on the
+worker thread, before it starts serving.
 """
 
 from __future__ import annotations
@@ -91,12 +92,37 @@ def served():
         yield SimpleNamespace(url=url, client=client, alone=alone, worker=app.state.worker)
 
 
+def slowed_demo(step_s: float):
+    """A loader of the demo model whose engines sleep `step_s` before every step: requests that take longer than
+    a timeout, or that are still decoding when their client hangs up, on a machine of any speed."""
+
+    def load():
+        model = mlx_locate.load("demo")
+        make_engine = model.engine
+
+        def engine(*args, **kwargs):
+            engine = make_engine(*args, **kwargs)
+            step = engine.step
+
+            def slow_step():
+                time.sleep(step_s)
+                return step()
+
+            engine.step = slow_step
+            return engine
+
+        model.engine = engine
+        return model
+
+    return load
+
+
 @pytest.fixture(scope="module")
 def strict():
     settings = Settings(
         api_key="sekret", max_body_mb=0.25, max_pixels=150 * 150, max_queue=2, timeout_s=0.05, allow_remote_images=True
     )
-    app = create_app(lambda: mlx_locate.load("demo"), settings)
+    app = create_app(slowed_demo(0.1), settings)
     with serve_in_thread(app) as url:
         headers = {"Authorization": "Bearer sekret"}
         with httpx.Client(base_url=url, timeout=30, headers=headers) as client:
@@ -392,34 +418,41 @@ def test_bad_requests_get_400_with_the_reason(served):
     assert_error(served.client.get("/v1/locate"), 405, "method_not_allowed")
 
 
-def wait_until_idle(served, before: int) -> None:
+@pytest.fixture(scope="module")
+def slow():
+    app = create_app(slowed_demo(0.05), Settings())
+    with serve_in_thread(app) as url:
+        yield SimpleNamespace(url=url, worker=app.state.worker)
+
+
+def wait_until_idle(server, before: int) -> None:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if served.worker.pending == 0 and served.worker.stats.cancelled > before:
+        if server.worker.pending == 0 and server.worker.stats.cancelled > before:
             return
         time.sleep(0.05)
-    raise AssertionError(f"pending {served.worker.pending}, cancelled {served.worker.stats.cancelled} (was {before})")
+    raise AssertionError(f"pending {server.worker.pending}, cancelled {server.worker.stats.cancelled} (was {before})")
 
 
 QUERIES = ["square", "circle", "triangle", "star", "diamond", "blue square", "red circle", "green triangle"]
 
 
-def test_a_client_that_disconnects_frees_its_rows(served):
-    before = served.worker.stats.cancelled
+def test_a_client_that_disconnects_frees_its_rows(slow):
+    before = slow.worker.stats.cancelled
     body = {"image": b64(IMAGE), "query": QUERIES, "stream": True, "max_tokens": 64}
-    with httpx.Client(base_url=served.url, timeout=30) as client, client.stream("POST", "/v1/locate", json=body) as r:
+    with httpx.Client(base_url=slow.url, timeout=30) as client, client.stream("POST", "/v1/locate", json=body) as r:
         next(r.iter_lines())  # the start event; then hang up
-    wait_until_idle(served, before)
+    wait_until_idle(slow, before)
 
-    before = served.worker.stats.cancelled
+    before = slow.worker.stats.cancelled
     payload = json.dumps({**body, "stream": False}).encode()
-    host, port = served.url.removeprefix("http://").split(":")
+    host, port = slow.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         head = f"POST /v1/locate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
         time.sleep(0.3)
-    wait_until_idle(served, before)
-    assert served.client.get("/health").json()["pending"] == 0
+    wait_until_idle(slow, before)
+    assert httpx.get(f"{slow.url}/health").json()["pending"] == 0
 
 
 def test_bad_requests_among_good_ones_harm_nobody(served):

@@ -41,7 +41,9 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        # A preloaded BLAS (benchmarks set LD_PRELOAD) makes chromium's GPU process fail to start.
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=env)
         yield browser
         browser.close()
 

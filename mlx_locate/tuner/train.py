@@ -562,11 +562,13 @@ class CheckpointedLayer(DecoderLayer):
         if any(c is not None for c in cache):
             return super().__call__(x, cos, sin, mask, *cache)
 
-        def run(params, x, cos, sin, mask):
+        # The rotary tables and the mask are closed over, not inputs: no gradient is asked of them (MLX CUDA has no
+        # attention VJP with respect to a mask).
+        def run(params, x):
             self.update(params)
             return DecoderLayer.__call__(self, x, cos, sin, mask)[0]
 
-        return mx.checkpoint(run)(self.trainable_parameters(), x, cos, sin, mask), None
+        return mx.checkpoint(run)(self.trainable_parameters(), x), None
 
 
 def checkpoint_layers(model: LocateAnything) -> None:
