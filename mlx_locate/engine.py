@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 # own prefill, decoding steps
 PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode")
 
+
 class RequestError(ValueError):
     """A request that cannot run (unreadable image, prompt too long, bad option); other requests go on."""
 
