@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=("demo", "inference", "3b"), help="one part only")
     p.add_argument("--demo-dtype", default="float32", help="the demo base's dtype (default float32)")
+    p.add_argument("--checkpointed-only", action="store_true", help="3b: only the gradient-checkpointing rows")
     p.add_argument("--steps", type=int, default=8, help="3b: steps per configuration (the first 2 are warm-up)")
     p.add_argument("--preset", choices=list(PRESETS), default="3b", help="inference, 3b: the sizes (small: a check)")
     p.add_argument("--dtype", default="bfloat16", help="inference: float dtype of the random weights")
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             report["3b"] = []
             for quantize in (None, "q8", "mixed_4_8"):
                 for batch, checkpoint in ((1, False), (4, False), (4, True)):
+                    if args.checkpointed_only and not checkpoint:
+                        continue
                     row = run_3b(work, args.preset, quantize, batch, checkpoint, args.steps)
                     report["3b"].append(row)
                     print(json.dumps(row))
