@@ -8,7 +8,10 @@ Each batch size runs the command's own `main` in this process over the same fold
 the engine, JSONL with fsync), after one warm-up run of a few images; the model is loaded once and handed to
 every run. Reports wall time, images/s, speed-up over the first batch size, forward steps and tokens summed
 from the lines, compilations during the timed run and peak memory, and whether every batch size wrote the
-same token ids. Prints a table and writes JSON (default benchmarks/results/batch_<model>.json).
+same token ids. `--peer PYTHON` (a venv with mlx-vlm 0.7.10, random checkpoints only) also runs mlx-vlm over the
+same folder image by image, one `peer_mlxvlm.py` process per image with our prompt ids; its images/s counts each
+request's own time (preprocessing to the last step), not the process start or model load. Prints a table and
+writes JSON (default benchmarks/results/batch_<model>.json).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import mlx_locate  # noqa: E402
 from mlx_locate import batch  # noqa: E402
+from mlx_locate.preprocess import preprocess  # noqa: E402
+from mlx_locate.prompts import prompt_ids, task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 from mlx_locate.tuner.synthetic import make_sample  # noqa: E402
 
@@ -46,13 +52,34 @@ def synthetic_folder(folder: Path, n: int) -> Path:
     return folder
 
 
-def load_model(args: argparse.Namespace) -> tuple[mlx_locate.LocateModel, str]:
-    if args.model:
-        return mlx_locate.load(args.model, dtype=args.dtype), args.model
+def checkpoint_folder(args: argparse.Namespace) -> Path:
     folder = Path(args.workdir) / f"{args.preset}-{args.dtype or 'bfloat16'}"
     if not (folder / "config.json").is_file():
         make_random_checkpoint(folder, preset=args.preset, dtype=args.dtype or "bfloat16", tokenizer_dir=TOKENIZER_DIR)
-    return mlx_locate.load(folder), f"random-{args.preset}"
+    return folder
+
+
+def load_model(args: argparse.Namespace) -> tuple[mlx_locate.LocateModel, str]:
+    if args.model:
+        return mlx_locate.load(args.model, dtype=args.dtype), args.model
+    return mlx_locate.load(checkpoint_folder(args)), f"random-{args.preset}"
+
+
+def peer_run(args: argparse.Namespace, model: mlx_locate.LocateModel, images: list[str], tmp: Path) -> dict:
+    """mlx-vlm over `images` one at a time (a process each, our prompt ids): the sum of its request times."""
+    seconds, steps = 0.0, 0
+    for i, image in enumerate(images):
+        grid = preprocess(image, model.in_token_limit).grid
+        text = task_text("detect", args.query[0] if args.query else "square")
+        ids = tmp / f"ids{i}.json"
+        ids.write_text(json.dumps(prompt_ids(model.tokenizer, text, [grid])))
+        cmd = [args.peer, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(checkpoint_folder(args))]
+        cmd += ["--image", str(image), "--prompt-ids", str(ids), "--mode", args.mode, "--max-tokens", str(args.max_tokens)]
+        cmd += ["--dtype", args.dtype or "stored"]
+        out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        seconds += out["timings_s"]["total"]
+        steps += out["forwards"]["total"]
+    return {"seconds": seconds, "images_per_s": len(images) / seconds, "steps": steps}
 
 
 def run_cli(model: mlx_locate.LocateModel, cli: list[str], out: Path) -> float:
@@ -100,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="batch sizes (default: 1 4)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per batch size, interleaved; the median counts")
+    p.add_argument("--peer", help="python of a venv with mlx-vlm 0.7.10: also mlx-vlm image by image")
     p.add_argument("--workdir", default=str(ROOT / ".bench"))
     p.add_argument("--json", help="default: benchmarks/results/batch_<model>.json")
     args = p.parse_args(argv)
@@ -124,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             for size in args.batch:
                 cli = ["--images", str(folder), *options, "--batch-size", str(size)]
                 timed[size].append(timed_run(model, cli, Path(tmp) / f"b{size}.jsonl"))
+        peer = peer_run(args, model, images, Path(tmp)) if args.peer and not args.model else None
     for size, each in timed.items():
         seconds = statistics.median(r["seconds"] for r in each)
         last = {k: v for k, v in each[-1].items() if k not in ("seconds", "token_ids")}
@@ -150,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "same_tokens": all(r["token_ids"] == timed[args.batch[0]][0]["token_ids"] for e in timed.values() for r in e),
         "runs": runs,
+        "peer_image_by_image": peer,
         "load_average_end": os.getloadavg(),  # other work on the machine while it ran
     }
     out = Path(args.json) if args.json else ROOT / "benchmarks" / "results" / f"batch_{Path(name).name}.json"
@@ -163,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"| {r['batch_size']} | {r['seconds']:.2f} | {r['images_per_s']:.2f} | {r['speedup']:.2f}x | {r['steps']} "
             f"| {r['tokens']} | {r['compilations']} | {r['peak_memory_gb']:.2f} |"
+        )
+    if peer is not None:
+        print(
+            f"| mlx-vlm, image by image | {peer['seconds']:.2f} | {peer['images_per_s']:.2f} | "
+            f"{peer['images_per_s'] / runs[0]['images_per_s']:.2f}x | {peer['steps']} | | | |"
         )
     print(f"same token ids at every batch size: {report['same_tokens']}; JSON: {out}")
     return 0
