@@ -74,8 +74,8 @@ def peer_run(args: argparse.Namespace, model: mlx_locate.LocateModel, images: li
         ids = tmp / f"ids{i}.json"
         ids.write_text(json.dumps(prompt_ids(model.tokenizer, text, [grid])))
         cmd = [args.peer, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(checkpoint_folder(args))]
-        cmd += ["--image", str(image), "--prompt-ids", str(ids), "--mode", args.mode, "--max-tokens", str(args.max_tokens)]
-        cmd += ["--dtype", args.dtype or "stored"]
+        cmd += ["--image", str(image), "--prompt-ids", str(ids), "--mode", args.mode]
+        cmd += ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype or "stored"]
         out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         seconds += out["timings_s"]["total"]
         steps += out["forwards"]["total"]
