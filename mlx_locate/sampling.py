@@ -67,6 +67,27 @@ def softmax(x: mx.array, chunk: int = 512) -> mx.array:
     return e / total
 
 
+def top_ids(p: mx.array, k: int, chunk: int = 512) -> mx.array:
+    """The ids of the `k` largest entries of each last-axis row, unordered: (..., V) -> (..., k).
+
+    On MLX's CPU backend a partition of all 152k entries of 6 rows takes 8-12 ms. The k largest lie in the k
+    chunks with the largest maxima, so there a partition runs over a maximum per chunk and then over those k
+    chunks (2 ms). Ties at the k-th value may pick either id, as a plain partition does. A GPU keeps the plain
+    partition, as measured on the H200."""
+    V = p.shape[-1]
+    if V <= 4 * k * chunk or mx.default_device() != mx.cpu:
+        return mx.argpartition(-p, kth=k - 1, axis=-1)[..., :k]
+    n = -(-V // chunk)
+    if n * chunk > V:  # p >= 0: padding with -1 never wins
+        pad = mx.full((*p.shape[:-1], n * chunk - V), -1.0, dtype=p.dtype)
+        p = mx.concatenate([p, pad], axis=-1)
+    p = p.reshape(*p.shape[:-1], n, chunk)
+    best = mx.argpartition(-p.max(axis=-1), kth=k - 1, axis=-1)[..., :k]  # (..., k) chunks
+    candidates = mx.take_along_axis(p, best[..., None], axis=-2).reshape(*best.shape[:-1], k * chunk)
+    j = mx.argpartition(-candidates, kth=k - 1, axis=-1)[..., :k]
+    return mx.take_along_axis(best, j // chunk, axis=-1) * chunk + j % chunk
+
+
 class RowSampling(NamedTuple):
     """Per-sequence settings as (R,) arrays; 0 / 1 / 0 / 1 where a sequence leaves a step off."""
 
@@ -181,14 +202,14 @@ def block_summary(
     p = softmax(x)  # (R, H, V)
     x0 = _pick(x, p, keys, rs, f, ar_rows)  # (R, H)
     p_x0 = mx.take_along_axis(p, x0[..., None], axis=-1)  # (R, H, 1)
-    top_ids = mx.argpartition(-p, kth=TOP_K - 1, axis=-1)[..., :TOP_K]  # (R, H, 5), O(V), unordered
-    top_p = mx.take_along_axis(p, top_ids, axis=-1)
+    top = top_ids(p, TOP_K)  # (R, H, 5), unordered
+    top_p = mx.take_along_axis(p, top, axis=-1)
     order = mx.argsort(-top_p, axis=-1)
-    top_ids = mx.take_along_axis(top_ids, order, axis=-1)
+    top = mx.take_along_axis(top, order, axis=-1)
     top_p = mx.take_along_axis(top_p, order, axis=-1)
     special = p[..., mx.array(special_ids(ids))]  # (R, H, 6)
     f32 = mx.float32
-    packed = mx.concatenate([x0[..., None].astype(f32), p_x0, top_ids.astype(f32), top_p, special], axis=-1)
+    packed = mx.concatenate([x0[..., None].astype(f32), p_x0, top.astype(f32), top_p, special], axis=-1)
     return packed.reshape(packed.shape[0], -1)
 
 

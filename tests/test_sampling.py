@@ -32,6 +32,7 @@ from mlx_locate.sampling import (
     ar_summary,
     block_summary,
     softmax,
+    top_ids,
     transform_logits,
 )
 
@@ -180,6 +181,21 @@ def test_block_summary_greedy_matches_numpy():
     )
     np.testing.assert_allclose(rows[:, COL_P_X0], p.max(axis=-1), rtol=2e-5)
     np.testing.assert_allclose(rows[:, COL_SPECIAL:], p[:, list(special_ids(IDS))], rtol=2e-5)
+
+
+@pytest.mark.parametrize("V", [300, 20_483, 152_681])
+def test_top_ids_are_the_largest(V):
+    """Chunked on the CPU backend (the k best chunks by maximum, then within them): the same set as a full sort,
+    also when the best entries crowd one chunk or sit in the padded tail."""
+    rng = np.random.default_rng(V)
+    p = rng.random((2, 3, V)).astype(np.float32)
+    start = min(1024, V - 10)
+    p[0, 0, start : start + 5] = 2.0 + np.arange(5)  # all five in one chunk
+    p[0, 1, V - 3 :] = 3.0  # three in the last, padded chunk
+    p[1, 2, [0, V // 2, V - 1, 7, 213]] = 5.0
+    got = np.sort(np.array(top_ids(mx.array(p), TOP_K)), axis=-1)
+    want = np.sort(np.argsort(-p, axis=-1, kind="stable")[..., :TOP_K], axis=-1)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_x0_is_the_first_maximum():
