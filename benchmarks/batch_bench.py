@@ -5,7 +5,7 @@
     python benchmarks/batch_bench.py --model CKPT --folder photos/ --query car --batch 1 4 16
 
 Each batch size runs the command's own `main` in this process over the same folder into a fresh JSONL (reading,
-the engine, JSONL with fsync), after one warm-up run of a few images; the model is loaded once and handed to
+the engine, JSONL with fsync), after a warm-up run over the same folder; the model is loaded once and handed to
 every run. Reports wall time, images/s, speed-up over the first batch size, forward steps and tokens summed
 from the lines, compilations during the timed run and peak memory, and whether every batch size wrote the
 same token ids. `--peer PYTHON` (a venv with mlx-vlm 0.7.10, random checkpoints only) also runs mlx-vlm over the
@@ -98,8 +98,10 @@ def summed(lines: list[dict], key: str) -> int:
 
 
 def timed_run(model: mlx_locate.LocateModel, cli: list[str], out: Path) -> dict:
-    """One run of `cli` into a fresh `out`: seconds, what its lines add up to, compilations, peak memory."""
+    """One run of `cli` into a fresh `out`, the model's feature and prefix caches emptied first: seconds, what its
+    lines add up to, compilations, peak memory."""
     out.unlink(missing_ok=True)
+    model.clear_caches()  # every run computes every image's vision and prefix
     mx.reset_peak_memory()
     compilations = model.compilations
     seconds = run_cli(model, cli, out)
@@ -143,10 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        warm = Path(tmp) / "warm.jsonl"  # a list of the first few images
-        warm.write_text("".join(json.dumps(str(Path(path).resolve())) + "\n" for path in images[:4]))
-        for size in args.batch:
-            run_cli(model, ["--images", str(warm), *options, "--batch-size", str(size)], Path(tmp) / f"w{size}.jsonl")
+        for size in args.batch:  # a warm-up over the whole folder compiles every shape the timed runs meet
+            run_cli(model, ["--images", str(folder), *options, "--batch-size", str(size)], Path(tmp) / f"w{size}.jsonl")
         timed: dict[int, list[dict]] = {size: [] for size in args.batch}
         for _ in range(args.repeat):  # interleaved, so a busy spell of the machine hits every batch size
             for size in args.batch:
