@@ -352,8 +352,15 @@ def _detection(rng: np.random.Generator, scene: Scene, negative: bool) -> Task:
         extra = [s for s in absent if rng.random() < 0.15][: n - k]  # an absent category keeps its place
         chosen += extra
         rng.shuffle(chosen)
+    negative = any(not any(o.shape == c for o in scene.objects) for c in chosen)
+    return Task("detect", chosen, *_detection_answer(scene, chosen), negative)
+
+
+def _detection_answer(scene: Scene, categories: list[str]) -> tuple[str, tuple[Target, ...]]:
+    """The answer to a detection prompt of `categories` (each one's boxes in reading order, or None) and its
+    targets."""
     parts, targets = [], []
-    for category in chosen:
+    for category in categories:
         matched = _order([o for o in scene.objects if o.shape == category])
         for o in matched:
             t = _target(category, o, scene.size)
@@ -361,8 +368,7 @@ def _detection(rng: np.random.Generator, scene: Scene, negative: bool) -> Task:
             parts.append(f"<ref>{category}</ref><box>{_coords_text(t.box_norm)}</box>")
         if not matched:
             parts.append(f"<ref>{category}</ref><box>None</box>")
-    negative = any(not any(o.shape == c for o in scene.objects) for c in chosen)
-    return Task("detect", chosen, "".join(parts), tuple(targets), negative)
+    return "".join(parts), tuple(targets)
 
 
 def make_task(rng: np.random.Generator, scene: Scene) -> Task:
@@ -432,16 +438,7 @@ def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "
         categories.insert(int(rng.integers(2)), known[int(rng.integers(len(known)))])
     if negative and known and rng.random() < 0.5:
         categories.insert(int(rng.integers(2)), known[int(rng.integers(len(known)))])
-    parts, targets = [], []
-    for category in categories:
-        matched = _order([o for o in scene.objects if o.shape == category])
-        for o in matched:
-            t = _target(category, o, scene.size)
-            targets.append(t)
-            parts.append(f"<ref>{category}</ref><box>{_coords_text(t.box_norm)}</box>")
-        if not matched:
-            parts.append(f"<ref>{category}</ref><box>None</box>")
-    return Sample(scene, Task("detect", categories, "".join(parts), tuple(targets), negative))
+    return Sample(scene, Task("detect", categories, *_detection_answer(scene, categories), negative))
 
 
 def write_novel_data(folder: Path, word: str = "ring", train: int = 300, held_out: int = 24, seed: int = 0) -> Path:
