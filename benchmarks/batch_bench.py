@@ -83,8 +83,10 @@ def peer_run(args: argparse.Namespace, model: mlx_locate.LocateModel, images: li
 
 
 def run_cli(model: mlx_locate.LocateModel, cli: list[str], out: Path) -> float:
-    """Seconds `mlx-locate-batch` takes for `cli` into `out`, with `model` instead of loading one."""
+    """Seconds `mlx-locate-batch` takes for `cli` into `out`, with `model` instead of loading one, its feature and
+    prefix caches emptied first (every run computes every image's vision and prefix)."""
     batch.load = lambda *args, **kwargs: model
+    model.clear_caches()
     t0 = time.perf_counter()
     code = batch.main([*cli, "--out", str(out)])
     seconds = time.perf_counter() - t0
@@ -98,10 +100,8 @@ def summed(lines: list[dict], key: str) -> int:
 
 
 def timed_run(model: mlx_locate.LocateModel, cli: list[str], out: Path) -> dict:
-    """One run of `cli` into a fresh `out`, the model's feature and prefix caches emptied first: seconds, what its
-    lines add up to, compilations, peak memory."""
+    """One run of `cli` into a fresh `out`: seconds, what its lines add up to, compilations, peak memory."""
     out.unlink(missing_ok=True)
-    model.clear_caches()  # every run computes every image's vision and prefix
     mx.reset_peak_memory()
     compilations = model.compilations
     seconds = run_cli(model, cli, out)
