@@ -91,6 +91,18 @@ def fuse_projections(layers: list[DecoderLayer]) -> None:
                     module[fused_name] = fused
 
 
+def transposed(w: mx.array, rows: int = 256) -> mx.array:
+    """`w.T` made contiguous, in row blocks through numpy: MLX's CPU copy of a transposed view runs at about
+    0.2 GB/s (3.6 s for the medium checkpoint's 625 MB head), a block of 256 rows at a time at about 0.5 GB/s."""
+    if w.dtype not in (mx.float32, mx.float16):  # numpy has no bfloat16
+        return mx.contiguous(w.T)
+    src = np.asarray(w)
+    out = np.empty(src.shape[::-1], dtype=src.dtype)
+    for i in range(0, src.shape[0], rows):
+        out[:, i : i + rows] = src[i : i + rows].T
+    return mx.array(out)
+
+
 class InputMajorLinear(nn.Module):
     """A float Linear stored input-major, (in, out). On MLX's CPU backend a product of a few rows with a weight at
     least as wide as it is deep runs faster against this layout: measured on this project's CPU, 1.2-2.6x with
@@ -99,7 +111,7 @@ class InputMajorLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.weight_t = mx.contiguous(linear.weight.T)
+        self.weight_t = transposed(linear.weight)
         if "bias" in linear:
             self.bias = linear.bias
 
@@ -114,7 +126,7 @@ class InputMajorEmbedding(nn.Module):
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
-        self.weight_t = mx.contiguous(embedding.weight.T)
+        self.weight_t = transposed(embedding.weight)
 
     def __call__(self, ids: mx.array) -> mx.array:
         return mx.moveaxis(mx.take(self.weight_t, ids, axis=1), 0, -1)
