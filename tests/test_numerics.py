@@ -486,7 +486,8 @@ def test_decoder_layer(fused):
 
 def test_input_major_storage_keeps_every_output():
     """The CPU layout: wide float projections and the tied head stored (in, out) give the same outputs (float32,
-    1e-5); deep ones (down_proj) and quantized ones keep their layout."""
+    within 2e-6 of the output's largest magnitude: a BLAS may sum the other layout's products in another order);
+    deep ones (down_proj) and quantized ones keep their layout."""
     lm = LanguageModel(TEXT)
     randomize(lm, seed=21)
     fuse_projections(lm.model.layers)
@@ -500,7 +501,8 @@ def test_input_major_storage_keeps_every_output():
     store_input_major(lm.model)
     after = (lm(x, positions, mask)[0], lm.logits(x), lm.model.embed_tokens(ids))
     for a, b in zip(after, before, strict=True):
-        np.testing.assert_allclose(to_np(a), to_np(b), atol=1e-5, rtol=0)
+        b = to_np(b)
+        np.testing.assert_allclose(to_np(a), b, atol=2e-6 * np.abs(b).max(), rtol=0)
     first, second = lm.model.layers
     kinds = {name: type(m).__name__ for name, m in (*first.self_attn.children().items(), *first.mlp.children().items())}
     assert kinds == {
