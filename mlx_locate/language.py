@@ -121,8 +121,8 @@ class InputMajorLinear(nn.Module):
 
 
 class InputMajorEmbedding(nn.Module):
-    """The tied embedding stored (D, V): a lookup takes columns, the head is `x @ weight_t` (one row of the
-    3B-width head, 152,681 x 1,024 in float32: 84 -> 63 ms with OpenBLAS on this project's CPU)."""
+    """The tied embedding stored (D, V): a lookup takes columns, the head is `x @ weight_t` (one row against the
+    medium checkpoint's 152,681 x 1,024 head in float32: 84 -> 63 ms with OpenBLAS on this project's CPU)."""
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
