@@ -549,3 +549,25 @@ def test_nvidia_lora_checkpoint_loads_merged(tmp_path):
     (nvidia / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="use_llm_lora = 4"):
         load(nvidia)
+
+
+def test_row_cache_keeps_a_byte_budget_least_recent_out_first():
+    from mlx_locate.tuner.finetune import RowCache
+
+    made = []
+
+    def make(key, n):
+        def compute():
+            made.append(key)
+            return mx.zeros((n,), dtype=mx.float32)
+
+        return compute
+
+    cache = RowCache(budget_bytes=3 * 4 * 10)  # three arrays of 10 float32
+    for key in "abc":
+        cache.get(key, make(key, 10))
+    cache.get("a", make("a", 10))  # a hit: "a" becomes the most recent
+    cache.get("d", make("d", 10))  # over the budget: "b", the least recent, goes
+    assert made == ["a", "b", "c", "d"] and list(cache.rows) == ["c", "a", "d"] and cache.bytes == 120
+    cache.get("e", make("e", 100))  # larger than the budget alone: it stays, everything else goes
+    assert list(cache.rows) == ["e"] and cache.bytes == 400

@@ -19,6 +19,7 @@ import json
 import shutil
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -166,27 +167,42 @@ def padded(n: int) -> int:
     return -(-n // ROW_BUCKET) * ROW_BUCKET
 
 
-class TowerRows:
-    """The frozen tower's merged rows (M, 4C) per image, computed once and kept up to a byte budget (LRU)."""
+class RowCache:
+    """Arrays by key, each computed once and kept up to a byte budget (least recently used out first; the newest
+    always stays)."""
 
-    def __init__(self, base: Base, budget_bytes: int):
-        self.base, self.budget = base, budget_bytes
-        self.rows: OrderedDict[Path, mx.array] = OrderedDict()
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self.rows: OrderedDict[Hashable, mx.array] = OrderedDict()
         self.bytes = 0
 
-    def __call__(self, image: Path) -> mx.array:
-        if image in self.rows:
-            self.rows.move_to_end(image)
-            return self.rows[image]
-        network = self.base.network
-        pre = preprocess(image, self.base.in_token_limit, network.config.vision.patch_size)
-        rows = merge_2x2(network.vision_model(mx.array(pre.patches), pre.grid), pre.grid)
+    def get(self, key: Hashable, compute: Callable[[], mx.array]) -> mx.array:
+        if key in self.rows:
+            self.rows.move_to_end(key)
+            return self.rows[key]
+        rows = compute()
         mx.eval(rows)
-        self.rows[image] = rows
+        self.rows[key] = rows
         self.bytes += rows.nbytes
         while self.bytes > self.budget and len(self.rows) > 1:
             self.bytes -= self.rows.popitem(last=False)[1].nbytes
         return rows
+
+
+class TowerRows:
+    """The frozen tower's merged rows (M, 4C) per image, computed once and kept up to a byte budget (LRU)."""
+
+    def __init__(self, base: Base, budget_bytes: int):
+        self.base = base
+        self.cache = RowCache(budget_bytes)
+
+    def __call__(self, image: Path) -> mx.array:
+        return self.cache.get(image, lambda: self._compute(image))
+
+    def _compute(self, image: Path) -> mx.array:
+        network = self.base.network
+        pre = preprocess(image, self.base.in_token_limit, network.config.vision.patch_size)
+        return merge_2x2(network.vision_model(mx.array(pre.patches), pre.grid), pre.grid)
 
 
 def merged_batch(rows: list[mx.array]) -> mx.array:
@@ -277,24 +293,16 @@ class LowerRows:
 
     def __init__(self, base: Base, layers: int, tower: TowerRows, pad_id: int, budget_bytes: int):
         self.lower = layer_view(base.network, slice(0, layers))
-        self.tower, self.pad, self.budget = tower, pad_id, budget_bytes
-        self.rows: OrderedDict[int, mx.array] = OrderedDict()
-        self.bytes = 0
+        self.tower, self.pad = tower, pad_id
+        self.cache = RowCache(budget_bytes)
 
     def __call__(self, example: Example) -> mx.array:
-        key = id(example)
-        if key in self.rows:
-            self.rows.move_to_end(key)
-            return self.rows[key]
+        return self.cache.get(id(example), lambda: self._compute(example))
+
+    def _compute(self, example: Example) -> mx.array:
         batch = {k: mx.array(v) for k, v in collate_rows([example.rows], self.pad, 1).items()}
         batch["merged"] = self.tower(example.record.image)[None]
-        rows = forward_hidden(self.lower, batch, {})[0]
-        mx.eval(rows)
-        self.rows[key] = rows
-        self.bytes += rows.nbytes
-        while self.bytes > self.budget and len(self.rows) > 1:
-            self.bytes -= self.rows.popitem(last=False)[1].nbytes
-        return rows
+        return forward_hidden(self.lower, batch, {})[0]
 
 
 def make_batch(
