@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,9 @@ import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench import peer_request  # noqa: E402
 
 import mlx_locate  # noqa: E402
 from mlx_locate import batch  # noqa: E402
@@ -65,18 +67,14 @@ def load_model(args: argparse.Namespace) -> tuple[mlx_locate.LocateModel, str]:
     return mlx_locate.load(checkpoint_folder(args)), f"random-{args.preset}"
 
 
-def peer_run(args: argparse.Namespace, model: mlx_locate.LocateModel, images: list[str], tmp: Path) -> dict:
+def peer_run(args: argparse.Namespace, model: mlx_locate.LocateModel, images: list[str]) -> dict:
     """mlx-vlm over `images` one at a time (a process each, our prompt ids): the sum of its request times."""
     seconds, steps = 0.0, 0
-    for i, image in enumerate(images):
-        grid = preprocess(image, model.in_token_limit).grid
-        text = task_text("detect", args.query[0] if args.query else "square")
-        ids = tmp / f"ids{i}.json"
-        ids.write_text(json.dumps(prompt_ids(model.tokenizer, text, [grid])))
-        cmd = [args.peer, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(checkpoint_folder(args))]
-        cmd += ["--image", str(image), "--prompt-ids", str(ids), "--mode", args.mode]
-        cmd += ["--max-tokens", str(args.max_tokens), "--dtype", args.dtype or "stored"]
-        out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    text = task_text("detect", args.query[0] if args.query else "square")
+    folder = checkpoint_folder(args)
+    for image in images:
+        ids = prompt_ids(model.tokenizer, text, [preprocess(image, model.in_token_limit).grid])
+        out = peer_request(args.peer, folder, image, ids, args.mode, args.max_tokens, args.dtype or "stored")
         seconds += out["timings_s"]["total"]
         steps += out["forwards"]["total"]
     return {"seconds": seconds, "images_per_s": len(images) / seconds, "steps": steps}
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             for size in args.batch:
                 cli = ["--images", str(folder), *options, "--batch-size", str(size)]
                 timed[size].append(timed_run(model, cli, Path(tmp) / f"b{size}.jsonl"))
-        peer = peer_run(args, model, images, Path(tmp)) if args.peer and not args.model else None
+        peer = peer_run(args, model, images) if args.peer and not args.model else None
     for size, each in timed.items():
         seconds = statistics.median(r["seconds"] for r in each)
         last = {k: v for k, v in each[-1].items() if k not in ("seconds", "token_ids")}

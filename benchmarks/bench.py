@@ -369,20 +369,31 @@ def whole_process(
     return out
 
 
+def peer_request(
+    python: str, model_dir: Path, image: Path, ids: list[int], mode: str, max_tokens: int, dtype: str, repeat: int = 1
+) -> dict:
+    """One request through mlx-vlm 0.7.10 (`peer_mlxvlm.py` in its own process) on our prompt ids: its JSON
+    report; `RuntimeError` with its last error line if it fails."""
+    ids_file = Path(os.environ.get("TMPDIR", "/tmp")) / "mlx_locate_bench_prompt.json"
+    ids_file.write_text(json.dumps(ids))
+    cmd = [python, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(model_dir), "--image", str(image)]
+    cmd += ["--prompt-ids", str(ids_file), "--mode", mode, "--max-tokens", str(max_tokens), "--repeat", str(repeat)]
+    cmd += ["--dtype", dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError((proc.stderr.strip().splitlines() or ["failed"])[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_peer(python: str, model_dir: Path, image: Path, ours: dict, dtype: str, max_tokens: int, repeat: int) -> dict:
     """The same prompt ids through mlx-vlm 0.7.10, normalised to our columns."""
-    script = ROOT / "benchmarks" / "peer_mlxvlm.py"
     out = {}
     for mode, mine in ours.items():
-        ids_file = Path(os.environ.get("TMPDIR", "/tmp")) / "mlx_locate_bench_prompt.json"
-        ids_file.write_text(json.dumps(mine["prompt_ids"]))
-        cmd = [python, str(script), "--model", str(model_dir), "--image", str(image), "--prompt-ids", str(ids_file)]
-        cmd += ["--mode", mode, "--max-tokens", str(max_tokens), "--repeat", str(repeat), "--dtype", dtype]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
-        if proc.returncode != 0:
-            out[mode] = {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        try:
+            peer = peer_request(python, model_dir, image, mine["prompt_ids"], mode, max_tokens, dtype, repeat)
+        except RuntimeError as e:
+            out[mode] = {"error": str(e)}
             continue
-        peer = json.loads(proc.stdout.strip().splitlines()[-1])
         t = peer["timings_s"]
         forwards = peer["forwards"]
         out[mode] = {
