@@ -316,56 +316,59 @@ def run_modes(
 
 
 def whole_process(
-    model_dir: Path, image: Path, prompt: str, modes: list[str], short: int, long: int, dtype: str, peer: str | None
+    model_dir: Path,
+    image: Path,
+    prompt: str,
+    modes: list[str],
+    short: int,
+    long: int,
+    dtype: str,
+    peer: str | None,
+    runs: int = 3,
 ) -> dict:
     """What a CLI user sees: each side run as a whole process (`mlx-locate` / mlx-vlm's PBD loop), `short` and
-    `long` max tokens, min of 2 runs each; decode tokens/s = extra tokens / extra seconds (the delta method), so
-    load, vision and prefill cancel out. Strict greedy decoding; the peer gets our prompt ids."""
+    `long` max tokens, the min of `runs` runs each, the sides taking turns (so a slow spell of the machine hits
+    both); decode tokens/s = extra tokens / extra seconds (the delta method), so load, vision and prefill cancel
+    out. Strict greedy decoding; the peer gets our prompt ids."""
     out = {}
     ids_file = Path(os.environ.get("TMPDIR", "/tmp")) / "mlx_locate_bench_whole_prompt.json"
+    sides = ("ours", "mlx_vlm") if peer else ("ours",)
+
+    def command(side: str, mode: str, n: int) -> list[str]:
+        if side == "ours":
+            cmd = [sys.executable, "-m", "mlx_locate.generate", "--model", str(model_dir), "--image", str(image)]
+            cmd += ["--prompt", prompt, "--mode", mode, "--max-tokens", str(n), "--dtype", dtype]
+            return cmd + ["--strict", "--json"]
+        cmd = [peer, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(model_dir), "--image", str(image)]
+        return cmd + ["--prompt-ids", str(ids_file), "--mode", mode, "--max-tokens", str(n), "--dtype", dtype]
+
     for mode in modes:
-        sides = {}
-        for side in ("ours", "mlx_vlm") if peer else ("ours",):
-            runs = {}
-            for n in (short, long):
-                if side == "ours":
-                    cmd = [
-                        sys.executable,
-                        "-m",
-                        "mlx_locate.generate",
-                        "--model",
-                        str(model_dir),
-                        "--image",
-                        str(image),
-                    ]
-                    cmd += ["--prompt", prompt, "--mode", mode, "--max-tokens", str(n), "--strict", "--json"]
-                    cmd += ["--dtype", dtype]
-                else:
-                    cmd = [peer, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(model_dir)]
-                    cmd += ["--image", str(image), "--prompt-ids", str(ids_file), "--mode", mode]
-                    cmd += ["--max-tokens", str(n), "--dtype", dtype]
-                best = None
-                for _ in range(2):
+        best: dict[tuple[str, int], tuple[float, int]] = {}
+        for _ in range(runs):
+            for side in sides:  # ours first: the peer reads our prompt ids
+                for n in (short, long):
                     t0 = time.perf_counter()
-                    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), cwd=ROOT)
+                    proc = subprocess.run(command(side, mode, n), capture_output=True, text=True, cwd=ROOT)
                     seconds = time.perf_counter() - t0
                     if proc.returncode != 0:
                         raise RuntimeError(f"{side} {mode} failed: {proc.stderr.strip()[-400:]}")
                     answer = json.loads(proc.stdout.strip().splitlines()[-1])
-                    if side == "ours":  # runs first: the peer reads these ids
+                    if side == "ours":
                         ids_file.write_text(json.dumps(answer["prompt_ids"]))
                     tokens = len(answer["token_ids"]) if side == "ours" else answer["num_generated"]
-                    best = min(best or (seconds, tokens), (seconds, tokens))
-                runs[n] = best
-            (t_short, n_short), (t_long, n_long) = runs[short], runs[long]
-            sides[side] = {
+                    best[side, n] = min(best.get((side, n), (seconds, tokens)), (seconds, tokens))
+        result = {}
+        for side in sides:
+            (t_short, n_short), (t_long, n_long) = best[side, short], best[side, long]
+            result[side] = {
                 "seconds": {str(short): t_short, str(long): t_long},
                 "tokens": {str(short): n_short, str(long): n_long},
                 "decode_tokens_per_s": (n_long - n_short) / (t_long - t_short),
             }
         if peer:
-            sides["ratio"] = sides["ours"]["decode_tokens_per_s"] / sides["mlx_vlm"]["decode_tokens_per_s"]
-        out[mode] = sides
+            result["ratio"] = result["ours"]["decode_tokens_per_s"] / result["mlx_vlm"]["decode_tokens_per_s"]
+        result["runs"] = runs
+        out[mode] = result
     return out
 
 
@@ -441,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--whole-process", type=int, nargs=2, metavar=("SHORT", "LONG"), help="also time whole processes (CLI)"
     )
+    parser.add_argument("--whole-runs", type=int, default=3, help="with --whole-process: the min of this many")
     parser.add_argument("--folder", type=int, default=64, help="with --batch: images in the folder run (0: none)")
     parser.add_argument("--schedule", choices=["device", "mixed", "split"], default="device")
     parser.add_argument("--workdir", default=str(ROOT / ".bench"))
@@ -511,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.whole_process and model_dir is not None:
             prompt = args.prompt or task_text("detect", args.query)
             entry["whole_process"] = whole_process(
-                model_dir, path, prompt, args.modes, *args.whole_process, args.dtype, args.peer
+                model_dir, path, prompt, args.modes, *args.whole_process, args.dtype, args.peer, args.whole_runs
             )
         if args.peer and model_dir is not None:
             entry["mlx_vlm"] = run_peer(args.peer, model_dir, path, ours, args.dtype, args.max_tokens, args.repeat)

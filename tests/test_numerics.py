@@ -29,6 +29,7 @@ from mlx_locate.language import (
     qkv_tables,
     rope_tables,
     store_input_major,
+    transposed,
 )
 from mlx_locate.masks import BLOCK, step_mask, step_positions, training_mask
 from mlx_locate.projector import make_connector, merge_2x2, run_connector
@@ -513,6 +514,15 @@ def test_input_major_storage_keeps_every_output():
     }
     assert isinstance(second.mlp.gate_up_proj, nn.QuantizedLinear)
     assert type(lm.model.embed_tokens).__name__ == "InputMajorEmbedding"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_transposed_copies_every_block(dtype):
+    """`transposed` equals `w.T` exactly: blocks split between threads, a last partial block (1,000 rows by 64)."""
+    w = mx.random.normal((1000, 24), key=mx.random.key(3)).astype(dtype)
+    got = transposed(w, rows=64)
+    assert got.dtype == dtype and got.shape == (24, 1000)
+    assert mx.array_equal(got, w.T).item()
 
 
 def test_fuse_linears_quantized_and_unlike_parts():
