@@ -40,6 +40,7 @@ from typing import NamedTuple
 from PIL import Image
 from tqdm import tqdm
 
+from . import jsonl
 from .decide import Mode
 from .draw import draw_objects
 from .engine import EventKind, Request
@@ -281,13 +282,7 @@ def read_manifest(path: Path) -> list[Path]:
     """The paths of a JSONL list: each line a JSON string or an object with an "image" key (so an output
     JSONL is a list too); relative paths are taken from the list's folder."""
     paths = []
-    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not text.strip():
-            continue
-        try:
-            entry = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number} is not JSON ({e})") from None
+    for number, entry in jsonl.values(path.read_text(encoding="utf-8"), path):
         image = entry.get("image") if isinstance(entry, dict) else entry
         if not isinstance(image, str) or not image:
             raise ValueError(f'{path}:{number} is neither a path string nor an object with an "image" path')
@@ -311,21 +306,14 @@ def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool
     the file (`repair`) or ignored."""
     if not path.exists():
         return {}
-    data = path.read_bytes()
-    complete, tail = data[: data.rfind(b"\n") + 1], data[data.rfind(b"\n") + 1 :]
+    complete, tail = jsonl.split_tail(path)
     try:
         text = complete.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not a JSONL file ({e}); use another --out") from None
     expected = None if questions is None else [q.key() for q in questions]
     done = {}
-    for number, line in enumerate(text.splitlines(), start=1):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}:{number} is not JSON ({e}); fix or remove that line, or use another --out"
-            ) from None
+    for number, entry in jsonl.values(text, path, jsonl.RESUME_HINT):
         if not isinstance(entry, dict) or "image" not in entry or not ("results" in entry or "error" in entry):
             raise ValueError(f"{path}:{number} is not a line of mlx-locate-batch; use another --out")
         if "results" in entry and expected is not None and question_keys(entry) != expected:
@@ -336,10 +324,7 @@ def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool
     if tail and not tail.startswith(LINE_START):
         raise ValueError(f"{path} does not end with a line of mlx-locate-batch; use another --out")
     if tail and repair:
-        with path.open("r+b") as f:
-            f.truncate(len(complete))
-            f.flush()
-            os.fsync(f.fileno())
+        jsonl.cut_to(path, len(complete))
     return done
 
 

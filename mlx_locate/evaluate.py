@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import metrics
+from . import jsonl, metrics
 from .decide import Mode
 from .engine import EventKind, Request, RequestError
 from .prompts import CATEGORY_SEPARATOR, task_text
@@ -141,13 +141,7 @@ def _check_sample(where: str, s: BenchSample) -> None:
 
 def _load_jsonl(path: Path) -> tuple[list[BenchSample], None]:
     samples = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number} is not JSON ({e})") from None
+    for number, entry in jsonl.values(path.read_text(encoding="utf-8"), path):
         missing = [k for k in ("image_path", "categories", "gt", "task_name", "dataset_name") if k not in entry]
         if missing:
             raise ValueError(f"{path}:{number} lacks {', '.join(missing)} (the evaluation JSONL's fields)")
@@ -293,21 +287,8 @@ def resume_lines(path: Path, bench: Benchmark) -> set[int]:
     """Sample indexes already answered in `path`; a last line cut by an interruption is cut off the file."""
     if not path.exists():
         return set()
-    data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) < len(data):
-        with path.open("r+b") as f:
-            f.truncate(len(complete))
-            f.flush()
-            os.fsync(f.fileno())
     done = set()
-    for number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}:{number} is not JSON ({e}); fix or remove that line, or use another --out"
-            ) from None
+    for number, entry in jsonl.values(jsonl.whole_lines(path), path, jsonl.RESUME_HINT):
         i = entry.get("sample_index") if isinstance(entry, dict) else None
         s = bench.samples[i] if isinstance(i, int) and 0 <= i < len(bench.samples) else None
         if s is None or (s.image_path, s.task_name, s.dataset_name, s.categories) != tuple(
@@ -388,20 +369,14 @@ def read_answers(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"no answer file {path}")
     text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    if lines and not text.endswith("\n"):
+    if not text.endswith("\n"):
+        head, _, last = text.rpartition("\n")
         try:
-            json.loads(lines[-1])
+            json.loads(last)
         except json.JSONDecodeError:
-            lines = lines[:-1]  # cut by an interruption
+            text = head  # cut by an interruption
     out = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number} is not JSON ({e})") from None
+    for number, entry in jsonl.values(text, path):
         missing = [k for k in ("extracted_predictions", "gt", "task_name", "dataset_name") if k not in entry]
         if missing:
             raise ValueError(f"{path}:{number} lacks {', '.join(missing)} (the answer file's fields)")

@@ -27,7 +27,6 @@ Errors a user can cause (a missing, unreadable or unsupported video, an existing
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -41,6 +40,7 @@ from typing import NamedTuple
 from PIL import Image
 from tqdm import tqdm
 
+from . import jsonl
 from .batch import Jsonl, OutputError
 from .decide import Mode
 from .draw import draw_objects
@@ -424,19 +424,13 @@ def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
     line that is not a frame line, raises `ValueError`."""
     if not path.exists() or path.stat().st_size == 0:
         return {}, False
-    data = path.read_bytes()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) < len(data):
-        with path.open("r+b") as f:
-            f.truncate(len(complete))
-            f.flush()
-            os.fsync(f.fileno())
-    lines = complete.decode("utf-8").splitlines()
-    if not lines:
+    text = jsonl.whole_lines(path)
+    if not text.strip():
         return {}, False
+    lines = jsonl.values(text, path, jsonl.RESUME_HINT)
     try:
-        first = json.loads(lines[0])
-    except json.JSONDecodeError:
+        _, first = next(lines)
+    except ValueError:
         first = None
     if not isinstance(first, dict) or "video" not in first:
         raise ValueError(f"{path} is not a JSONL of mlx-locate-video; use another --out")
@@ -446,13 +440,7 @@ def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
             f"{path} was written with other settings ({', '.join(changed)} differ); use another --out to start over"
         )
     done = {}
-    for number, text in enumerate(lines[1:], start=2):
-        try:
-            line = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}:{number} is not JSON ({e}); fix or remove that line, or use another --out"
-            ) from None
+    for number, line in lines:
         if not isinstance(line, dict) or "frame" not in line or "results" not in line:
             raise ValueError(f"{path}:{number} is not a frame line of mlx-locate-video; use another --out")
         for entry in line["results"]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import jsonl
 from ..parse import LocatedObject, parse_tokens
 from ..prompts import CATEGORY_SEPARATOR, prompt_ids, task_text
 from ..tokenizer import Tokenizer
@@ -101,18 +102,11 @@ def image_of(item: dict, root: Path, where: str) -> Path:
 
 def read_jsonl(path: Path, root: Path) -> list[Record]:
     records = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            if not isinstance(item, dict):
-                raise ValueError(f"{where}: expected a JSON object")
-            records.append(Record(image_of(item, root, where), conversation(item, where), where))
+    for n, item in jsonl.values(path.read_text(encoding="utf-8"), path):
+        where = f"{path}:{n}"
+        if not isinstance(item, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        records.append(Record(image_of(item, root, where), conversation(item, where), where))
     if not records:
         raise ValueError(f"{path}: no samples")
     return records

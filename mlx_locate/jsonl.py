@@ -1,0 +1,47 @@
+"""JSON Lines files: each line's value with errors that name the line, and the cut of a last line that an
+interrupted write left without its newline (so a resumed run appends after whole lines)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+RESUME_HINT = "; fix or remove that line, or use another --out"  # for a file a run resumes
+
+
+def values(text: str, path: Path | str, hint: str = "") -> Iterator[tuple[int, object]]:
+    """(line number, value) of each non-blank line of `text`; a line that is not JSON raises `ValueError`
+    naming `path:number`, followed by `hint`."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number} is not JSON ({e}){hint}") from None
+        yield number, value
+
+
+def split_tail(path: Path) -> tuple[bytes, bytes]:
+    """The file's bytes up to its last newline, and what follows it (an unfinished line, or b"")."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    return data[:end], data[end:]
+
+
+def cut_to(path: Path, size: int) -> None:
+    """Cut the file to `size` bytes, on disk before returning."""
+    with path.open("r+b") as f:
+        f.truncate(size)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def whole_lines(path: Path) -> str:
+    """The text of the file's complete lines; an unfinished last line is cut off the file first."""
+    complete, tail = split_tail(path)
+    if tail:
+        cut_to(path, len(complete))
+    return complete.decode("utf-8")
