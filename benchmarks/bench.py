@@ -331,31 +331,26 @@ def whole_process(
     both); decode tokens/s = extra tokens / extra seconds (the delta method), so load, vision and prefill cancel
     out. Strict greedy decoding; the peer gets our prompt ids."""
     out = {}
-    ids_file = Path(os.environ.get("TMPDIR", "/tmp")) / "mlx_locate_bench_whole_prompt.json"
     sides = ("ours", "mlx_vlm") if peer else ("ours",)
-
-    def command(side: str, mode: str, n: int) -> list[str]:
-        if side == "ours":
-            cmd = [sys.executable, "-m", "mlx_locate.generate", "--model", str(model_dir), "--image", str(image)]
-            cmd += ["--prompt", prompt, "--mode", mode, "--max-tokens", str(n), "--dtype", dtype]
-            return cmd + ["--strict", "--json"]
-        cmd = [peer, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(model_dir), "--image", str(image)]
-        return cmd + ["--prompt-ids", str(ids_file), "--mode", mode, "--max-tokens", str(n), "--dtype", dtype]
-
+    ours = [sys.executable, "-m", "mlx_locate.generate", "--model", str(model_dir), "--image", str(image)]
+    ours += ["--prompt", prompt, "--dtype", dtype, "--strict", "--json"]
+    ids: list[int] = []
     for mode in modes:
         best: dict[tuple[str, int], tuple[float, int]] = {}
         for _ in range(runs):
-            for side in sides:  # ours first: the peer reads our prompt ids
+            for side in sides:  # ours first: the peer gets our prompt ids
                 for n in (short, long):
                     t0 = time.perf_counter()
-                    proc = subprocess.run(command(side, mode, n), capture_output=True, text=True, cwd=ROOT)
-                    seconds = time.perf_counter() - t0
-                    if proc.returncode != 0:
-                        raise RuntimeError(f"{side} {mode} failed: {proc.stderr.strip()[-400:]}")
-                    answer = json.loads(proc.stdout.strip().splitlines()[-1])
                     if side == "ours":
-                        ids_file.write_text(json.dumps(answer["prompt_ids"]))
-                    tokens = len(answer["token_ids"]) if side == "ours" else answer["num_generated"]
+                        cmd = ours + ["--mode", mode, "--max-tokens", str(n)]
+                        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                        if proc.returncode != 0:
+                            raise RuntimeError(f"ours {mode} failed: {proc.stderr.strip()[-400:]}")
+                        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+                        ids, tokens = answer["prompt_ids"], len(answer["token_ids"])
+                    else:
+                        tokens = peer_request(peer, model_dir, image, ids, mode, n, dtype)["num_generated"]
+                    seconds = time.perf_counter() - t0
                     best[side, n] = min(best.get((side, n), (seconds, tokens)), (seconds, tokens))
         result = {}
         for side in sides:
