@@ -8,6 +8,7 @@ rounding with headroom: 1e-5 absolute on O(1) values unless a test says otherwis
 from __future__ import annotations
 
 import math
+import os
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,17 +16,21 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_locate import vision
+from mlx_locate import language, vision
 from mlx_locate.cache import Where
 from mlx_locate.config import TextConfig, VisionConfig
 from mlx_locate.language import (
     Attention,
     DecoderLayer,
+    InputMajorEmbedding,
     LanguageModel,
+    PanelEmbedding,
     additive_mask,
     apply_rope,
+    cpu_head,
     fuse_linears,
     fuse_projections,
+    openblas_core,
     qkv_tables,
     rope_tables,
     store_input_major,
@@ -485,10 +490,11 @@ def test_decoder_layer(fused):
     np.testing.assert_allclose(to_np(got[0]), np_decoder_layer(x, W, "", positions, mask, TEXT), atol=1e-4)
 
 
-def test_input_major_storage_keeps_every_output():
-    """The CPU layout: wide float projections and the tied head stored (in, out) give the same outputs (float32,
-    within 2e-6 of the output's largest magnitude: a BLAS may sum the other layout's products in another order);
-    deep ones (down_proj) and quantized ones keep their layout."""
+@pytest.mark.parametrize("panels", [False, True])
+def test_input_major_storage_keeps_every_output(panels):
+    """The CPU layout: wide float projections stored (in, out) and the tied head stored (D, V) or in panels give
+    the same outputs (float32, within 2e-6 of the output's largest magnitude: a BLAS may sum the other layout's
+    products in another order); deep ones (down_proj) and quantized ones keep their layout."""
     lm = LanguageModel(TEXT)
     randomize(lm, seed=21)
     fuse_projections(lm.model.layers)
@@ -499,7 +505,7 @@ def test_input_major_storage_keeps_every_output():
     ids = mx.array(rng.integers(0, TEXT.vocab_size, (2, 3)))
     positions, mask = mx.arange(T), mx.array(np.tril(np.ones((T, T), dtype=bool)))
     before = (lm(x, positions, mask)[0], lm.logits(x), lm.model.embed_tokens(ids))
-    store_input_major(lm.model)
+    store_input_major(lm.model, panels=panels)
     after = (lm(x, positions, mask)[0], lm.logits(x), lm.model.embed_tokens(ids))
     for a, b in zip(after, before, strict=True):
         b = to_np(b)
@@ -513,7 +519,7 @@ def test_input_major_storage_keeps_every_output():
         "down_proj": "Linear",
     }
     assert isinstance(second.mlp.gate_up_proj, nn.QuantizedLinear)
-    assert type(lm.model.embed_tokens).__name__ == "InputMajorEmbedding"
+    assert type(lm.model.embed_tokens) is (PanelEmbedding if panels else InputMajorEmbedding)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -523,6 +529,73 @@ def test_transposed_copies_every_block(dtype):
     got = transposed(w, rows=64)
     assert got.dtype == dtype and got.shape == (24, 1000)
     assert mx.array_equal(got, w.T).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_transposed_panels_copy_every_block(dtype):
+    """With `panel`, `transposed` stacks the transposes of each 64 rows, the last one zero-padded (1,000 rows:
+    15 full panels and one of 40 rows), exactly."""
+    w = mx.random.normal((1000, 24), key=mx.random.key(4)).astype(dtype)
+    got = transposed(w, panel=64)
+    assert got.dtype == dtype and got.shape == (16, 24, 64)
+    padded = np.concatenate([np.array(w.astype(mx.float32)), np.zeros((24, 24), np.float32)])
+    assert np.array_equal(np.array(got.astype(mx.float32)), padded.reshape(16, 64, 24).transpose(0, 2, 1))
+
+
+def embedding(vocab: int, hidden: int, dtype=mx.float32, seed: int = 5) -> nn.Embedding:
+    e = nn.Embedding(vocab, hidden)
+    e.weight = (0.05 * mx.random.normal((vocab, hidden), key=mx.random.key(seed))).astype(dtype)
+    return e
+
+
+def test_panel_head_rows_alike_in_any_group():
+    """The head in panels: lookups are the embedding's rows exactly; logits within 2e-6 of the largest of a
+    float64 x @ W.T; a row's logits are the same bits alone, at any place among 1-24 rows and with its groups
+    spread over several products. At hidden size 1,024 a product of 24 rows against a panel goes to OpenBLAS's
+    packed sgemm, which rounds otherwise, so with OpenBLAS on an AVX-512 core (as in CI) these checks fail when
+    the head stops grouping rows."""
+    V, D = 1000, 1024
+    emb = embedding(V, D)
+    head = PanelEmbedding(emb)
+    assert head.group_rows * 64 * D <= language.DIRECT_SGEMM_MNK
+    ids = mx.array([[0, 63, 64, 999], [1, 500, 960, 2]])
+    assert mx.array_equal(head(ids), emb(ids)).item()
+    x = mx.random.normal((24, D), key=mx.random.key(6))
+    together = head.as_linear(x)
+    expected = to_np(x) @ to_np(emb.weight).T
+    np.testing.assert_allclose(to_np(together), expected, atol=2e-6 * np.abs(expected).max(), rtol=0)
+    for T in (1, 2, 4, 5, 6, 9, 13, 17):
+        assert mx.array_equal(head.as_linear(x[:T]), together[:T]).item(), T
+    for i in range(24):
+        assert mx.array_equal(head.as_linear(x[i : i + 1])[0], together[i]).item(), i
+    assert mx.array_equal(head.as_linear(x[None, 3:9].reshape(2, 3, D)), together[3:9].reshape(2, 3, V)).item()
+    head.groups_per_product = 1
+    assert mx.array_equal(head.as_linear(x), together).item()
+    assert head.rows_alike()
+
+
+def test_cpu_head_chooses_panels_only_where_they_serve(monkeypatch):
+    """Panels where OpenBLAS runs an AVX-512 core and the head is float32, else input-major; panels asked for
+    but rounding a row by its company fall back to input-major."""
+    emb = embedding(300, 64)
+    monkeypatch.setattr(language, "openblas_core", lambda: "cooperlake")
+    assert type(cpu_head(emb)) is PanelEmbedding
+    assert type(cpu_head(embedding(300, 64, mx.float16))) is InputMajorEmbedding
+    assert type(cpu_head(emb, panels=False)) is InputMajorEmbedding
+    monkeypatch.setattr(language, "openblas_core", lambda: "haswell")
+    assert type(cpu_head(emb)) is InputMajorEmbedding
+    monkeypatch.setattr(language, "openblas_core", lambda: None)
+    assert type(cpu_head(emb)) is InputMajorEmbedding
+    assert type(cpu_head(emb, panels=True)) is PanelEmbedding
+    product = language.panel_product
+    monkeypatch.setattr(language, "panel_product", lambda x, *a: product(x, *a) * (1 + 1e-3 * x.shape[0]))
+    assert not PanelEmbedding(emb).rows_alike()
+    assert type(cpu_head(emb, panels=True)) is InputMajorEmbedding
+
+
+def test_openblas_core_seen_where_preloaded():
+    """`openblas_core` names the core exactly when OpenBLAS is this process's BLAS (CI preloads it)."""
+    assert (openblas_core() is not None) == ("openblas" in os.environ.get("LD_PRELOAD", ""))
 
 
 def test_fuse_linears_quantized_and_unlike_parts():
