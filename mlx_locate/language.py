@@ -163,7 +163,7 @@ DIRECT_SGEMM_MNK = 2 * 350 * 512
 DIRECT_SGEMM_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 PANEL = 64  # vocabulary rows per head panel: the direct kernel's widest column block
 GROUP_ROWS = 4  # rows per product at most: the direct kernel's row block
-MLX_BATCH_ELEMENTS = 2**31  # MLX 0.32.4's CPU matmul indexes a broadcast operand with 32-bit offsets (wrong sums past it)
+MLX_BATCH_ELEMENTS = 2**31  # MLX 0.32.4's CPU matmul offsets a broadcast operand in 32 bits (wrong sums past it)
 
 
 def openblas_core() -> str | None:
