@@ -13,6 +13,7 @@ their own steps.
 
 from __future__ import annotations
 
+import threading
 from enum import Enum
 
 import mlx.core as mx
@@ -53,11 +54,21 @@ def head_rows(phase: Phase) -> int:
 
 
 class CompiledSteps:
+    """The step functions, one cache per thread: a traced function keeps the CPU streams it was traced with
+    (the head's, `language.PanelEmbedding`), and MLX streams belong to the thread that made them."""
+
     def __init__(self, model: LocateAnything, compile: bool = True):
         self.model = model
         self.compile = compile
-        self.functions = {}
+        self.per_thread = threading.local()
         self.traces = 0
+
+    @property
+    def functions(self) -> dict:
+        """The calling thread's functions, by key."""
+        if not hasattr(self.per_thread, "functions"):
+            self.per_thread.functions = {}
+        return self.per_thread.functions
 
     def get(self, phase: Phase, R: int, Q: int, U: int, cache_rows: int, dense: bool):
         key = (phase, R, Q, U, cache_rows, dense)

@@ -550,10 +550,10 @@ def embedding(vocab: int, hidden: int, dtype=mx.float32, seed: int = 5) -> nn.Em
 
 def test_panel_head_rows_alike_in_any_group():
     """The head in panels: lookups are the embedding's rows exactly; logits within 2e-6 of the largest of a
-    float64 x @ W.T; a row's logits are the same bits alone, at any place among 1-24 rows and with its groups
-    spread over several products. At hidden size 1,024 a product of 24 rows against a panel goes to OpenBLAS's
-    packed sgemm, which rounds otherwise, so with OpenBLAS on an AVX-512 core (as in CI) these checks fail when
-    the head stops grouping rows."""
+    float64 x @ W.T; a row's logits are the same bits alone, at any place among 1-24 rows, with its groups
+    spread over several products and with the panels on one CPU stream or split over several. At hidden size
+    1,024 a product of 24 rows against a panel goes to OpenBLAS's packed sgemm, which rounds otherwise, so with
+    OpenBLAS on an AVX-512 core (as in CI) these checks fail when the head stops grouping rows."""
     V, D = 1000, 1024
     emb = embedding(V, D)
     head = PanelEmbedding(emb)
@@ -571,6 +571,8 @@ def test_panel_head_rows_alike_in_any_group():
     assert mx.array_equal(head.as_linear(x[None, 3:9].reshape(2, 3, D)), together[3:9].reshape(2, 3, V)).item()
     head.groups_per_product = 1
     assert mx.array_equal(head.as_linear(x), together).item()
+    one_stream = language.panel_product(x, head.panels, head.group_rows, 13)[:, :V]  # as_linear splits over streams
+    assert mx.array_equal(one_stream, together).item()
     assert head.rows_alike()
 
 

@@ -9,6 +9,7 @@ float32. Their logits are ~0.4; cached and recomputed paths differ only in summa
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +20,7 @@ from PIL import Image
 from mlx_locate import cache as cache_module
 from mlx_locate import compiled as compiled_module
 from mlx_locate import engine as engine_module
+from mlx_locate import language
 from mlx_locate.cache import KV_BUCKET, SlotCache, kv_bucket
 from mlx_locate.compiled import PREFILL_BUCKET, PREFILL_MIN, CompiledSteps, Phase, StepRunner, padded_rows
 from mlx_locate.config import ModelConfig
@@ -297,6 +299,24 @@ def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image,
     print(f"{mode}: {warm} compilations in the first run, {golden.compilations} after the second")
     assert golden.compilations == warm
     assert result.token_ids == first.token_ids
+
+
+def test_a_model_answers_from_any_thread(golden_dir, image, monkeypatch):
+    """With the head in panels a traced step keeps its thread's CPU streams (MLX refuses another thread's): each
+    thread gets step functions of its own, traced once there, and the same answer."""
+    monkeypatch.setattr(language, "openblas_core", lambda: "skylakex")
+    model = load(golden_dir("tiny_random"), dtype="float32")
+    assert type(model.network.language_model.model.embed_tokens) is language.PanelEmbedding
+    first = model.locate(image, "red box", mode="hybrid", max_tokens=16)
+    traced = model.compilations
+    with ThreadPoolExecutor(1) as pool:
+        again = pool.submit(model.locate, image, "red box", mode="hybrid", max_tokens=16).result()
+        there = model.compilations
+        twice = pool.submit(model.locate, image, "red box", mode="hybrid", max_tokens=16).result()
+    assert again.token_ids == twice.token_ids == first.token_ids
+    assert model.compilations == there > traced  # the other thread traced its own, once
+    assert model.locate(image, "red box", mode="hybrid", max_tokens=16).token_ids == first.token_ids
+    assert model.compilations == there
 
 
 @pytest.mark.parametrize("mode", ["slow", "fast", "hybrid"])
