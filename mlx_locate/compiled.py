@@ -72,10 +72,11 @@ class CompiledSteps:
 
     def get(self, phase: Phase, R: int, Q: int, U: int, cache_rows: int, dense: bool):
         key = (phase, R, Q, U, cache_rows, dense)
-        if key not in self.functions:
+        functions = self.functions
+        if key not in functions:
             fn = self._make(phase, Q, U, dense)
-            self.functions[key] = mx.compile(fn) if self.compile else fn
-        return self.functions[key]
+            functions[key] = mx.compile(fn) if self.compile else fn
+        return functions[key]
 
     def _make(self, phase: Phase, Q: int, U: int, dense: bool):
         lm = self.model.language_model

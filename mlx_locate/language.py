@@ -22,7 +22,7 @@ import numpy as np
 
 from .cache import Where, write_rows
 from .config import TextConfig
-from .vision import cpu_streams
+from .vision import stream_spans
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -216,15 +216,13 @@ class PanelEmbedding(nn.Module):
         return mx.take(self.panels.reshape(-1), first[..., None] + N * mx.arange(D, dtype=ids.dtype))
 
     def as_linear(self, x: mx.array) -> mx.array:
-        """The head, its panels split over the calling thread's CPU streams (`vision.cpu_streams`: the direct
+        """The head, its panels split over the calling thread's CPU streams (`vision.stream_spans`: the direct
         kernel runs on one thread per product), the same bits as on one."""
         *lead, D = x.shape
         x = x.reshape(-1, D)
-        streams = cpu_streams()
-        bounds = np.linspace(0, self.panels.shape[0], len(streams) + 1).round().astype(int)
         parts = [
             panel_product(x, self.panels[a:b], self.group_rows, self.groups_per_product, stream=s)
-            for s, a, b in zip(streams, bounds[:-1], bounds[1:], strict=True)
+            for s, a, b in stream_spans(self.panels.shape[0])
         ]
         out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
         return out[:, : self.vocab].reshape(*lead, self.vocab)
@@ -247,12 +245,8 @@ def cpu_head(embedding: nn.Embedding, panels: bool | None = None) -> nn.Module:
     group), else input-major."""
     if panels is None:
         panels = embedding.weight.dtype == mx.float32 and openblas_core() in DIRECT_SGEMM_CORES
-    if panels:
-        head = PanelEmbedding(embedding)
-        mx.eval(head.parameters())
-        if head.rows_alike():
-            return head
-        del head
+    if panels and (head := PanelEmbedding(embedding)).rows_alike():
+        return head
     return InputMajorEmbedding(embedding)
 
 

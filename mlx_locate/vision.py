@@ -108,6 +108,14 @@ def cpu_streams() -> tuple[mx.Stream, ...]:
     return _thread_streams.cpu
 
 
+def stream_spans(n: int) -> list[tuple[mx.Stream, int, int]]:
+    """`range(n)` split into near-equal spans (stream, start, stop), one per CPU stream of the calling thread
+    (fewer when n is smaller)."""
+    streams = cpu_streams()[:n]
+    bounds = np.linspace(0, n, len(streams) + 1).round().astype(int)
+    return [(s, int(a), int(b)) for s, a, b in zip(streams, bounds[:-1], bounds[1:], strict=True)]
+
+
 CPU_SCORES = 1 << 27  # attention scores one CPU call may hold (float32: 512 MB); longer queries go in chunks
 
 
@@ -119,10 +127,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     B, heads, L, _ = q.shape
     if mask is not None or mx.default_device() != mx.cpu:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    streams = cpu_streams()[:heads]
-    bounds = np.linspace(0, heads, len(streams) + 1).round().astype(int)
     parts = []
-    for s, a, b in zip(streams, bounds[:-1], bounds[1:], strict=True):
+    for s, a, b in stream_spans(heads):
         rows = max(1, CPU_SCORES // (B * (b - a) * k.shape[2]))
         chunks = [
             mx.fast.scaled_dot_product_attention(q[:, a:b, i : i + rows], k[:, a:b], v[:, a:b], scale=scale, stream=s)
