@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from .evaluate import MODES, SAMPLINGS
-from .locate import LocateModel, Result, load
+from .locate import LocateModel, load
 from .metrics import IOU_THRESHOLDS, greedy_match, iou, match_points
+from .request import Result
 from .sampling import Sampling
 from .tuner.synthetic import Sample, make_sample
 

@@ -46,8 +46,9 @@ import numpy as np
 
 from . import jsonl, metrics
 from .decide import Mode
-from .engine import EventKind, Request, RequestError
+from .engine import EventKind
 from .prompts import CATEGORY_SEPARATOR, task_text
+from .request import Request, RequestError
 from .sampling import Sampling
 
 DEFAULT_MAX_TOKENS = 4096  # the paper's evaluation budget; clipped to what the model's context holds

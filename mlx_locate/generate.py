@@ -22,9 +22,10 @@ from pathlib import Path
 
 from .decide import Guards, Mode
 from .draw import draw_objects
-from .locate import Result, load
+from .locate import load
 from .preprocess import DEFAULT_MAX_PIXELS, FORMATS, load_image
 from .prompts import RENDERINGS, TASKS, task_text
+from .request import Result
 from .sampling import Sampling
 from .tiles import check_tiling, parse_tiles
 

@@ -41,15 +41,16 @@ from PIL import Image
 from tqdm import tqdm
 
 from . import jsonl
-from .batch import Jsonl, OutputError
+from .annotate import Jsonl, OutputError
 from .decide import Mode
 from .draw import draw_objects
-from .engine import EventKind, Request, RequestError
+from .engine import EventKind
 from .generate import DTYPES, positive_int, tiles_arg
-from .locate import LocateModel, Result, load
+from .locate import LocateModel, load
 from .metrics import iou
 from .parse import LocatedObject
 from .prompts import TASKS, task_text
+from .request import Request, RequestError, Result
 from .tiles import check_tiling
 
 DEFAULT_MODEL = "demo"

@@ -19,9 +19,9 @@ from PIL import Image, ImageFile
 
 import mlx_locate
 from mlx_locate import Request, generate
-from mlx_locate.engine import RequestError
 from mlx_locate.locate import load
 from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, ImageTooLargeError, load_image, to_rgb
+from mlx_locate.request import RequestError
 
 DEMO = Path(mlx_locate.__file__).parent / "demo"
 EXAMPLE = DEMO / "example.png"

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mlx_locate import batch
+from mlx_locate import annotate, batch
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
 from mlx_locate.locate import load
@@ -206,7 +206,7 @@ def test_tiled_lines_are_what_locate_with_tiles_returns(run, model, folder, tmp_
     image = Image.open(folder / "a.png")
     tiled = model.locate(image, "square", tiles=(1, 2), tile_overlap=0.1, tile_whole=False, mode="fast", max_tokens=16)
     tiled = json.loads(json.dumps(tiled.to_dict()))
-    for key in ("stats", *batch.LEAN_DROPPED):
+    for key in ("stats", *annotate.LEAN_DROPPED):
         del tiled[key]
     assert result == {"task": "detect", "query": "square", **tiled}
 
@@ -230,16 +230,16 @@ class OneAtATime:
 
 def test_images_in_flight_are_bounded(model, tmp_path, monkeypatch):
     result = model.locate(IMAGE, "square", mode="fast", max_tokens=1)
-    events, real_read = [], batch.read_image
-    monkeypatch.setattr(batch, "read_image", lambda path, limit: events.append("read") or real_read(path, limit))
-    questions = tuple(batch.Question("detect", q) for q in QUERIES)
+    events, real_read = [], annotate.read_image
+    monkeypatch.setattr(annotate, "read_image", lambda path, limit: events.append("read") or real_read(path, limit))
+    questions = tuple(annotate.Question("detect", q) for q in QUERIES)
     paths = [str(tmp_path / f"{i}.png") for i in range(8)]
     for path in paths:
         shutil.copy(IMAGE, path)
     for rows, window in [(1, 1), (2, 1), (3, 2), (4, 2), (16, 8)]:  # ceil(rows / questions) images at a time
         events.clear()
         monkeypatch.setattr(model, "engine", lambda batch_size: OneAtATime(batch_size, result))
-        for _ in batch.annotate(model, paths, batch.Settings(questions, batch_size=rows)):
+        for _ in annotate.annotate(model, paths, annotate.Settings(questions, batch_size=rows)):
             events.append("line")
         in_flight = np.cumsum([1 if e == "read" else -1 for e in events])
         assert in_flight.max() == min(window, len(paths)) and events.count("line") == len(paths)
@@ -258,14 +258,14 @@ def test_resume_after_an_interrupted_run(run, folder, finished, tmp_path, monkey
     out = tmp_path / "results.jsonl"
 
     # A run stopped (Ctrl-C) while writing its third line: two lines are on disk, and it says how to go on.
-    real_write = batch.Jsonl.write
+    real_write = annotate.Jsonl.write
 
     def interrupted(self, line):
         if len(out.read_text().splitlines()) == 2:
             raise KeyboardInterrupt
         real_write(self, line)
 
-    monkeypatch.setattr(batch.Jsonl, "write", interrupted)
+    monkeypatch.setattr(annotate.Jsonl, "write", interrupted)
     code, err = run("--images", str(folder), "--out", str(out))
     monkeypatch.undo()
     assert code == 130 and "run the same command again to resume" in err

@@ -13,7 +13,7 @@ import pytest
 import ray  # the [cluster] extra (in the test extra): without it these tests fail, they do not skip
 from PIL import Image
 
-from mlx_locate import batch, cluster
+from mlx_locate import annotate, batch, cluster
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.locate import load
 
@@ -112,7 +112,7 @@ def test_interrupted_then_resumed_with_a_worker_killed_it_ends_as_one_process_do
 
 
 def test_a_line_that_comes_back_twice_is_written_once(folder, single, tmp_path, capfd, monkeypatch):
-    lines = [batch.Annotated(json.loads(text), None, "w:1") for text in single[0].read_text().splitlines()]
+    lines = [annotate.Annotated(json.loads(text), None, "w:1") for text in single[0].read_text().splitlines()]
     monkeypatch.setattr(cluster, "ray_lines", lambda *args, **kwargs: (a for a in [*lines, *lines[:3]]))
     out = tmp_path / "ray.jsonl"
     assert main("--images", str(folder), "--out", str(out), "--ray") == 0, capfd.readouterr().err

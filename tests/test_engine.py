@@ -19,9 +19,11 @@ from PIL import Image
 import mlx_locate
 from mlx_locate import compiled as compiled_module
 from mlx_locate import engine as engine_module
+from mlx_locate import runtime as runtime_module
 from mlx_locate.cache import kv_bucket
 from mlx_locate.checkpoint import DEMO_DIR
-from mlx_locate.engine import EventKind, Request, RequestError, Schedule
+from mlx_locate.engine import EventKind, Schedule
+from mlx_locate.request import Request, RequestError
 from mlx_locate.sampling import Sampling
 
 SCHEDULES = {"mixed-dense": Schedule(mixed=True, dense=True), "split-gathered": Schedule(mixed=False, dense=False)}
@@ -171,7 +173,7 @@ def test_sampling_with_a_seed_per_row_is_the_same_batched_and_alone(mode):
 
 def test_long_prompts_prefill_in_chunks(models, monkeypatch):
     """Prompts longer than PREFILL_ROWS go in chunks; tiny chunks give the reference's tokens as well."""
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS", 64)
+    monkeypatch.setattr(runtime_module, "PREFILL_ROWS", 64)
     monkeypatch.setattr(compiled_module, "PREFILL_ROWS", 64)
     model = models["tiny_random"]
     pairs = [(n, "hybrid") for n in golden_cases() if n.startswith("tiny_random")]
@@ -185,7 +187,7 @@ def test_images_of_one_grid_share_a_vision_batch(models):
     model = models["tiny_random"]
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(3)]
-    prepared = [engine_module.prepare_image(model, im) for im in images]
+    prepared = [model.prepare(im) for im in images]
     model.features.clear()
     together = model.features_for(prepared)
     assert [cached for cached, _ in together] == [False] * 3
@@ -199,10 +201,8 @@ def test_queries_on_one_image_prefill_its_prefix_once(models, monkeypatch):
     model = models["tiny_peaky"]
     model.prefixes.clear()
     calls = []
-    compute = engine_module.compute_prefixes
-    monkeypatch.setattr(
-        engine_module, "compute_prefixes", lambda m, items: calls.append(len(items)) or compute(m, items)
-    )
+    compute = model.compute_prefixes
+    monkeypatch.setattr(model, "compute_prefixes", lambda items: calls.append(len(items)) or compute(items))
     image = GOLDEN / "images" / "shapes_448x448.png"
     other = GOLDEN / "images" / "shapes_640x480.png"
     requests = [Request(image, q, max_tokens=8) for q in ("red box", "green circle", "the blue square")]
@@ -214,19 +214,19 @@ def test_queries_on_one_image_prefill_its_prefix_once(models, monkeypatch):
 def test_tiled_requests_merge_their_tiles(monkeypatch):
     """A request with `tiles` becomes its tiles' requests, decoded with the others; the caller sees the merged
     result only (the merge itself is tested in test_tiles.py)."""
-    import mlx_locate.tiles as tiles
-
     model = mlx_locate.load("demo")
     image = Image.open(DEMO_DIR / "example.png")
     crops = [image.crop((0, 0, 140, 140)), image.crop((84, 84, 224, 224))]
-    monkeypatch.setattr(tiles, "split_request", lambda r, im, m: [Request(c, r.query, mode=r.mode) for c in crops])
+    monkeypatch.setattr(
+        engine_module, "split_request", lambda r, im, limit, patch: [Request(c, r.query, mode=r.mode) for c in crops]
+    )
     merged = []
 
     def merge(request, im, children, results):
         merged.append([r.token_ids for r in results])
         return results[0]
 
-    monkeypatch.setattr(tiles, "merge_results", merge)
+    monkeypatch.setattr(engine_module, "merge_results", merge)
     engine = model.engine(4)
     tiled = engine.submit(Request(image, "square", mode="fast", tiles=(1, 2)))
     plain = engine.submit(Request(image, "circle", mode="fast"))
@@ -255,9 +255,7 @@ def test_memory_is_bounded_by_rows_and_buckets(models):
 def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
     """Rows joining together with more new images than the prefix store holds each get their own prefix (a
     prefix stored in the same admission must not push out one about to be copied)."""
-    import mlx_locate.locate as locate_module
-
-    monkeypatch.setattr(locate_module, "PREFIX_CACHE_SIZE", 2)
+    monkeypatch.setattr(runtime_module, "PREFIX_CACHE_SIZE", 2)
     model = models["tiny_peaky"]
     model.clear_caches()
     rng = np.random.default_rng(9)

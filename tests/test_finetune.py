@@ -364,7 +364,7 @@ def test_adapter_loaded_and_fused_give_training_time_tokens(tuned, novel_data, t
     """The network as trained (LoRA beside the weights), `load(adapter_path=)` (merged) and the checkpoint that
     `mlx-locate-convert --adapter --fuse` writes produce the same tokens; the base files never change."""
     from mlx_locate.convert import main as convert_main
-    from mlx_locate.engine import Request
+    from mlx_locate.request import Request
     from mlx_locate.tuner.finetune import inference_model
 
     base, result, base_hash = tuned
@@ -417,7 +417,7 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
     the quantized weights stay as they were, and loading keeps the pairs beside them, q|k|v and gate|up fused,
     with the training-time tokens."""
     from mlx_locate.convert import convert
-    from mlx_locate.engine import Request
+    from mlx_locate.request import Request
     from mlx_locate.tuner.finetune import inference_model, load_base
 
     q = convert("demo", tmp_path / "q", dtype="float32", quantize="mixed_4_8+vision8")
