@@ -22,7 +22,7 @@ from . import jsonl
 from .engine import EventKind
 from .locate import LocateModel
 from .preprocess import load_image
-from .request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, Request, Result
+from .request import DEFAULT_TASK, Request, Result
 
 LEAN_DROPPED = ("prompt_ids", "token_probs")  # per-token fields left out of the JSONL unless --full
 QUESTION_KEYS = ("task", "query", "prompt")  # what a result entry says about its question
@@ -50,15 +50,10 @@ class Settings:
     """Everything one image's requests and its JSONL line depend on (sent to Ray workers as is)."""
 
     questions: tuple[Question, ...]
-    mode: str = DEFAULT_MODE
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    strict: bool = False
+    options: dict = dataclasses.field(default_factory=dict)  # `Request` fields every question shares
     max_pixels: int | None = None
-    tiles: str | tuple[int, int] | None = None  # "auto" or (rows, cols): tiles decoded together and merged
-    tile_overlap: float = Request.tile_overlap
-    tile_whole: bool = Request.tile_whole
     full: bool = False  # keep LEAN_DROPPED
-    batch_size: int | None = None  # engine rows; None: engine.default_rows()
+    max_rows: int | None = None  # engine rows; None: sized for the device
 
     def requests(self, image: Image.Image, path: str) -> list[Request]:
         return [
@@ -67,14 +62,9 @@ class Settings:
                 q.query,
                 task=q.task or DEFAULT_TASK,
                 prompt=q.prompt,
-                mode=self.mode,
-                max_tokens=self.max_tokens,
-                strict=self.strict,
                 max_pixels=self.max_pixels,
-                tiles=self.tiles,
-                tile_overlap=self.tile_overlap,
-                tile_whole=self.tile_whole,
                 tag=(path, i),
+                **self.options,
             )
             for i, q in enumerate(self.questions)
         ]
@@ -160,7 +150,7 @@ def annotate(model: LocateModel, paths: Iterable[str], settings: Settings) -> It
     All requests go to one engine; at most `ceil(rows / questions)` images are decoded and held at once. An
     image that cannot be read, or a request that fails (`RequestError`), gives that image's error line; any
     other exception is a failure of the model and propagates."""
-    engine = model.engine(settings.batch_size)
+    engine = model.engine(settings.max_rows)
     window = max(1, -(-engine.max_rows // len(settings.questions)))
     paths = iter(paths)
     flight: dict[str, tuple[Image.Image, list]] = {}  # path -> (image, its results or RequestErrors so far)

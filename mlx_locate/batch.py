@@ -39,7 +39,7 @@ from pathlib import Path
 from PIL import Image
 from tqdm import tqdm
 
-from . import jsonl
+from . import cli, jsonl
 from .annotate import (
     LEAN_DROPPED,
     Annotated,
@@ -53,14 +53,10 @@ from .annotate import (
     read_image,
     scan_output,
 )
-from .decide import Mode
 from .draw import draw_objects
-from .generate import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_MODEL, DEFAULT_TASK, DTYPES, positive_int, tiles_arg
-from .locate import load
 from .parse import LocatedObject
-from .prompts import TASKS, task_text
-from .request import Request
-from .tiles import check_tiling
+from .prompts import task_text
+from .request import DEFAULT_TASK
 
 DEFAULT_IMAGES_PER_TASK = 16
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -72,42 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run LocateAnything questions over a folder of images; resumable JSONL, COCO results, drawings; "
         "shards, merging and Ray clusters for many machines.",
     )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="checkpoint folder, Hugging Face hub id or 'demo' (default: demo, the bundled tiny model)",
-    )
+    cli.add_model(p)
     p.add_argument(
         "--images",
         help=f"a folder (its files ending in {', '.join(IMAGE_SUFFIXES)}), a glob pattern ('**' recurses) or a "
         '.jsonl list of paths (one JSON string or {"image": PATH} per line; relative to the list\'s folder)',
     )
-    p.add_argument("--task", choices=TASKS, help=f"prompt template for --query (default: {DEFAULT_TASK})")
-    p.add_argument("--query", action="append", help="what to find; repeat for several questions (COCO categories)")
-    p.add_argument("--prompt", action="append", help="raw user text, sent as is; repeatable; replaces --task/--query")
-    p.add_argument("--mode", choices=[m.value for m in Mode], default=DEFAULT_MODE, help="(default: %(default)s)")
-    p.add_argument(
-        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="generated tokens (default: %(default)s)"
-    )
-    p.add_argument("--strict", action="store_true", help="the reference's decisions exactly: every guard off")
-    p.add_argument(
-        "--batch-size",
-        type=positive_int,
-        help="requests decoded together in one engine (default: sized for the machine, 16 on a GPU, 4 on a CPU)",
-    )
-    p.add_argument(
-        "--max-pixels", type=positive_int, help="largest image accepted, in pixels (default: Pillow's, about 89.5 M)"
-    )
-    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
-    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder applied on top of --model")
-    p.add_argument(
-        "--tiles",
-        type=tiles_arg,
-        metavar="auto|ROWSxCOLS",
-        help="decode overlapping tiles (and the whole image) of each image as one batch and merge their objects",
-    )
-    p.add_argument("--tile-overlap", type=float, help="fraction of a tile shared with its neighbour (default: 0.2)")
-    p.add_argument("--no-tile-whole", action="store_true", help="decode the tiles only, not the whole image too")
+    cli.add_questions(p)
+    cli.add_max_pixels(p)
+    cli.add_rows(p)
+    cli.add_progress(p)
+    cli.add_decoding(p)
+    cli.add_sampling(p)
+    cli.add_tiling(p)
     p.add_argument("--out", help="JSONL results, one line per image; an existing file is resumed")
     p.add_argument("--full", action="store_true", help=f"keep {' and '.join(LEAN_DROPPED)} in the JSONL")
     p.add_argument("--coco", metavar="PATH", help="also write COCO detection results (and PATH's .images.json)")
@@ -132,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the one `ray start` made on this machine, else a local one",
     )
     m.add_argument(
-        "--actors", type=positive_int, help="Ray: model copies (default: one per 'mlx' resource, GPU or node)"
+        "--actors", type=cli.positive_int, help="Ray: model copies (default: one per 'mlx' resource, GPU or node)"
     )
     m.add_argument(
         "--images-per-task",
-        type=positive_int,
+        type=cli.positive_int,
         default=DEFAULT_IMAGES_PER_TASK,
         help="Ray: images sent to a worker at once; a dead worker's task is redone elsewhere (default: %(default)s)",
     )
@@ -172,14 +145,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         return
     if args.images is None or args.out is None:
         parser.error("--images and --out are required (or --merge OUT PART...)")
-    if args.prompt is not None and (args.task is not None or args.query):
-        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
+    cli.check_questions(parser, args)
+    cli.check_decoding(parser, args)
+    cli.check_tiling_flags(parser, args)
     if args.overwrite and not (args.coco or args.draw):
         parser.error("--overwrite only applies to --coco and --draw")
     if args.ray is None and args.actors is not None:
         parser.error("--actors only applies to --ray")
-    if args.tiles is None and (args.no_tile_whole or args.tile_overlap is not None):
-        parser.error("--tile-overlap and --no-tile-whole only apply with --tiles")
 
 
 def settings_of(args: argparse.Namespace) -> Settings:
@@ -192,20 +164,12 @@ def settings_of(args: argparse.Namespace) -> Settings:
     for q in questions:
         if q.prompt is None:
             task_text(q.task, q.query)
-    overlap = Request.tile_overlap if args.tile_overlap is None else args.tile_overlap
-    if args.tiles is not None:
-        check_tiling(args.tiles, overlap)
     return Settings(
         questions=questions,
-        mode=args.mode,
-        max_tokens=args.max_tokens,
-        strict=args.strict,
+        options={**cli.request_options(args), **cli.tiling_of(args)},
         max_pixels=args.max_pixels,
-        tiles=args.tiles,
-        tile_overlap=overlap,
-        tile_whole=not args.no_tile_whole,
         full=args.full,
-        batch_size=args.batch_size,
+        max_rows=args.max_rows,
     )
 
 
@@ -356,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         model = {"path_or_hub_id": args.model, "dtype": args.dtype, "adapter_path": args.adapter}
         lines = cluster.ray_lines(args.ray or None, pending, model, settings, args.actors, args.images_per_task)
     else:
-        lines = annotate(load(args.model, dtype=args.dtype, adapter_path=args.adapter), pending, settings)
+        lines = annotate(cli.load_model(args), pending, settings)
 
     if args.draw and done:
         in_part = set(part)
@@ -389,7 +353,7 @@ def write_lines(
     jsonl = Jsonl(out)
     written = errors = 0
     try:
-        with tqdm(unit="image", **bar) as progress:
+        with tqdm(unit="image", disable=args.no_progress, **bar) as progress:
             for line, image, worker in lines:
                 if line["image"] in done:  # a task redone after a Ray worker died
                     continue

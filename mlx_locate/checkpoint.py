@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}  # float dtypes, by name
 HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
 
 DEMO_NAME = "demo"

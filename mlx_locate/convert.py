@@ -36,12 +36,12 @@ from mlx.utils import tree_flatten
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from .checkpoint import plan_shards, read_json, read_weights, resolve, shard_names, weight_files, write_index
+from .checkpoint import DTYPES, plan_shards, read_json, read_weights, resolve, shard_names, weight_files, write_index
 from .compiled import StepRunner
 from .config import ModelConfig
 from .decide import Mode
 from .decode import DecodeOptions, decode
-from .loader import DTYPES, assemble_model, rename, sanitize, split_peft_checkpoint
+from .loader import assemble_model, rename, sanitize, split_peft_checkpoint
 from .locate import LocateModel, load
 from .lora import apply_adapter, read_adapter
 from .metrics import iou

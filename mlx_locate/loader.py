@@ -11,12 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .checkpoint import read_weights
+from .checkpoint import DTYPES, read_weights
 from .config import ModelConfig
 from .lora import Adapter, apply_adapter, peft_name
 from .model import LocateAnything
 
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 # mlx-vlm's renames (MODEL.md §4), applied in order to key prefixes.
 MLX_VLM_RENAMES = (
     ("vision_tower.patch_embed.", "vision_model.patch_embed."),

@@ -38,11 +38,11 @@ class LocateModel(Runtime):
         return Engine(self, max_rows, schedule)
 
     def locate_many(
-        self, requests: Iterable[Request], *, batch_size: int | None = None, progress: bool = False
+        self, requests: Iterable[Request], *, max_rows: int | None = None, progress: bool = False
     ) -> list[Result | RequestError]:
         """Run every request through one batched engine; results in request order. A request that cannot run
         gives its `RequestError` in its place and the others go on. `progress` shows a bar on stderr."""
-        engine = self.engine(batch_size)
+        engine = self.engine(max_rows)
         handles = [engine.submit(r) for r in requests]
         with tqdm(total=len(handles), disable=not progress, unit="req") as bar:
             while not engine.idle:

@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from mlx_locate import annotate, batch
+from mlx_locate import cli as cli_module
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
 from mlx_locate.locate import load
@@ -88,7 +89,7 @@ class Runner:
 
     def __call__(self, *args: str, questions=RUN) -> tuple[int, str]:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(batch, "load", self.load)
+            mp.setattr(cli_module, "load", self.load)
             code = batch.main([*questions, *args])
         return code, self.capfd.readouterr().err if self.capfd else ""
 
@@ -238,8 +239,8 @@ def test_images_in_flight_are_bounded(model, tmp_path, monkeypatch):
         shutil.copy(IMAGE, path)
     for rows, window in [(1, 1), (2, 1), (3, 2), (4, 2), (16, 8)]:  # ceil(rows / questions) images at a time
         events.clear()
-        monkeypatch.setattr(model, "engine", lambda batch_size: OneAtATime(batch_size, result))
-        for _ in annotate.annotate(model, paths, annotate.Settings(questions, batch_size=rows)):
+        monkeypatch.setattr(model, "engine", lambda max_rows: OneAtATime(max_rows, result))
+        for _ in annotate.annotate(model, paths, annotate.Settings(questions, max_rows=rows)):
             events.append("line")
         in_flight = np.cumsum([1 if e == "read" else -1 for e in events])
         assert in_flight.max() == min(window, len(paths)) and events.count("line") == len(paths)

@@ -14,6 +14,7 @@ import ray  # the [cluster] extra (in the test extra): without it these tests fa
 from PIL import Image
 
 from mlx_locate import annotate, batch, cluster
+from mlx_locate import cli as cli_module
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.locate import load
 
@@ -64,7 +65,7 @@ def single(folder):
     out, coco = folder.parent / "single.jsonl", folder.parent / "single_coco.json"
     with pytest.MonkeyPatch.context() as mp:
         model = load("demo")
-        mp.setattr(batch, "load", lambda path, dtype=None, adapter_path=None: model)
+        mp.setattr(cli_module, "load", lambda path, dtype=None, adapter_path=None: model)
         assert main("--images", str(folder), "--out", str(out), "--coco", str(coco)) == 0
     return out, coco
 

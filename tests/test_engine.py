@@ -107,7 +107,7 @@ def test_a_failing_request_is_reported_and_the_others_go_on(models, tmp_path):
         Request(good.image, "word " * 17000),  # longer than model_max_length (16384)
         good,
     ]
-    results = model.locate_many(requests, batch_size=2)
+    results = model.locate_many(requests, max_rows=2)
     errors = [r for r in results if isinstance(r, RequestError)]
     assert [isinstance(r, RequestError) for r in results] == [True, False, True, True, True, False]
     assert "not found" in str(errors[0]) and "not a readable image" in str(errors[1])
@@ -163,8 +163,8 @@ def test_sampling_with_a_seed_per_row_is_the_same_batched_and_alone(mode):
     hot = Sampling(temperature=1.5, top_p=0.95)
     requests = [Request(image, "square", mode=mode, sampling=hot, seed=s, max_tokens=40) for s in (1, 2, 3, 4)]
     requests.append(Request(image, "circle", mode=mode, sampling=Sampling(repetition_penalty=1.3), max_tokens=40))
-    batched = model.locate_many(requests, batch_size=5)
-    alone = [model.locate_many([r], batch_size=1)[0] for r in requests]
+    batched = model.locate_many(requests, max_rows=5)
+    alone = [model.locate_many([r], max_rows=1)[0] for r in requests]
     for b, a in zip(batched, alone, strict=True):
         assert b.token_ids == a.token_ids and b.token_probs == pytest.approx(a.token_probs, rel=1e-5)
     if mode == "slow":  # block decoders take their tokens from the top candidates, not the draw
@@ -206,8 +206,8 @@ def test_queries_on_one_image_prefill_its_prefix_once(models, monkeypatch):
     image = GOLDEN / "images" / "shapes_448x448.png"
     other = GOLDEN / "images" / "shapes_640x480.png"
     requests = [Request(image, q, max_tokens=8) for q in ("red box", "green circle", "the blue square")]
-    model.locate_many([*requests, Request(other, "red box", max_tokens=8)], batch_size=4)
-    model.locate_many(requests, batch_size=2)  # kept: no new prefix
+    model.locate_many([*requests, Request(other, "red box", max_tokens=8)], max_rows=4)
+    model.locate_many(requests, max_rows=2)  # kept: no new prefix
     assert calls == [2]
 
 
@@ -260,7 +260,7 @@ def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
     model.clear_caches()
     rng = np.random.default_rng(9)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(5)]
-    batched = model.locate_many([Request(im, "red box", max_tokens=8) for im in images], batch_size=5)
-    alone = [model.locate_many([Request(im, "red box", max_tokens=8)], batch_size=1)[0] for im in images]
+    batched = model.locate_many([Request(im, "red box", max_tokens=8) for im in images], max_rows=5)
+    alone = [model.locate_many([Request(im, "red box", max_tokens=8)], max_rows=1)[0] for im in images]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert len(model.prefixes) == 2

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from mlx_locate import Request, RequestError, generate
+from mlx_locate import cli as cli_module
 from mlx_locate.locate import load
 from mlx_locate.metrics import greedy_match, iou
 from mlx_locate.parse import LocatedObject
@@ -329,7 +330,7 @@ def test_every_mode_and_task(model):
 
 
 def test_cli_tiles(model, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate, "load", lambda path, **options: model)
+    monkeypatch.setattr(cli_module, "load", lambda path, **options: model)
     image = draw_scene((392, 196), (Obj("square", "red", (20, 40, 70, 90)),))
     image.save(tmp_path / "wide.png")
     args = ["--image", str(tmp_path / "wide.png"), "--query", "square", "--mode", "fast", "--json"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from mlx_locate import cli as cli_module
 from mlx_locate import video
 from mlx_locate.draw import draw_objects
 from mlx_locate.locate import load
@@ -58,7 +59,7 @@ class Runner:
 
     def __call__(self, *args: str) -> tuple[int, str]:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(video, "load", self.load)
+            mp.setattr(cli_module, "load", self.load)
             code = video.main(["--no-progress", *args])
         return code, self.capfd.readouterr().err
 
@@ -141,7 +142,7 @@ def tracked(model, clip, tmp_path_factory):
         clip, paths["frames.jsonl"], "--annotated", str(paths["annotated.mp4"]), "--mot", str(paths["tracks.txt"])
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(video, "load", lambda path, **options: model)
+        mp.setattr(cli_module, "load", lambda path, **options: model)
         assert video.main(["--no-progress", *args]) == 0
     return paths
 
@@ -246,7 +247,7 @@ def test_frames_in_flight_stay_bounded(model):
     empty = {"results": [{"query": "square", "objects": [], "empty_labels": ["square"]}]}
     done = {i: {"frame": i, "time": i / 2, **json.loads(json.dumps(empty))} for i in range(40)}
     ahead = []
-    for frame, line, new in video.locate_frames(model, frames(44), settings, done, batch_size=1):
+    for frame, line, new in video.locate_frames(model, frames(44), settings, done, max_rows=1):
         assert line["frame"] == frame.index and new == (frame.index >= 40)
         ahead.append(len(taken) - frame.index - 1)
     assert len(ahead) == 44 and max(ahead) <= 2  # window: 2 rows x 1
