@@ -15,9 +15,10 @@ import numpy as np
 from PIL import Image
 
 from .cache import SlotCache, rows_bucket
-from .compiled import PREFILL_ROWS, CompiledSteps, Phase, padded_rows
+from .compiled import PREFILL_BUCKET, PREFILL_ROWS, CompiledSteps, Phase, padded_rows
 from .cpu import store_input_major
 from .language import fuse_projections
+from .memory import Budget
 from .model import LocateAnything
 from .preprocess import IN_TOKEN_LIMIT
 from .prompts import prompt_ids
@@ -46,6 +47,7 @@ class Runtime:
         self.in_token_limit = in_token_limit
         self.patch_size = network.config.vision.patch_size
         self.steps = CompiledSteps(network)
+        self.budget = Budget.measure(network)
         self.features: OrderedDict[tuple, mx.array] = OrderedDict()
         self.prefixes: OrderedDict[tuple, list[mx.array]] = OrderedDict()
 
@@ -87,8 +89,9 @@ class Runtime:
         return self.network.language_model.model.embed_tokens(mx.array(ids, dtype=mx.int32))
 
     def features_for(self, images: list[PreparedImage]) -> list[tuple[bool, mx.array]]:
-        """Vision tower + connector per image, cached by content: (cached, (h*w/4, D) features) each. Images
-        of the same patch grid go through the tower as one batch."""
+        """Vision tower + connector per image, cached by content: (cached, (h*w/4, D) features) each. Images of
+        the same patch grid go through the tower together, as many at once as the working memory holds, and a
+        large input a few blocks at a time (`memory.Budget.tower_plan`)."""
         out: dict[tuple, mx.array] = {}
         todo: dict[tuple[int, int], list[PreparedImage]] = {}
         for image in images:
@@ -97,14 +100,26 @@ class Runtime:
             elif image.key not in {i.key for group in todo.values() for i in group}:
                 todo.setdefault(image.pre.grid, []).append(image)
         for grid, group in todo.items():
-            patches = mx.array(np.stack([image.pre.patches for image in group]))
-            features = self.network.image_features(patches, grid)
-            mx.eval(features)
-            for image, f in zip(group, features, strict=True):
-                out[image.key] = self.features[image.key] = f
-            while len(self.features) > FEATURE_CACHE_SIZE:
-                self.features.popitem(last=False)
+            for part, features in self._tower(grid, group):
+                for image, f in zip(part, features, strict=True):
+                    out[image.key] = self.features[image.key] = f
+        while len(self.features) > FEATURE_CACHE_SIZE:
+            self.features.popitem(last=False)
         return [(image.key not in out, out.get(image.key, self.features.get(image.key))) for image in images]
+
+    def _tower(self, grid: tuple[int, int], images: list[PreparedImage]):
+        """(images, their (B, h*w/4, D) features) for images of one grid, in batches the budget holds."""
+        tower, blocks = self.network.vision_model, len(self.network.vision_model.encoder.blocks)
+        batch, per_eval = self.budget.tower_plan(len(images), grid[0] * grid[1], blocks)
+        for start in range(0, len(images), batch):
+            part = images[start : start + batch]
+            x = tower.embed(mx.array(np.stack([image.pre.patches for image in part])), grid)
+            for first in range(0, blocks, per_eval):
+                x = tower.run_blocks(x, grid, first, first + per_eval, self.budget.score_budget)
+                mx.eval(x)
+            features = self.network.connect(tower.finish(x), grid)
+            mx.eval(features)
+            yield part, features
 
     def clear_caches(self) -> None:
         """Forget cached vision features and prompt prefixes (the next request of an image computes them again)."""
@@ -138,17 +153,19 @@ class Runtime:
         return self.steps.run(phase, cache, inputs, rows, c, q, block, dense)
 
     def prefill(self, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
-        """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most PREFILL_ROWS rows
-        (sequences x padded rows; a longer prompt goes in chunks); returns each cache row's last logits (1, V)."""
+        """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most `prefill_rows` rows
+        (sequences x padded rows; a longer prompt goes in chunks, each evaluated before the next); returns each
+        cache row's last logits (1, V)."""
         last: dict[int, mx.array] = {}
         work = list(items)
+        limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work)) if work else PREFILL_ROWS
         while work:
             by_rows: dict[int, list] = {}
             for slot, x, c in work:
-                chunk = x[:PREFILL_ROWS]
+                chunk = x[:limit]
                 by_rows.setdefault(padded_rows(Phase.PREFILL, chunk.shape[0]), []).append((slot, chunk, c))
             for Q, group in sorted(by_rows.items()):
-                per_call = max(1, PREFILL_ROWS // Q)
+                per_call = max(1, limit // Q)
                 for start in range(0, len(group), per_call):
                     part = group[start : start + per_call]
                     dense = len(part) == cache.slots and [slot for slot, _, _ in part] == list(range(cache.slots))
@@ -164,8 +181,15 @@ class Runtime:
                     logits = self.run(Phase.PREFILL, cache, inputs, entries, c, q, dense=dense)
                     for i, (slot, _, _) in enumerate(part):
                         last[slot] = logits[i]
-            work = [(slot, x[PREFILL_ROWS:], c + PREFILL_ROWS) for slot, x, c in work if x.shape[0] > PREFILL_ROWS]
+            work = [(slot, x[limit:], c + limit) for slot, x, c in work if x.shape[0] > limit]
+            if work:  # the next chunk's transients come after this one's are released
+                mx.eval(list(last.values()), cache.kv)
         return last
+
+    def prefill_rows(self, keys: int) -> int:
+        """Rows per prefill call attending to up to `keys` tokens: PREFILL_ROWS, fewer where the working memory
+        holds fewer."""
+        return min(PREFILL_ROWS, self.budget.prefill_rows(PREFILL_BUCKET, keys))
 
     def compute_prefixes(self, items: list[tuple[list[int], mx.array]]) -> list[list[mx.array]]:
         """The K|V of each (prefix ids, image features) pair, prefilled together in a cache of their own; per
