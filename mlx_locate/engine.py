@@ -124,6 +124,7 @@ class EventKind(Enum):
     OBJECT = "object"  # a box or point was committed
     EMPTY = "empty"  # a label was answered <box>None</box>
     VIEW = "view"  # a view of a tiled request finished; `result` holds it in the whole image's pixels
+    TEXT = "text"  # more of the answer's text is final (only for handles submitted with `text=True`)
     DONE = "done"  # the request finished; `result` holds the Result
     ERROR = "error"  # the request failed; `error` holds the RequestError
 
@@ -138,6 +139,7 @@ class EngineEvent:
     error: RequestError | None = None  # ERROR
     view: int | None = None  # VIEW: the view's index among the tiled request's views
     tile: Tile | None = None  # VIEW: the view's crop of the image
+    text: str | None = None  # TEXT: the answer's next piece, up to its last finished item
 
 
 @dataclass(eq=False)
@@ -154,6 +156,7 @@ class Handle:
     submitted: float = field(default_factory=time.perf_counter)
     parent: Handle | None = field(default=None, repr=False)  # the tiled request a tile belongs to
     group: Hashable = field(default=None, repr=False)  # the client call it belongs to (fair admission)
+    text: bool = False  # send TEXT events
 
     @property
     def done(self) -> bool:
@@ -265,6 +268,7 @@ class _Row:
     pending: mx.array | None = None  # (1, V) logits whose AR decision is due (slow mode's prefill, a queued step)
     emitted: int = 0  # objects sent as events
     emitted_empty: int = 0
+    text_sent: int = 0  # generated ids already sent in TEXT events
 
 
 class _Saved(NamedTuple):
@@ -295,17 +299,24 @@ class Engine:
         self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}
         self.steps = 0  # forward steps (each with one host read)
         self.host_reads = 0
+        self.tokens = 0  # generated ids committed
         self.seconds = dict.fromkeys(PHASE_TIMES, 0.0)  # where the engine's time went, summed over its steps
         self._ids = itertools.count()
 
     # --- the caller's side ---
 
     def submit(
-        self, request: Request, on_event: Callable[[EngineEvent], None] | None = None, *, group: Hashable = None
+        self,
+        request: Request,
+        on_event: Callable[[EngineEvent], None] | None = None,
+        *,
+        group: Hashable = None,
+        text: bool = False,
     ) -> Handle:
         """Queue `request`. Handles of one `group` (any hashable; default: the handle alone) are one client's
-        call: admission takes turns between groups."""
-        handle = Handle(next(self._ids), request, on_event)
+        call: admission takes turns between groups. `text`: also send the answer's text as it becomes final
+        (TEXT events; their concatenation is a prefix of `Result.text`)."""
+        handle = Handle(next(self._ids), request, on_event, text=text)
         handle.group = handle if group is None else group
         self.waiting.setdefault(handle.group, deque()).append(handle)
         return handle
@@ -685,6 +696,7 @@ class Engine:
             new = dec.take_block(v)
         else:
             new = dec.take_ar(*(ar_pick(v) if phase is Phase.BLOCK else (int(v[0]), float(v[1]))))
+        self.tokens += len(new)
         self._stream(row, new, out)
         if dec.done:
             self._finish(row, out)
@@ -716,6 +728,8 @@ class Engine:
 
     def _stream(self, row: _Row, new: list[int], out: list[EngineEvent]) -> None:
         ids = self.model.token_ids
+        if row.handle.text and new:
+            self._stream_text(row, out)
         if ids.box_end not in new:
             return
         dec = row.decoder
@@ -727,6 +741,18 @@ class Engine:
         for label in parsed.empty_labels[row.emitted_empty :]:
             self._emit(row.handle, EngineEvent(row.handle, EventKind.EMPTY, label=label), out)
         row.emitted, row.emitted_empty = len(parsed.objects), len(parsed.empty_labels)
+
+    def _stream_text(self, row: _Row, out: list[EngineEvent]) -> None:
+        """The answer's text up to its last finished item (`</ref>`, `</box>`, `<|im_end|>`): the decoder takes
+        back nothing before it (the loop guard drops a box as its `</box>` commits)."""
+        ids = self.model.token_ids
+        answer = row.decoder.seq[row.decoder.prompt_len :]
+        ends = (ids.ref_end, ids.box_end, ids.im_end)
+        settled = next((i + 1 for i in range(len(answer) - 1, row.text_sent - 1, -1) if answer[i] in ends), 0)
+        if settled > row.text_sent:
+            text = self.model.tokenizer.decode(answer[row.text_sent : settled])
+            row.text_sent = settled
+            self._emit(row.handle, EngineEvent(row.handle, EventKind.TEXT, text=text), out)
 
     def _finish(self, row: _Row, out: list[EngineEvent]) -> None:
         self.rows[row.slot] = None

@@ -488,3 +488,18 @@ def test_special_tokens_in_a_query_are_plain_text_and_in_a_raw_prompt_refused(de
     if "<box>" not in query:
         with pytest.raises(RequestError, match="a raw prompt must not contain"):
             demo.locate(DEMO_IMAGE, prompt=f"Point to: {query}.", max_tokens=16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_text_events_are_the_answer_item_by_item(demo, mode):
+    engine = demo.engine(2)
+    request = Request(DEMO_IMAGE, ["square", "star"], mode=mode, max_tokens=64)
+    handle = engine.submit(request, text=True)
+    quiet = engine.submit(request)
+    engine.run()
+    texts = [e.text for e in handle.events if e.kind is EventKind.TEXT]
+    assert len(texts) > 1 and "".join(texts) == handle.result.text
+    assert all(t.endswith(("</ref>", "</box>", "<|im_end|>")) for t in texts)
+    assert not any(e.kind is EventKind.TEXT for e in quiet.events)
+    assert handle.result.token_ids == quiet.result.token_ids
+    assert engine.tokens == len(handle.result.token_ids) + len(quiet.result.token_ids)
