@@ -8,7 +8,8 @@ Special tokens in user text, one rule for every entry point (the CLI, the API, t
 build their prompts here):
 - A query (every task but `raw`) is the user's words: it is read as plain text. `<|im_end|>` or `<img>` in
   a query is the BPE of its characters, never the token, so a query can never end the user's turn or forge an
-  image, and "the <img> tag" is looked for as written.
+  image, and "the <img> tag" is looked for as written. The one exception is detect's documented category
+  separator: `"car</c>person"` is the categories car and person, as the list `["car", "person"]` is.
 - A raw prompt (`task="raw"`, `prompt=`) is the model's grammar on purpose: the grammar's tokens (`<ref>`,
   `</ref>`, `<box>`, `</box>`, `</c>`, `<0>`..`<1000>`) and `<image-K>` placeholders are read as such; any
   other added token (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, `<IMG_CONTEXT>`, `<img>`, `<text_mask>`,
@@ -88,6 +89,8 @@ def user_text(task: str, query: str | list[str] | None = None) -> UserText:
     if isinstance(query, list) and task != "detect":
         raise ValueError(f"task {task!r} takes one phrase; only 'detect' takes a list of categories")
     parts = [query] if isinstance(query, str) else list(query or [])
+    if task == "detect" and isinstance(query, str):
+        parts = query.split(CATEGORY_SEPARATOR)
     if not all(isinstance(p, str) for p in parts):
         raise ValueError(f"task {task!r} needs text as its query; got {query!r}")
     parts = [p.strip() for p in parts]

@@ -503,3 +503,24 @@ def test_text_events_are_the_answer_item_by_item(demo, mode):
     assert not any(e.kind is EventKind.TEXT for e in quiet.events)
     assert handle.result.token_ids == quiet.result.token_ids
     assert engine.tokens == len(handle.result.token_ids) + len(quiet.result.token_ids)
+
+
+@pytest.mark.parametrize(
+    "size, tiles, whole",
+    [
+        ((224, 224), None, True),
+        ((224, 224), (1, 2), True),
+        ((224, 224), (2, 2), False),
+        ((900, 300), "auto", True),
+        ((224, 224), "auto", True),
+        ((224, 224), (1, 1), False),
+        ((1200, 1200), (8, 8), True),
+    ],
+)
+def test_view_count_is_what_split_request_makes(demo, size, tiles, whole):
+    from mlx_locate.tiles import split_request, view_count
+
+    request = Request(Image.new("RGB", size), "x", tiles=tiles, tile_whole=whole)
+    patch = demo.network.config.vision.patch_size
+    made = 1 if tiles is None else len(split_request(request, request.image, demo))
+    assert view_count(request, size, demo.in_token_limit, patch) == made

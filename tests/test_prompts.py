@@ -150,9 +150,11 @@ def test_a_query_is_plain_text(tok, task, token):
 def test_categories_keep_their_separator_and_stay_plain(tok):
     ids = prompt_ids(tok, user_text("detect", ["a<|im_end|>", "b"]), [(2, 2)])
     assert ids.count(tok.added_tokens["</c>"]) == 1 and ids.count(tok.added_tokens["<|im_end|>"]) == 2  # system, tail
-    assert prompt_ids(tok, user_text("detect", ["red box", "green circle"]), [(2, 2)]) == prompt_ids(
-        tok, task_text("detect", ["red box", "green circle"]), [(2, 2)]
-    )
+    both = prompt_ids(tok, user_text("detect", ["red box", "green circle"]), [(2, 2)])
+    assert both == prompt_ids(tok, task_text("detect", ["red box", "green circle"]), [(2, 2)])
+    assert both == prompt_ids(tok, user_text("detect", "red box</c>green circle"), [(2, 2)])  # the separator
+    refer = prompt_ids(tok, user_text("refer", "a</c>b"), [(2, 2)])
+    assert tok.added_tokens["</c>"] not in refer  # only detect's query separates categories
 
 
 def test_an_image_placeholder_in_a_query_is_text(tok):
