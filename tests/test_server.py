@@ -434,29 +434,6 @@ def test_a_request_larger_than_the_queue_is_400_saying_the_limit(strict):
     assert "3 views" in assert_error(strict.client.post("/v1/locate", json=tiled), 400, "request_too_large")["message"]
 
 
-def test_a_full_queue_is_refused_until_it_has_room():
-    """The queue counts cost: two requests of a 2-view tiled call fill a queue of 4; one more query is refused
-    (503 upstream, with Retry-After) until they finish."""
-    worker = Worker(slowed_demo(0.05), max_queue=4, warmup=False).start()
-    try:
-        worker.wait_ready()
-        tiled = Request(SMALL, "square", tiles=(1, 2), tile_whole=False, max_tokens=8)
-
-        async def run():
-            async with Job(worker, [tiled, tiled], timeout_s=60) as job:
-                assert worker.pending == 4
-                with pytest.raises(QueueFull, match="holds 4 of 4 rows of work and this request needs 1"):
-                    async with Job(worker, [Request(SMALL, "x", max_tokens=8)]):
-                        pass
-                await job.results()
-            async with Job(worker, [Request(SMALL, "x", max_tokens=8)], timeout_s=60) as job:
-                return await job.results()
-
-        assert len(asyncio.run(run())) == 1 and worker.pending == 0
-    finally:
-        worker.stop()
-
-
 def test_a_request_over_the_timeout_is_504(strict):
     settle(strict.worker)
     assert_error(strict.client.post("/v1/locate", json={"image": b64(SMALL), "query": "square"}), 504, "timeout")
@@ -689,7 +666,7 @@ def test_a_tiled_stream_sends_each_view_then_the_merged_objects(served):
     kinds = [k for k, _ in events]
     assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("view") == 3
     assert kinds.index("object") > max(i for i, k in enumerate(kinds) if k == "view")  # merged at the end
-    views = [d for k, d in events if k == "view"]
+    views = sorted((d for k, d in events if k == "view"), key=lambda v: v["view"])  # in the order they finish
     assert [v["view"] for v in views] == [0, 1, 2] and views[0]["tile"] == {"box": [0, 0, 224, 224], "whole": True}
     assert all(not v["tile"]["whole"] and v["tile"]["box"][3] == 224 for v in views[1:])
     assert answer_of(events[-1][1]) == answer_of(plain)
@@ -827,10 +804,10 @@ def test_chat_streams_the_text_as_it_is_decoded(served):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{served.url}/v1", api_key="unused")
-    text = "square</c>star"
-    chunks = list(client.chat.completions.create(model="demo", messages=chat_messages(text), stream=True))
+    ask = {"model": "demo", "messages": chat_messages("square</c>star"), "extra_body": {"task": "detect"}}
+    chunks = list(client.chat.completions.create(**ask, stream=True))
     pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-    whole = client.chat.completions.create(model="demo", messages=chat_messages(text))
+    whole = client.chat.completions.create(**ask)
     assert len(pieces) >= 3 and "".join(pieces) == whole.choices[0].message.content
     assert all(p.endswith(("</ref>", "</box>")) for p in pieces)
 
@@ -872,3 +849,26 @@ def test_warm_up_compiles_before_ready_and_health_says_loading():
         for mode in ("slow", "fast", "hybrid"):
             assert client.post("/v1/locate", json=good_body("square", mode)).status_code == 200
         assert app.state.worker.model.compilations == before
+
+
+def test_a_full_queue_is_refused_until_it_has_room():
+    """The queue counts cost: two requests of a 2-view tiled call fill a queue of 4; one more query is refused
+    (503 upstream, with Retry-After) until they finish."""
+    worker = Worker(slowed_demo(0.05), max_queue=4, warmup=False).start()
+    try:
+        worker.wait_ready()
+        tiled = Request(SMALL, "square", tiles=(1, 2), tile_whole=False, max_tokens=8)
+
+        async def run():
+            async with Job(worker, [tiled, tiled], timeout_s=60) as job:
+                assert worker.pending == 4
+                with pytest.raises(QueueFull, match="holds 4 of 4 rows of work and this request needs 1"):
+                    async with Job(worker, [Request(SMALL, "x", max_tokens=8)]):
+                        pass
+                await job.results()
+            async with Job(worker, [Request(SMALL, "x", max_tokens=8)], timeout_s=60) as job:
+                return await job.results()
+
+        assert len(asyncio.run(run())) == 1 and worker.pending == 0
+    finally:
+        worker.stop()

@@ -839,12 +839,12 @@ def answer_format(response_format: dict[str, Any] | None) -> tuple[str, ...] | N
     properties = schema.get("properties") if isinstance(schema, dict) else None
     if properties is None:
         return ANSWER_FIELDS
-    unknown = sorted(set(properties) - set(ANSWER_FIELDS))
-    if not isinstance(properties, dict) or unknown:
+    unknown = sorted(set(properties) - set(ANSWER_FIELDS)) if isinstance(properties, dict) else [repr(properties)]
+    if unknown:
         raise InputError(
             "invalid_request",
             f"response_format: the answer has the fields {', '.join(ANSWER_FIELDS)} (objects with label, box, "
-            f"point in pixels and confidence); the schema asks for {', '.join(unknown) or properties!r}",
+            f"point in pixels and confidence); the schema asks for {', '.join(map(str, unknown))}",
         )
     return tuple(properties)
 

@@ -119,8 +119,8 @@ _STOP = object()
 class Worker:
     """Runs `load()` and then the engine on its own thread. `submit`, `cancel` and `stop` are thread-safe.
 
-    `max_queue` bounds the engine requests accepted and not yet finished (waiting or decoding); `max_rows` is
-    passed to `model.engine`.
+    `max_queue` bounds the cost of the requests accepted and not yet finished (waiting or decoding);
+    `max_rows` is passed to `model.engine`; `fair=False` admits in first-come order (for comparison).
     """
 
     def __init__(
@@ -130,12 +130,14 @@ class Worker:
         max_queue: int = 128,
         max_rows: int | None = None,
         warmup: bool = True,
+        fair: bool = True,
     ):
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         self.max_queue = max_queue
         self.max_rows = max_rows
         self.warmup = warmup
+        self.fair = fair  # False: one group for every call, first come first served (benchmarks compare)
         self.stats = WorkerStats()
         self.model: LocateModel | None = None
         self.limits: ModelLimits | None = None
@@ -216,7 +218,7 @@ class Worker:
                     f"{total}; retry shortly"
                 )
             self._pending += total
-        group = object() if group is None else group
+        group = None if not self.fair else object() if group is None else group
         tickets = [
             Ticket(r, lambda event, i=i: deliver(i, event), cost, group, text)
             for i, (r, cost) in enumerate(zip(requests, costs, strict=True))
@@ -358,11 +360,15 @@ class Worker:
 
 
 def warm_up(engine) -> None:
-    """Decode a small batch in every mode on a blank image, so the step functions a first request needs are
-    compiled before the server says ready."""
+    """Decode a request in every mode on a blank image, alone and then together, so the step functions of a
+    first request (and of a first batch) are compiled before the server says ready."""
     image = Image.new("RGB", WARMUP_IMAGE, (128, 128, 128))
-    for mode in ("slow", "fast", "hybrid"):
-        engine.submit(Request(image, "object", mode=mode, max_tokens=WARMUP_TOKENS))
+    requests = [Request(image, "object", mode=mode, max_tokens=WARMUP_TOKENS) for mode in ("slow", "fast", "hybrid")]
+    for request in requests:
+        engine.submit(request)
+        engine.run()
+    for request in requests:
+        engine.submit(request)
     engine.run()
 
 
