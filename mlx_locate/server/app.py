@@ -25,9 +25,10 @@ from importlib.resources import files
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from ..engine import MAX_SEED, EventKind, Request, RequestError
-from ..locate import LocateModel, Result
+from ..engine import MAX_SEED, EventKind
+from ..locate import LocateModel
 from ..prompts import GRAMMAR_TOKENS, TASK_TEMPLATES, TASKS
+from ..request import Request, RequestError, Result
 from ..sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, Sampling
 from .protocol import (
     ANSWER_FIELDS,

@@ -32,8 +32,9 @@ from typing import NamedTuple
 import mlx.core as mx
 from PIL import Image
 
-from ..engine import EngineEvent, EventKind, Handle, PreparedImage, Request
-from ..locate import LocateModel, Result
+from ..engine import EngineEvent, EventKind, Handle
+from ..locate import LocateModel
+from ..request import PreparedImage, Request, Result
 from ..tiles import view_count
 
 log = logging.getLogger("mlx_locate.server")
