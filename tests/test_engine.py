@@ -357,7 +357,13 @@ def mixed_requests(bad_seed: int) -> list[Request]:
     ]
 
 
-def check_isolated(model, requests, engine, handles, message):
+def check_isolated(model, requests, message, monkeypatch):
+    """Decode `requests` together with the fault patched in: the second fails naming `message`, the others
+    give the tokens they give alone (without the fault)."""
+    engine = model.engine(4)
+    handles = [engine.submit(r) for r in requests]
+    engine.run()
+    monkeypatch.undo()
     for i, (request, handle) in enumerate(zip(requests, handles, strict=True)):
         if i == 1:
             assert handle.result is None and isinstance(handle.error, RequestError)
@@ -380,10 +386,7 @@ def test_a_row_that_breaks_a_decoding_step_fails_alone(demo, monkeypatch):
         return feed(self)
 
     monkeypatch.setattr(engine_module.RowDecoder, "feed", faulty)
-    engine = demo.engine(4)
-    handles = [engine.submit(r) for r in requests]
-    engine.run()
-    check_isolated(demo, requests, engine, handles, "RuntimeError: injected fault")
+    check_isolated(demo, requests, "RuntimeError: injected fault", monkeypatch)
 
 
 def test_a_setting_the_device_cannot_take_fails_its_row_alone(demo, monkeypatch):
@@ -391,10 +394,7 @@ def test_a_setting_the_device_cannot_take_fails_its_row_alone(demo, monkeypatch)
     requests = mixed_requests(bad_seed=0)
     requests[1] = Request(DEMO_IMAGE, "circle", mode="hybrid", max_tokens=40, sampling=Sampling(top_k=2**31))
     monkeypatch.setattr(engine_module, "check_request", lambda request, vocab: None)
-    engine = demo.engine(4)
-    handles = [engine.submit(r) for r in requests]
-    engine.run()
-    check_isolated(demo, requests, engine, handles, "decoding failed for this request")
+    check_isolated(demo, requests, "decoding failed for this request", monkeypatch)
 
 
 def test_a_row_whose_commit_raises_fails_alone(demo, monkeypatch):
@@ -407,10 +407,7 @@ def test_a_row_whose_commit_raises_fails_alone(demo, monkeypatch):
         return take(self, summary)
 
     monkeypatch.setattr(engine_module.RowDecoder, "take_block", faulty)
-    engine = demo.engine(4)
-    handles = [engine.submit(r) for r in requests]
-    engine.run()
-    check_isolated(demo, requests, engine, handles, "KeyError: 'rules'")
+    check_isolated(demo, requests, "KeyError: 'rules'", monkeypatch)
 
 
 def test_a_row_that_breaks_admission_fails_alone(demo, monkeypatch):
@@ -428,11 +425,7 @@ def test_a_row_that_breaks_admission_fails_alone(demo, monkeypatch):
 
     monkeypatch.setattr(demo, "features_for", faulty)
     demo.clear_caches()
-    engine = demo.engine(4)
-    handles = [engine.submit(r) for r in requests]
-    engine.run()
-    monkeypatch.undo()
-    check_isolated(demo, requests, engine, handles, "MemoryError: injected vision fault")
+    check_isolated(demo, requests, "MemoryError: injected vision fault", monkeypatch)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import socket
 import sys
 import threading
@@ -166,7 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         warmup=not args.no_warmup,
     )
     app = create_app(load, settings)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level))
+    # Our access log (one line per request, with its rows and steps) replaces uvicorn's.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("mlx_locate.server").addHandler(handler)
+    logging.getLogger("mlx_locate.server").setLevel(args.log_level.upper())
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
     failed = threading.Event()
 
     def watch_load() -> None:
