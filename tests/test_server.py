@@ -499,6 +499,8 @@ def test_a_client_that_disconnects_frees_its_rows(slow):
         time.sleep(0.3)
     wait_until_idle(slow, before)
     assert httpx.get(f"{slow.url}/health").json()["pending"] == 0
+    cancelled = metric_values(httpx.get(f"{slow.url}/metrics").text)["mlx_locate_cancellations_total", ()]
+    assert cancelled == slow.worker.stats.cancelled >= 2  # visible, not only in /health
 
 
 def test_bad_requests_among_good_ones_harm_nobody(served):
