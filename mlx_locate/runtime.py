@@ -21,7 +21,7 @@ from .language import fuse_projections
 from .memory import Budget
 from .model import LocateAnything
 from .preprocess import IN_TOKEN_LIMIT
-from .prompts import prompt_ids
+from .prompts import UserText, prompt_ids
 from .request import PreparedImage, prepare_image
 from .tokenizer import Tokenizer
 
@@ -69,8 +69,8 @@ class Runtime:
         """Load (checking the pixel limit), convert to RGB, cut into patches and key by content."""
         return prepare_image(image, max_pixels, self.in_token_limit, self.patch_size)
 
-    def prompt(self, user_text: str, grid: tuple[int, int], rendering: str = "A") -> list[int]:
-        """The prompt ids of `user_text` about one image of patch `grid`."""
+    def prompt(self, user_text: str | UserText, grid: tuple[int, int], rendering: str = "A") -> list[int]:
+        """The prompt ids of `user_text` (a string is a raw prompt) about one image of patch `grid`."""
         return prompt_ids(self.tokenizer, user_text, [grid], rendering=rendering)
 
     def text(self, ids: list[int]) -> str:

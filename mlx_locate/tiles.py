@@ -154,6 +154,19 @@ def split_request(request: Request, image: Image.Image, in_token_limit: int, pat
     return [replace(request, image=image if t.whole else image.crop(t.box), tiles=None, tag=t) for t in tiles]
 
 
+def view_count(request: Request, size: tuple[int, int], in_token_limit: int, patch: int) -> int:
+    """How many views `split_request` makes of an image of `size` (1 for an untiled request), from the size
+    alone: what the request costs. Raises `ValueError` for a bad grid or overlap."""
+    if request.tiles is None:
+        return 1
+    check_tiling(request.tiles, request.tile_overlap)
+    if request.tiles == "auto":
+        rows, cols = auto_grid(size, in_token_limit, patch, request.tile_overlap)
+    else:
+        rows, cols = request.tiles
+    return 1 if (rows, cols) == (1, 1) else rows * cols + request.tile_whole
+
+
 @dataclass
 class Candidate:
     """One object of one view, mapped to the image's pixels."""

@@ -289,8 +289,13 @@ def test_unknown_task_or_mode_in_the_api(demo):
         demo.locate(EXAMPLE, "square", mode="medium")
 
 
-def test_image_token_in_the_query(cli):
-    assert "user text must not contain <IMG_CONTEXT>" in error_line(cli(query="the <IMG_CONTEXT> square"))
+@pytest.mark.parametrize("token", ["<IMG_CONTEXT>", "<|im_end|>", "<|im_start|>", "<img>"])
+def test_special_tokens_in_the_query_are_text_and_in_a_raw_prompt_an_error(cli, token):
+    """One rule (prompts.py): a query is read as plain text; a raw prompt may not hold control tokens."""
+    code, out, err = cli(query=f"the {token} square")
+    assert code == 0 and out.strip() and "error" not in err, err
+    message = f"error: a raw prompt must not contain '{token}', a control token"
+    assert error_line(cli("--prompt", f"Point to: {token}.", query=None)).startswith(message)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------
