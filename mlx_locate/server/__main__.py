@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from .. import cli
 from ..checkpoint import resolve
+from ..locate import load
 from .protocol import DEFAULT_MAX_PIXELS, Settings
 
 DEFAULT_HOST = "127.0.0.1"
@@ -105,12 +106,12 @@ def bind_warning(host: str) -> str | None:
 
 
 def model_loader(args: argparse.Namespace):
-    """The model's folder checked (or downloaded) now; the returned function loads it on the worker thread."""
-    from ..locate import load
-
+    """The model's folder checked (or downloaded) now; the returned function loads it on the worker thread
+    (within --memory-limit where given)."""
     folder = resolve(args.model)
     if args.adapter is not None and not Path(args.adapter).is_dir():
         raise FileNotFoundError(f"adapter folder {args.adapter!r} does not exist")
+    cli.apply_memory_limit(args)
     return lambda: load(folder, dtype=args.dtype, adapter_path=args.adapter)
 
 
