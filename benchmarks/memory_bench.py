@@ -68,6 +68,25 @@ def one_image(model, path: Path, max_tokens: int) -> dict:
     }
 
 
+def attention_probe(model, lengths: list[int]) -> dict:
+    """Peak of one fused-attention call over the tower's head shape at each sequence length, and of one block."""
+    v = model.network.config.vision
+    dtype = model.network.vision_model.patch_embed.proj.weight.dtype
+    block = model.network.vision_model.encoder.blocks[0]
+    out = {}
+    for L in lengths:
+        q, k, w = (mx.random.normal((1, v.num_attention_heads, L, v.head_dim)).astype(dtype) for _ in range(3))
+        x = mx.random.normal((1, L, v.hidden_size)).astype(dtype)
+        cos, sin = mx.zeros((1, L, v.head_dim // 2)), mx.ones((1, L, v.head_dim // 2))
+        mx.eval(q, k, w, x, cos, sin)
+        base = mx.get_active_memory()
+        sdpa, _ = peak_of(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, w, scale=v.head_dim**-0.5)))
+        one, _ = peak_of(lambda: mx.eval(block(x, cos, sin)))
+        out[L] = {"sdpa_gb": (sdpa - base) / GB, "block_gb": (one - base) / GB}
+        print("attention", L, out[L], flush=True)
+    return out
+
+
 def folder(model, paths: list[Path], rows: int, max_tokens: int) -> dict:
     """A folder through one engine of `rows` rows (a warm-up run first): peak above the weights, images/s."""
     weights = mx.get_active_memory()
@@ -98,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--folder-size", default="640x480")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--work", default=".bench", help="folder for generated images")
+    p.add_argument("--attention", nargs="*", type=int, default=[], help="sequence lengths for attention_probe")
     p.add_argument("--json")
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -117,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "images": {},
         "folder": {},
     }
+    report["attention"] = attention_probe(model, args.attention)
     for size in args.images:
         w, h = (int(v) for v in size.split("x"))
         path = make_image((w, h), work / f"memory_{size}.png")

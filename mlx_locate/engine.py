@@ -36,7 +36,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import lru_cache
@@ -46,7 +47,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import SlotCache, rows_bucket
-from .compiled import Phase, padded_rows
+from .compiled import BLOCK_ROWS, Phase, padded_rows
 from .decide import Mode, Next
 from .decode import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .parse import LocatedObject, parse_tokens
@@ -56,9 +57,11 @@ from .runtime import Runtime
 from .sampling import Features, RowSampling, Sampling, real_number
 from .tiles import Tile, check_tiling, merge_results, split_request, to_image
 
-# Engine.seconds: host preparation (image load, resize, prompt ids), vision tower, prefix prefill, the rows'
-# own prefill, decoding steps
-PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode")
+# Engine.seconds: waiting for host preparation (image load, resize, prompt ids: done ahead in threads), the
+# vision tower, prefix prefills, the rows' own prefill, decoding steps; and `host`, the device's waits for the
+# host (the time between one wait for the device and the next)
+PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode", "host")
+PREFETCH = 2  # host work runs ahead for this many times max_rows waiting requests
 
 
 class EventKind(Enum):
@@ -125,12 +128,6 @@ def row_sampling(settings: tuple[Sampling, ...]) -> RowSampling:
     return RowSampling.of(settings)
 
 
-def default_rows() -> int:
-    """Rows per step when the caller does not say: 16 on a GPU (a step is bound by reading the weights),
-    4 on a CPU (bound by arithmetic)."""
-    return 16 if mx.default_device() == mx.gpu else 4
-
-
 def fit_max_tokens(prompt_len: int, max_tokens: int, limit: int) -> int:
     """`max_tokens` clipped so the prompt and its answer fit in `limit` positions; `RequestError` with both
     numbers when the prompt alone leaves no room."""
@@ -192,6 +189,19 @@ class _Row:
     emitted: int = 0  # objects sent as events
     emitted_empty: int = 0
     text_sent: int = 0  # generated ids already sent in TEXT events
+    prefix: list[mx.array] | None = None  # its image's prompt prefix K|V, once staged
+
+    @property
+    def longest(self) -> int:
+        """The most cache slots this row can use: its prompt, its token budget and a block's overshoot."""
+        return len(self.prompt) + self.budget + BLOCK_ROWS
+
+
+class _Tiled(NamedTuple):
+    """A tiled request's host work: its image and its views' requests."""
+
+    image: PreparedImage
+    requests: list[Request]
 
 
 class _Saved(NamedTuple):
@@ -210,7 +220,7 @@ class Engine:
 
     def __init__(self, model: Runtime, max_rows: int | None = None, schedule: Schedule | None = None):
         self.model = model
-        self.max_rows = max_rows or default_rows()
+        self.max_rows = max_rows or model.default_rows
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {self.max_rows}")
         self.schedule = schedule or Schedule.for_device()
@@ -220,6 +230,8 @@ class Engine:
         self.rows: list[_Row | None] = []  # by slot
         self.seen: mx.array | None = None  # (cache rows, V) bool: ids already in each sequence (repetition penalty)
         self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}
+        self.prefetch: dict[Handle, Future] = {}  # host work started ahead, by handle
+        self.staged: deque[_Row] = deque()  # taken from `waiting` in turn, host work done, waiting for a row
         self.steps = 0  # forward steps (each with one host read)
         self.host_reads = 0
         self.tokens = 0  # generated ids committed
@@ -252,6 +264,9 @@ class Engine:
             queue.remove(handle)
             if not queue:
                 del self.waiting[handle.group]
+        self.prefetch.pop(handle, None)
+        for row in [r for r in self.staged if r.handle is handle]:
+            self.staged.remove(row)
         for child in self.tiles.pop(handle, (None, [], []))[2]:
             self.cancel(child)
 
@@ -266,7 +281,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return not self.waiting and not self.staged and not self.active
 
     def step(self) -> list[EngineEvent]:
         """Admit waiting requests into free rows, then advance every active row by one forward step."""
@@ -274,14 +289,17 @@ class Engine:
         for slot, row in enumerate(self.rows):
             if row is not None and row.handle.cancelled:
                 self.rows[slot] = None
+        idle_before = self.model.device_idle_s
         self._admit(events)
         live = [r for r in self.rows if r is not None]
         if live:
             t0 = time.perf_counter()
             self._isolated(live, self._decode, events)
             self.seconds["decode"] += time.perf_counter() - t0
+        self.seconds["host"] += self.model.device_idle_s - idle_before
         if self.idle:
             self.cache, self.rows, self.seen = None, [], None  # memory goes back when there is no work
+            self.model.idle()
         return events
 
     def run(self) -> None:
@@ -383,17 +401,23 @@ class Engine:
     def _fail_row(self, row: _Row, error: Exception, out: list[EngineEvent]) -> None:
         if 0 <= row.slot < len(self.rows) and self.rows[row.slot] is row:
             self.rows[row.slot] = None
+        if row in self.staged:
+            self.staged.remove(row)
         if not row.handle.done:
             message = f"decoding failed for this request: {type(error).__name__}: {error}"
             self._fail(row.handle, RequestError(message), out)
 
-    # --- admission: host preparation, vision, prefixes, prefill ---
+    # --- admission: host work ahead in threads, vision and prefixes in batches, rows joining together ---
 
-    def _prepare(self, handle: Handle) -> _Row:
+    def _prepare(self, handle: Handle) -> _Row | _Tiled:
+        """A request's host work (runs on the model's host threads): checks, image, patches, prompt ids; for a
+        tiled request, its views."""
         r, model = handle.request, self.model
         t0 = time.perf_counter()
         check_request(r, model.token_ids.vocab_size)
         image = model.prepare(r.image, r.max_pixels)
+        if r.tiles is not None:
+            return _Tiled(image, split_request(r, image.rgb, model.in_token_limit, model.patch_size))
         mode = parse_mode(r.mode)
         text = UserText(r.prompt) if r.prompt is not None else user_text(r.task, r.query)
         ids = model.prompt(text, image.pre.grid, r.rendering)
@@ -401,16 +425,22 @@ class Engine:
         redecode = r.redecode_labels if r.redecode_labels is not None else r.task == "ocr" and mode is Mode.HYBRID
         options = DecodeOptions(mode, budget, r.sampling, r.strict, r.guards, redecode_labels=redecode, seed=r.seed)
         timings = {"queue_s": t0 - handle.submitted, "preprocess_s": time.perf_counter() - t0}
-        self.seconds["prepare"] += timings["preprocess_s"]
         return _Row(handle, image, ids, ids.index(model.token_ids.img_end) + 1, options, budget, timings)
 
-    def _expand_tiles(self, handle: Handle) -> list[Handle]:
-        check_request(handle.request, self.model.token_ids.vocab_size)
-        image = self.model.prepare(handle.request.image, handle.request.max_pixels)
-        requests = split_request(handle.request, image.rgb, self.model.in_token_limit, self.model.patch_size)
-        children = [Handle(next(self._ids), c, parent=handle, group=handle.group) for c in requests]
-        self.tiles[handle] = (image, requests, children)
-        return children
+    def _in_turn(self) -> Iterator[Handle]:
+        """Waiting handles in the order admission takes them (round-robin across groups)."""
+        queues = list(self.waiting.values())
+        for depth in range(max((len(q) for q in queues), default=0)):
+            for queue in queues:
+                if depth < len(queue):
+                    yield queue[depth]
+
+    def _prefetch(self) -> None:
+        """Start the host work of the next waiting handles, PREFETCH times max_rows of them at most."""
+        ahead = PREFETCH * self.max_rows
+        for handle in itertools.islice(self._in_turn(), ahead):
+            if handle not in self.prefetch and not handle.cancelled:
+                self.prefetch[handle] = self.model.host_pool.submit(self._prepare, handle)
 
     def _next_waiting(self) -> Handle:
         """The first handle of the group whose turn it is; that group goes to the end of the line."""
@@ -422,38 +452,105 @@ class Engine:
             del self.waiting[group]
         return handle
 
-    def _admit(self, out: list[EngineEvent]) -> None:
-        free = self.max_rows - self.active
-        joining: list[_Row] = []
-        while self.waiting and len(joining) < free:
+    def _take(self, out: list[EngineEvent]) -> None:
+        """Waiting handles into `staged`, in turn, up to max_rows of them, once their host work is done (it
+        started ahead, `_prefetch`; the engine waits for what is not done yet). Which rows stage and join when
+        depends on the requests alone, never on the threads' timing, so the compiled shapes do too."""
+        while self.waiting and len(self.staged) < self.max_rows:
             handle = self._next_waiting()
+            future = self.prefetch.pop(handle, None) or self.model.host_pool.submit(self._prepare, handle)
             if handle.cancelled:
                 continue
+            t0 = time.perf_counter()
             try:
-                if handle.request.tiles is not None:
-                    # The views take the tiled request's place: its group keeps its turn.
-                    queue = self.waiting.pop(handle.group, deque())
-                    queue.extendleft(reversed(self._expand_tiles(handle)))
-                    self.waiting[handle.group] = queue
-                    self.waiting.move_to_end(handle.group, last=False)
-                    continue
-                joining.append(self._prepare(handle))
+                work = future.result()
             except Exception as e:  # noqa: BLE001 - a request that cannot be prepared fails alone
                 self._fail(handle, e, out)
+                continue
+            finally:
+                self.seconds["prepare"] += time.perf_counter() - t0
+            if isinstance(work, _Tiled):
+                # The views take the tiled request's place: its group keeps its turn.
+                children = [Handle(next(self._ids), c, parent=handle, group=handle.group) for c in work.requests]
+                self.tiles[handle] = (work.image, work.requests, children)
+                views = self.waiting.pop(handle.group, deque())
+                views.extendleft(reversed(children))
+                self.waiting[handle.group] = views
+                self.waiting.move_to_end(handle.group, last=False)
+                self._prefetch()
+                continue
+            self.staged.append(work)
+
+    def _admit(self, out: list[EngineEvent]) -> None:
+        """Stage waiting requests (host work, then vision and prompt prefixes in one batch for every staged row
+        without its prefix when the rows with one would not fill the free rows), then join as many staged rows
+        as the free rows and the KV budget take."""
+        self._prefetch()
+        self._take(out)
+        free = self.max_rows - self.active
+        if not self.staged or free < 1:
+            return
+        unstaged = [row for row in self.staged if row.prefix is None]
+        if unstaged and len(self.staged) - len(unstaged) < free:
+            self._isolated(unstaged, self._stage, out)
+        joining = []
+        for row in list(self.staged):
+            if len(joining) == free or row.prefix is None or not self._fits(joining + [row]):
+                break
+            joining.append(row)
+            self.staged.remove(row)
         if joining:
             self._isolated(joining, self._join, out)
 
+    def _fits(self, joining: list[_Row]) -> bool:
+        """Whether the cache of the live rows and `joining`, each at its longest, fits the KV budget (the first
+        row always joins, so a lone request runs whatever its size)."""
+        rows = [r for r in self.rows if r is not None] + joining
+        if len(rows) == 1:
+            return True
+        slots = self.model.rows_for(len(rows), self.max_rows)
+        return self.model.budget.kv_fits(slots + 1, max(r.longest for r in rows))
+
+    def _stage(self, rows: list[_Row], out: list[EngineEvent]) -> None:
+        """Vision (images of one grid batched) and the prompt prefix of each new image (prefilled together,
+        kept in the model's prefix store) for `rows`; each row then holds its image's prefix."""
+        model = self.model
+        keys = [(row.image.key, tuple(row.prompt[: row.prefix_len])) for row in rows]
+        have = {key: model.prefix(key) for key in keys if key in model.prefixes}  # held: storing may evict
+        new: dict[tuple, _Row] = {}
+        for row, key in zip(rows, keys, strict=True):
+            row.timings.update(vision_cached=True, vision_s=0.0, prefix_prefill_s=0.0)
+            if key not in have:
+                new.setdefault(key, row)
+        if new:
+            t0 = time.perf_counter()
+            features = model.features_for([row.image for row in new.values()])
+            t1 = time.perf_counter()
+            items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
+            prefixes = model.compute_prefixes(items)
+            t2 = time.perf_counter()
+            self.seconds["vision"] += t1 - t0
+            self.seconds["prefix"] += t2 - t1
+            for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
+                have[key] = prefix
+                model.store_prefix(key, prefix)
+                row.timings.update(vision_cached=cached, vision_s=t1 - t0, prefix_prefill_s=t2 - t1)
+        for row, key in zip(rows, keys, strict=True):
+            row.prefix = have[key]
+
     def _join(self, joining: list[_Row], out: list[EngineEvent]) -> None:
-        """Rows into slots, their images' prefixes into their cache rows, their own words prefilled."""
+        """Staged rows into slots, their prefixes into their cache rows, their own words prefilled together."""
         self._place(joining)
-        self._prefixes(joining)
+        for row in joining:
+            self.cache.copy_in(row.slot, row.prefix)
         t0 = time.perf_counter()
         items = [(row.slot, self.model.embed_ids(row.prompt[row.prefix_len :]), row.prefix_len) for row in joining]
         last = self.model.prefill(self.cache, items)
-        mx.eval(list(last.values()))
+        self.model.sync(list(last.values()))
         prefill_s = time.perf_counter() - t0
         self.seconds["prefill"] += prefill_s
         for row in joining:
+            row.prefix = None  # in the cache now
             row.timings["prefill_s"] = prefill_s
             row.decoder = RowDecoder(row.prompt, self.model.token_ids, row.options, self.model.max_length)
             if row.options.mode is Mode.SLOW:
@@ -461,13 +558,13 @@ class Engine:
             row.decoder.begin()
 
     def _place(self, joining: list[_Row]) -> None:
-        """Give each joining row a free slot, growing the cache by powers of two up to max_rows."""
+        """Give each joining row a free slot, growing the cache to the cheapest row count that holds them."""
         if self.cache is None:
             self.cache = self.model.new_cache(slots=0)
         need = self.active + len(joining)
         if need > self.cache.slots:
             old = self.cache.slots
-            self.cache.grow(min(self.max_rows, rows_bucket(need)))
+            self.cache.grow(self.model.rows_for(need, self.max_rows))
             self.rows += [None] * (self.cache.slots - old)
             if self.seen is not None:
                 self.seen = mx.concatenate([self.seen[:old], self._no_seen(self.cache.buffer_rows - old)])
@@ -485,33 +582,6 @@ class Engine:
     def _no_seen(self, rows: int) -> mx.array:
         return mx.zeros((rows, self.model.token_ids.vocab_size), dtype=mx.bool_)
 
-    def _prefixes(self, joining: list[_Row]) -> None:
-        """Vision (batched per grid) and the prompt prefix of each new image (prefilled once, kept in the
-        model's prefix store); then every joining row gets its image's prefix in its cache row."""
-        model = self.model
-        keys = [(row.image.key, tuple(row.prompt[: row.prefix_len])) for row in joining]
-        have = {key: model.prefix(key) for key in keys if key in model.prefixes}  # held: storing may evict
-        new: dict[tuple, _Row] = {}
-        for row, key in zip(joining, keys, strict=True):
-            row.timings.update(vision_cached=True, vision_s=0.0, prefix_prefill_s=0.0)
-            if key not in have:
-                new.setdefault(key, row)
-        if new:
-            t0 = time.perf_counter()
-            features = model.features_for([row.image for row in new.values()])
-            t1 = time.perf_counter()
-            items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
-            prefixes = model.compute_prefixes(items)
-            t2 = time.perf_counter()
-            self.seconds["vision"] += t1 - t0
-            self.seconds["prefix"] += t2 - t1
-            for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
-                have[key] = prefix
-                model.store_prefix(key, prefix)
-                row.timings.update(vision_cached=cached, vision_s=t1 - t0, prefix_prefill_s=t2 - t1)
-        for row, key in zip(joining, keys, strict=True):
-            self.cache.copy_in(row.slot, have[key])
-
     def _entries(self, rows: list[_Row]) -> tuple[list[int], list[int], bool]:
         """A forward's entries: the index of each row's entry, the cache row of every entry and whether the
         forward is dense (every slot, free ones as padding) or gathered (its rows, padded to a power of two
@@ -519,7 +589,7 @@ class Engine:
         slots = [row.slot for row in rows]
         if len(rows) == self.cache.slots or (self.schedule.dense and len(rows) == self.active):
             return slots, list(range(self.cache.slots)), True
-        R = rows_bucket(len(rows))
+        R = self.model.rows_for(len(rows), self.cache.slots)
         return list(range(len(rows))), slots + [self.cache.scratch] * (R - len(rows)), False
 
     def _forward(self, phase: Phase, rows: list[_Row]) -> mx.array:
@@ -585,7 +655,7 @@ class Engine:
         if self.schedule.queue_ahead and all(phase is Phase.AR for phase, _, _ in groups):
             ahead = self._queue_ahead(groups)
 
-        host = np.array(mx.concatenate([summary.reshape(-1) for _, _, summary in groups]))  # the one host read
+        host = self.model.read(mx.concatenate([summary.reshape(-1) for _, _, summary in groups]))  # the one read
         self.steps += 1
         self.host_reads += 1
 

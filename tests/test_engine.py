@@ -76,13 +76,17 @@ def test_every_golden_case_in_one_batch(models, checkpoint, modes, schedule):
     wall = time.perf_counter() - t0
     check_golden(engine, pairs, handles)
     assert engine.cache is None  # released once idle
-    assert set(engine.seconds) == {"prepare", "vision", "prefix", "prefill", "decode"}
-    assert all(v > 0 for v in engine.seconds.values()) and sum(engine.seconds.values()) <= wall, engine.seconds
+    seconds = dict(engine.seconds)
+    assert set(seconds) == {"prepare", "vision", "prefix", "prefill", "decode", "host"}
+    host = seconds.pop("host")  # the device's waits for the host, within the phases below
+    assert all(seconds[k] > 0 for k in ("vision", "prefix", "prefill", "decode")), seconds
+    assert sum(seconds.values()) <= wall and 0 < host <= wall, engine.seconds
 
 
-def test_no_compilations_after_warm_up_for_a_steady_batch(models):
+def test_no_compilations_after_warm_up_for_a_steady_batch(models, monkeypatch):
     """The same batch twice: the second traces nothing, reads once per step, and gives the same tokens."""
     model = models["tiny_peaky"]
+    monkeypatch.setattr(model, "steps", compiled_module.CompiledSteps(model.network))  # none traced yet
     pairs = [(n, m) for n in golden_cases() if n.startswith("tiny_peaky") for m in MODES][:8]
     runs = []
     for _ in range(2):
