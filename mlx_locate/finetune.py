@@ -14,9 +14,9 @@ import json
 import sys
 
 from .loader import DTYPES
+from .lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
 from .tuner.datasets import read_data, split
 from .tuner.finetune import MODES, FinetuneOptions, finetune, load_base
-from .tuner.lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
 
 DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_DROPOUT = 64, 128.0, 0.05  # NVIDIA's LoRA script
 DEFAULT_HELD_OUT = 0.1

@@ -17,6 +17,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from .cache import SlotCache
+from .checkpoint import read_json, resolve
 from .compiled import CompiledSteps
 from .config import ModelConfig
 from .engine import (
@@ -31,12 +32,12 @@ from .engine import (
     prepare_image,
 )
 from .language import fuse_projections, store_input_major
-from .loader import build_model, read_json, resolve
+from .loader import build_model
+from .lora import apply_adapter, read_adapter
 from .model import LocateAnything
 from .preprocess import IN_TOKEN_LIMIT
 from .prompts import prompt_ids
 from .tokenizer import Tokenizer
-from .tuner.lora import apply_adapter, read_adapter
 
 __all__ = ["LocateModel", "Result", "Session", "load"]
 
@@ -206,7 +207,7 @@ def load(path_or_hub_id: str | Path, dtype: str | None = None, adapter_path: str
     kernels instead of BLAS (a 1152 x 3456 projection of 1,656 vision rows: 2.5 s in bf16 against 0.15 s in
     float32), so float32 is the fast path (CPU_DTYPE).
     `adapter_path`: a LoRA adapter folder (`mlx-locate-finetune`'s, or a PEFT one) applied on top
-    (`tuner.lora.apply_adapter`: merged into a float base, kept beside a quantized one); the base's files are
+    (`lora.apply_adapter`: merged into a float base, kept beside a quantized one); the base's files are
     only read.
     """
     if dtype is None and mx.default_device() == mx.cpu:

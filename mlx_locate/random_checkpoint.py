@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .loader import plan_shards, shard_names, write_index
+from .checkpoint import plan_shards, shard_names, write_index
 
 # config.json of the release (as the golden checkpoints have it); the sizes are replaced by a preset's.
 RELEASE_CONFIG: dict = json.loads((Path(__file__).parent / "release_config.json").read_text())

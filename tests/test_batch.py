@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from mlx_locate import batch
+from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
-from mlx_locate.loader import DEMO_DIR
 from mlx_locate.locate import load
 from mlx_locate.prompts import task_text
 

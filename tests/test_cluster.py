@@ -14,7 +14,7 @@ import ray  # the [cluster] extra (in the test extra): without it these tests fa
 from PIL import Image
 
 from mlx_locate import batch, cluster
-from mlx_locate.loader import DEMO_DIR
+from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.locate import load
 
 RUN = ["--query", "square", "--mode", "fast", "--max-tokens", "16"]

@@ -20,8 +20,8 @@ import mlx_locate
 from mlx_locate import compiled as compiled_module
 from mlx_locate import engine as engine_module
 from mlx_locate.cache import kv_bucket
+from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.engine import EventKind, Request, RequestError, Schedule
-from mlx_locate.loader import DEMO_DIR
 from mlx_locate.sampling import Sampling
 
 SCHEDULES = {"mixed-dense": Schedule(mixed=True, dense=True), "split-gathered": Schedule(mixed=False, dense=False)}

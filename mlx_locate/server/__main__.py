@@ -11,8 +11,8 @@ import ipaddress
 import sys
 from pathlib import Path
 
+from ..checkpoint import resolve
 from ..generate import DEFAULT_MODEL, DTYPES, positive_int
-from ..loader import resolve
 from .protocol import DEFAULT_MAX_PIXELS, Settings
 
 DEFAULT_HOST = "127.0.0.1"

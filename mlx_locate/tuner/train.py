@@ -31,9 +31,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tokenizers import Tokenizer as _Tokenizer
 
+from ..checkpoint import DEMO_DIR, read_weights
 from ..config import ModelConfig
 from ..language import DecoderLayer
-from ..loader import DEMO_DIR, read_weights, sanitize
+from ..loader import sanitize
 from ..masks import BLOCK
 from ..model import LocateAnything
 from ..preprocess import PATCH_SIZE
