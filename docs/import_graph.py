@@ -25,7 +25,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("definitions", ("config", "tokens", "jsonl"), False),
     ("host-side data", ("tokenizer", "preprocess", "prompts", "parse", "metrics", "draw", "synthetic"), False),
     ("network and its cache", ("masks", "cache", "vision", "projector", "cpu", "language", "model"), False),
-    ("weights", ("lora", "loader", "random_checkpoint"), False),
+    ("weights", ("checkpoint", "lora", "loader", "random_checkpoint"), False),
     ("decoding", ("compiled", "sampling", "decide", "decode"), False),
     ("requests", ("request", "tiles", "engine"), False),
     ("API", ("locate", "__init__"), False),
