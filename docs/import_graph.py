@@ -24,10 +24,15 @@ PACKAGE = "mlx_locate"
 FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("definitions", ("config", "tokens", "jsonl"), False),
     ("host-side data", ("tokenizer", "preprocess", "prompts", "parse", "metrics", "draw", "synthetic"), False),
-    ("network and its cache", ("masks", "cache", "vision", "projector", "cpu", "language", "model"), False),
+    (
+        "network and its cache",
+        ("masks", "cache", "cpu", "attention", "vision", "projector", "language", "model"),
+        False,
+    ),
+    ("memory", ("memory",), False),
     ("weights", ("checkpoint", "lora", "loader", "random_checkpoint"), False),
     ("decoding", ("compiled", "sampling", "decide", "decode"), False),
-    ("requests", ("request", "tiles", "engine"), False),
+    ("requests", ("request", "runtime", "tiles", "engine"), False),
     ("API", ("locate", "__init__"), False),
     ("shared by the commands", ("cli", "annotate", "evaluation"), False),
     ("training", ("tuner",), False),

@@ -3,14 +3,14 @@
     python -m mlx_locate.convert --hf-path nvidia/LocateAnything-3B --mlx-path LocateAnything-3B-q8 \
         [--dtype bfloat16] [--quantize q8] [--report] [--force]
 
-The output folder holds our tensor names (MODEL.md §4: the HF names, the patch conv as a Linear (C, 3*p*p), no
+The output folder holds our tensor names (docs/model.md §4: the HF names, the patch conv as a Linear (C, 3*p*p), no
 head copy) in the chosen dtype, safetensors shards of at most 5 GB, `config.json` with the quantization recorded
 the mlx-lm way (defaults plus per-module overrides), `tokenizer.json` (so loading builds no BPE), the processor
 files and a short model card. It is written into a hidden temporary folder next to the destination and renamed
 at the end, so an error leaves nothing half-written.
 
 Quantization comes as named presets (`PRESETS`). The tied embedding is also the output head, and 4 bits there
-move coordinates (MODEL.md §4), so it stays at 8 bits except in the preset that says `unsafe`.
+move coordinates (docs/model.md §4), so it stays at 8 bits except in the preset that says `unsafe`.
 `--report` compares the result with its source on fixed images and prompts (see `report`).
 """
 
@@ -190,7 +190,7 @@ def _describe_names(raw: dict[str, mx.array], patch_size: int) -> list[str]:
 
 
 def compare_head(raw: dict[str, mx.array]) -> str:
-    """MODEL.md §14 Q1: is the stored head copy bit-identical to embed_tokens? One line saying what was found."""
+    """docs/model.md §14 Q1: is the stored head copy bit-identical to embed_tokens? One line saying what was found."""
     if HEAD not in raw:
         return "no stored head copy (the head is tied to embed_tokens)"
     head, embed = raw[HEAD], raw.get(EMBED)
@@ -307,7 +307,7 @@ def _publish(tmp: Path, dst: Path) -> None:
 
 def _normalize_config(raw_config: dict) -> dict:
     """mlx-vlm merges generation_config.json into config.json, making `eos_token_id` a list ([<|im_end|>,
-    <|endoftext|>]); the model's end token is its first entry (MODEL.md §2)."""
+    <|endoftext|>]); the model's end token is its first entry (docs/model.md §2)."""
     eos = raw_config.get("eos_token_id")
     if isinstance(eos, list):
         if not eos:

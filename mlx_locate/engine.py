@@ -26,7 +26,7 @@ grid, each new image's prompt prefix (everything up to `</img>`) is prefilled on
 copied into the rows that ask about that image, and the rows' own words are prefilled together. Then each step
 feeds every row that needs a forward: block rows (tail + anchor + 5 masks, 12 rows) and AR rows (their tail)
 share one block-shaped forward or go in two, as `Schedule` says; one compiled summary per forward packs what
-each row's decision needs, and all of them come back in one host read. The rules of MODEL.md §10.4-§10.7 then
+each row's decision needs, and all of them come back in one host read. The rules of docs/model.md §10.4-§10.7 then
 run per row (`RowDecoder`), unchanged. When every row is in AR state, the next AR forward is queued on the
 device's picks before the read, as in slow mode alone; rows that do not continue drop it.
 """

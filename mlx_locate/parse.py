@@ -1,4 +1,4 @@
-"""Generated token ids -> labelled boxes and points in original-image pixels (MODEL.md §9).
+"""Generated token ids -> labelled boxes and points in original-image pixels (docs/model.md §9).
 
 The grammar is `item* [<|im_end|>]` with items `<ref> TEXT </ref>`, `<box> x1 y1 x2 y2 </box>`,
 `<box> x y </box>` and `<box> None </box>`. The parser never raises on an id sequence: model output is

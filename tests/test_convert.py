@@ -171,7 +171,7 @@ def test_preset_needs_divisible_widths(golden_dir, tmp_path):
 
 # --- mlx-vlm layout -----------------------------------------------------------------------------------------
 
-VLM_NAMES = (  # ours -> mlx-vlm (MODEL.md §4), first match wins
+VLM_NAMES = (  # ours -> mlx-vlm (docs/model.md §4), first match wins
     ("vision_model.encoder.", "vision_tower."),
     ("vision_model.", "vision_tower."),
     ("mlp1.0.", "multi_modal_projector.layer_norm."),

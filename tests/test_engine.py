@@ -1,4 +1,4 @@
-"""The batched engine against the single-request path and NVIDIA's reference (MODEL.md §10; engine.py).
+"""The batched engine against the single-request path and NVIDIA's reference (docs/model.md §10; engine.py).
 
 Every golden case of a checkpoint goes through one engine: each mode alone and all modes mixed, prompts of
 different lengths, rows joining as others finish (4 rows for 18 requests) or all at once, under both schedules

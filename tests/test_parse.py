@@ -1,4 +1,4 @@
-"""The §9 output parser: table tests, pixel mapping, confidences, robustness and the golden streams."""
+"""The docs/model.md §9 output parser: table tests, pixel mapping, confidences, robustness and the golden streams."""
 
 from __future__ import annotations
 
