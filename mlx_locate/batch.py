@@ -462,7 +462,7 @@ def coco_detections(line: dict, image_id: int) -> Iterator[dict]:
             if "box" not in obj:
                 continue
             x1, y1, x2, y2 = obj["box"]
-            bbox = [round(v, 2) for v in (min(x1, x2), min(y1, y2), abs(x2 - x1), abs(y2 - y1))]
+            bbox = [round(v, 2) for v in (x1, y1, x2 - x1, y2 - y1)]
             yield {"image_id": image_id, "category_id": category_id, "bbox": bbox, "score": obj["confidence"]}
 
 

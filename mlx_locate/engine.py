@@ -330,10 +330,13 @@ class Engine:
 
     # --- admission: host preparation, vision, prefixes, prefill ---
 
-    def _prepare(self, handle: Handle) -> _Row:
+    def _prepare(self, handle: Handle) -> _Row | None:
+        """The row of a request, or None for a tiled one whose views now wait at the front of the queue."""
         r, model = handle.request, self.model
         t0 = time.perf_counter()
         image = prepare_image(model, r.image, r.max_pixels)
+        if r.tiles is not None and self._expand_tiles(handle, image):
+            return None
         mode = parse_mode(r.mode)
         user_text = r.prompt if r.prompt is not None else task_text(r.task, r.query)
         ids = prompt_ids(model.tokenizer, user_text, [image.pre.grid], rendering=r.rendering)
@@ -344,14 +347,18 @@ class Engine:
         self.seconds["prepare"] += timings["preprocess_s"]
         return _Row(handle, image, ids, ids.index(model.token_ids.img_end) + 1, options, budget, timings)
 
-    def _expand_tiles(self, handle: Handle, out: list[EngineEvent]) -> list[Handle]:
+    def _expand_tiles(self, handle: Handle, image: PreparedImage) -> bool:
+        """Queue a tiled request's views at the front; False when the image needs no tiles (it is decoded as
+        it is)."""
         from .tiles import split_request
 
-        image = prepare_image(self.model, handle.request.image, handle.request.max_pixels)
         requests = split_request(handle.request, image.rgb, self.model)
+        if not requests:
+            return False
         children = [Handle(next(self._ids), c, parent=handle) for c in requests]
         self.tiles[handle] = (image, requests, children)
-        return children
+        self.waiting.extendleft(reversed(children))
+        return True
 
     def _admit(self, out: list[EngineEvent]) -> None:
         free = self.max_rows - self.active
@@ -361,10 +368,9 @@ class Engine:
             if handle.cancelled:
                 continue
             try:
-                if handle.request.tiles is not None:
-                    self.waiting.extendleft(reversed(self._expand_tiles(handle, out)))
-                    continue
-                joining.append(self._prepare(handle))
+                row = self._prepare(handle)
+                if row is not None:
+                    joining.append(row)
             except (OSError, ValueError) as e:
                 self._fail(handle, e, out)
         if not joining:

@@ -19,6 +19,7 @@ from mlx_locate import batch
 from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
 from mlx_locate.loader import DEMO_DIR
 from mlx_locate.locate import load
+from mlx_locate.parse import LocatedObject
 from mlx_locate.prompts import task_text
 
 IMAGE = DEMO_DIR / "example.png"
@@ -406,12 +407,11 @@ def test_coco_results_format(run, folder, finished):
     assert coco.read_bytes() == before and run.loads == []
 
 
-def test_coco_bbox_from_reversed_box():
-    line = {
-        "image": "x.png",
-        "size": [100, 50],
-        "results": [{"query": "q", "objects": [{"label": "q", "box": [30.0, 40.0, 10.0, 5.0], "confidence": 0.5}]}],
-    }
+def test_an_inverted_model_box_is_ordered_in_the_line_and_in_coco():
+    written = LocatedObject("q", (30.0, 40.0, 10.0, 5.0), (300, 800, 100, 100), None, None, 0.5)  # as parsed
+    objects = json.loads(json.dumps([written.to_dict()]))
+    assert objects[0]["box"] == [10.0, 5.0, 30.0, 40.0] and objects[0]["box_norm"] == [300, 800, 100, 100]
+    line = {"image": "x.png", "size": [100, 50], "results": [{"query": "q", "objects": objects}]}
     detections = list(batch.coco_detections(line, 7))
     assert detections == [{"image_id": 7, "category_id": 1, "bbox": [10.0, 5.0, 20.0, 35.0], "score": 0.5}]
 
