@@ -158,12 +158,14 @@ def write_clip(
     n_frames: int = 30,
     size: tuple[int, int] = (224, 224),
     rate: int = 10,
+    faststart: bool = False,
 ) -> Path:
-    """An H.264 clip (MPEG-4 part 2 where PyAV has no H.264 encoder) of `moving_frames`; needs PyAV."""
+    """An H.264 clip (MPEG-4 part 2 where PyAV has no H.264 encoder) of `moving_frames`; needs PyAV.
+    `faststart`: the index at the front of the file, as for streaming."""
     from ..video import encodes, import_av
 
     av = import_av()
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as container:
         stream = container.add_stream("libx264" if encodes(av, "libx264") else "mpeg4", rate=rate)
         stream.width, stream.height = size
         stream.pix_fmt = "yuv420p"
