@@ -13,13 +13,14 @@ to the image and merges the duplicates that tiles share:
 - Merging decides by geometry alone (no confidence threshold drops anything), across views and within one
   (SAHI's greedy merge): per label, an object joins another when their boxes' intersection is at least
   `MERGE_IOS` of the smaller box, or their points lie within `POINT_RADIUS` of a tile's shorter side. A box
-  touching an inner seam of its tile is a piece: it joins any overlapping box of another tile that lies
-  inside that tile and reaches past its own (the model often draws a piece wider than what it sees). A group
-  keeps the box of a view that saw the whole object (not cut by a seam, no uncut box of another tile reaching
-  past its tile), a tile before the whole image, the box the others agree with most, the most confident
-  first; and the group's best confidence. A tile box covering the whole tile is a piece of something larger
-  than the tile and is dropped (the whole image sees such objects); so is an object only the whole image
-  found that lies inside a tile: that tile saw it at full resolution and found nothing.
+  touching an inner seam of its tile is a piece: it joins any overlapping box of another tile that lies inside
+  that tile and reaches past its own (the model often draws a piece wider than what it sees). A group keeps the
+  box of a view that saw the whole object (not cut by a seam, no uncut box of another tile reaching past its
+  tile), a tile before the whole image, then one past whose tile no other tile saw an edge of the object, the
+  box the others agree with most, the most confident; and the group's best confidence. A tile box covering the
+  whole tile is a piece of something larger than the tile and is dropped (the whole image sees such objects); so
+  is an object only the whole image found that lies inside a tile: that tile saw it at full resolution and found
+  nothing.
 """
 
 from __future__ import annotations
@@ -170,7 +171,12 @@ class Candidate:
     object: LocatedObject
     view: int  # index of the child it came from
     tile: Tile
-    cut: bool  # its box touches a seam of its tile: the tile may have seen only part of the object
+    seams: tuple[bool, bool, bool, bool]  # which of its box's edges (left, top, right, bottom) lie on a seam
+
+    @property
+    def cut(self) -> bool:
+        """Its box touches a seam of its tile: the tile may have seen only part of the object."""
+        return any(self.seams)
 
 
 @dataclass
@@ -200,21 +206,22 @@ def to_image(obj: LocatedObject, tile: Tile, size: tuple[int, int]) -> LocatedOb
     return obj
 
 
-def seams(box: tuple[float, ...], tile: Tile, size: tuple[int, int]) -> tuple[bool, bool]:
-    """(cut, covers) for a box in image pixels: does it touch a seam of `tile` (a tile edge inside the image),
-    and does it cover the whole tile (at least `SPAN_FRACTION` of both sides)."""
+def seams(box: tuple[float, ...], tile: Tile, size: tuple[int, int]) -> tuple[tuple[bool, ...], bool]:
+    """For a box in image pixels: which of its edges (left, top, right, bottom) lie on a seam of `tile` (within
+    `SEAM_MARGIN` of a tile edge inside the image), and does it cover the whole tile (at least
+    `SPAN_FRACTION` of both sides)."""
     if tile.whole:
-        return False, False
+        return (False,) * 4, False
     x0, y0, x1, y1 = tile.box
     mx, my = SEAM_MARGIN * (x1 - x0), SEAM_MARGIN * (y1 - y0)
-    cut = (
-        (x0 > 0 and box[0] - x0 <= mx)
-        or (y0 > 0 and box[1] - y0 <= my)
-        or (x1 < size[0] and x1 - box[2] <= mx)
-        or (y1 < size[1] and y1 - box[3] <= my)
+    on = (
+        x0 > 0 and box[0] - x0 <= mx,
+        y0 > 0 and box[1] - y0 <= my,
+        x1 < size[0] and x1 - box[2] <= mx,
+        y1 < size[1] and y1 - box[3] <= my,
     )
     covers = box[2] - box[0] >= SPAN_FRACTION * (x1 - x0) and box[3] - box[1] >= SPAN_FRACTION * (y1 - y0)
-    return cut, covers
+    return on, covers
 
 
 def area(box: tuple[float, ...]) -> float:
@@ -231,11 +238,21 @@ def over_smaller(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return intersection(a, b) / smaller if smaller > 0 else 0.0
 
 
-def outside(box: tuple[float, ...], tile: Tile) -> bool:
-    """Whether `box` reaches past `tile` by more than the seam margin: the tile cannot have seen all of it."""
+def beyond(box: tuple[float, ...], tile: Tile) -> tuple[bool, bool, bool, bool]:
+    """Which edges of `box` (left, top, right, bottom) lie past `tile` by more than the seam margin."""
     x0, y0, x1, y1 = tile.box
     mx, my = SEAM_MARGIN * (x1 - x0), SEAM_MARGIN * (y1 - y0)
-    return box[0] < x0 - mx or box[1] < y0 - my or box[2] > x1 + mx or box[3] > y1 + my
+    return box[0] < x0 - mx, box[1] < y0 - my, box[2] > x1 + mx, box[3] > y1 + my
+
+
+def outside(box: tuple[float, ...], tile: Tile) -> bool:
+    """Whether `box` reaches past `tile`: the tile cannot have seen all of it."""
+    return any(beyond(box, tile))
+
+
+def seen_past(m: Candidate, tile: Tile) -> bool:
+    """Whether an edge of `m`'s box that its tile saw (on no seam of it) lies past `tile`."""
+    return any(far and not seam for far, seam in zip(beyond(m.object.box, tile), m.seams, strict=True))
 
 
 def agreement(kept: Candidate, c: Candidate) -> float | None:
@@ -266,19 +283,25 @@ def rank(c: Candidate) -> tuple:
 
 def best_view(members: list[Candidate]) -> Candidate:
     """The member whose box a group keeps: from a view that saw the whole object (not cut by a seam, and no
-    uncut box of another tile reaches past its tile), a tile before the whole image, then the box the others
-    agree with most (summed IoU), then the most confident. Cut boxes and the whole image's, drawn from a
-    piece or at a fraction of the resolution, say nothing about another tile's box."""
-    evidence = [m for m in members if m.object.box is not None and not m.cut and not m.tile.whole]
+    uncut box of another tile reaches past its tile), a tile before the whole image, then one past whose tile
+    no other tile saw an edge, then the box the others agree with most (summed IoU), then the most
+    confident. The whole image's boxes, drawn at a fraction of the resolution, say nothing about a tile's."""
+    tiles = [m for m in members if m.object.box is not None and not m.tile.whole]
 
     def partial(c: Candidate) -> bool:
-        return c.cut or any(outside(m.object.box, c.tile) for m in evidence if m is not c)
+        return c.cut or any(not m.cut and outside(m.object.box, c.tile) for m in tiles if m is not c)
+
+    def contradicted(c: Candidate) -> bool:
+        return any(seen_past(m, c.tile) for m in tiles if m is not c)
 
     def consensus(c: Candidate) -> float:
         others = [m.object.box for m in members if m is not c and m.object.box is not None]
         return sum(iou(c.object.box, b) for b in others) if c.object.box is not None else 0.0
 
-    return min(members, key=lambda c: (partial(c), c.tile.whole, -consensus(c), -(c.object.confidence or 0.0)))
+    def key(c: Candidate) -> tuple:
+        return (partial(c), c.tile.whole, contradicted(c), -consensus(c), -(c.object.confidence or 0.0))
+
+    return min(members, key=key)
 
 
 def merge_objects(candidates: list[Candidate]) -> list[Group]:
@@ -377,11 +400,11 @@ def merge_results(request: Request, image: Image.Image, children: list[Request],
         tile: Tile = child.tag
         for obj in result.objects:
             mapped = to_image(obj, tile, size)
-            cut, covers = seams(mapped.box, tile, size) if mapped.box is not None else (False, False)
+            on, covers = seams(mapped.box, tile, size) if mapped.box is not None else ((False,) * 4, False)
             if covers:
                 dropped[view] += 1
                 continue
-            candidates.append(Candidate(mapped, view, tile, cut))
+            candidates.append(Candidate(mapped, view, tile, on))
     groups = merge_objects(candidates)
     tiles = [c.tag for c in children if not c.tag.whole]
     groups = [g for g in groups if not unconfirmed(g, tiles)]

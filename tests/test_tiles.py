@@ -249,6 +249,13 @@ def test_a_box_covering_a_whole_tile_is_dropped():
     assert out.stats["tiles"][0]["dropped"] == 1
 
 
+def test_a_group_of_pieces_keeps_the_box_whose_tile_saw_past_the_others():
+    # Every box touches a seam. Tile 0's two boxes of the object, cut at x 240, agree with each other; tile 1's
+    # box is cut at its own seam (160) but saw the object's right edge at 262, past tile 0: that box is kept.
+    views = [[obj("a", (170, 60, 239, 100), 0.9), obj("a", (172, 62, 239, 101), 0.9)], [obj("a", (2, 60, 102, 100))]]
+    assert [o.box for o in merged(TWO, views).objects] == [(162, 60, 262, 100)]
+
+
 def test_whole_image_objects():
     # Larger than any tile: kept. Inside a tile that found nothing there: dropped. Agreeing with a tile: one.
     big = obj("a", (100, 20, 300, 180), 0.5)
