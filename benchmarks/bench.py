@@ -33,17 +33,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mlx_locate  # noqa: E402
+from mlx_locate.checkpoint import resolve  # noqa: E402
 from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
 from mlx_locate.decode import summary_functions  # noqa: E402
-from mlx_locate.engine import Request, Schedule, run_prefill  # noqa: E402
-from mlx_locate.loader import resolve  # noqa: E402
+from mlx_locate.engine import Schedule  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
+from mlx_locate.request import Request  # noqa: E402
 from mlx_locate.sampling import Features, RowSampling, Sampling  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 
@@ -154,7 +155,7 @@ def batch_step_costs(model: LocateModel, context: int, batches: list[int], iters
     out = {}
     for B in batches:
         cache = model.new_cache(B)
-        mx.eval(list(run_prefill(model, cache, [(b, mx.zeros((context, d), dtype), 0) for b in range(B)]).values()))
+        mx.eval(list(model.prefill(cache, [(b, mx.zeros((context, d), dtype), 0) for b in range(B)]).values()))
         rs, keys, not_ar = RowSampling.of([Sampling()] * B), mx.zeros((B, 2), dtype=mx.uint32), mx.zeros((B,), mx.bool_)
         row = {}
         for name, phase, ids in (("block", Phase.BLOCK, [1] * 6 + [2] * 6), ("ar", Phase.AR, [1])):

@@ -95,7 +95,7 @@ def scored(model, scenes: list, queries: tuple[str, ...], configs: list[str], ba
             for q in queries
         ]
         t0 = time.perf_counter()
-        results = model.locate_many(requests, batch_size=batch_size)
+        results = model.locate_many(requests, max_rows=batch_size)
         seconds = time.perf_counter() - t0
         tp = pred = gt = views = 0
         for request, result in zip(requests, results, strict=True):
@@ -187,9 +187,9 @@ def frames_of(n: int) -> list[video.Frame]:
 def video_run(model, n: int, batch_size: int | None, max_tokens: int) -> dict:
     settings = video.Settings("detect", QUERIES[:1], None, "hybrid", max_tokens, 2.0, None, 0.2, True)
     frames = frames_of(n)
-    list(video.locate_frames(model, frames[:2], settings, batch_size=batch_size))  # warm-up
+    list(video.locate_frames(model, frames[:2], settings, max_rows=batch_size))  # warm-up
     t0 = time.perf_counter()
-    lines = [line for _, line, _ in video.locate_frames(model, frames, settings, batch_size=batch_size)]
+    lines = [line for _, line, _ in video.locate_frames(model, frames, settings, max_rows=batch_size)]
     seconds = time.perf_counter() - t0
     out = {"frames": n, "size": list(frames[0].image.size), "queries": list(QUERIES[:1])}
     out["engine_loop"] = {"seconds": seconds, "frames_per_s": n / seconds, **track_quality(lines)}

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from .batch import Annotated, Settings, annotate
+from .annotate import Annotated, Settings, annotate
 from .locate import load
 
 RETRIES = 3  # restarts of a dead actor, and reruns of a batch whose actor died; a crash that repeats stops the run

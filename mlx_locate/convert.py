@@ -36,32 +36,20 @@ from mlx.utils import tree_flatten
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from .checkpoint import DTYPES, plan_shards, read_json, read_weights, resolve, shard_names, weight_files, write_index
 from .compiled import StepRunner
 from .config import ModelConfig
 from .decide import Mode
 from .decode import DecodeOptions, decode
-from .loader import (
-    DTYPES,
-    assemble_model,
-    plan_shards,
-    read_json,
-    read_weights,
-    rename,
-    resolve,
-    sanitize,
-    shard_names,
-    split_peft_checkpoint,
-    weight_files,
-    write_index,
-)
+from .loader import assemble_model, rename, sanitize, split_peft_checkpoint
 from .locate import LocateModel, load
+from .lora import apply_adapter, read_adapter
 from .metrics import iou
 from .model import LocateAnything
 from .parse import LocatedObject, parse_tokens
 from .preprocess import preprocess, to_rgb
 from .prompts import prompt_ids, task_text
 from .tokenizer import Tokenizer
-from .tuner.lora import apply_adapter, read_adapter
 
 DEFAULT_DTYPE = "bfloat16"
 # Copied as they are when the source has them; tokenizer.json is written, not copied.
@@ -354,7 +342,7 @@ def convert(
         dtype: "bfloat16", "float16" or "float32" for every float tensor (scales included).
         quantize: a key of `PRESETS`, or None. A quantized source keeps its quantization and takes no preset.
         force: replace an existing, non-empty `mlx_path`.
-        adapter: a LoRA adapter folder merged into the weights before quantizing (`tuner.lora.apply_adapter`
+        adapter: a LoRA adapter folder merged into the weights before quantizing (`lora.apply_adapter`
             with `merge=True`; into a quantized source by dequantizing, adding and quantizing again).
 
     Raises `ValueError`/`FileNotFoundError` naming what is wrong or missing in the source, and

@@ -26,87 +26,28 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
-from PIL import Image
 
 from .cache import SlotCache, rows_bucket
-from .compiled import PREFILL_ROWS, Phase, padded_rows
-from .decide import Guards, Mode, Next
+from .compiled import Phase, padded_rows
+from .decide import Mode, Next
 from .decode import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .parse import LocatedObject, parse_tokens
-from .preprocess import Preprocessed, load_image, preprocess, to_rgb
-from .prompts import prompt_ids, task_text
+from .prompts import task_text
+from .request import PreparedImage, Request, RequestError, Result, parse_mode
+from .runtime import Runtime
 from .sampling import Features, RowSampling, Sampling
-
-if TYPE_CHECKING:
-    from .locate import LocateModel
+from .tiles import merge_results, split_request
 
 # Engine.seconds: host preparation (image load, resize, prompt ids), vision tower, prefix prefill, the rows'
 # own prefill, decoding steps
 PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode")
-
-
-class RequestError(ValueError):
-    """A request that cannot run (unreadable image, prompt too long, bad option); other requests go on."""
-
-
-class PreparedImage(NamedTuple):
-    """An image's host work, done once: RGB pixels, patches, and a key of its content."""
-
-    rgb: Image.Image
-    pre: Preprocessed
-    key: tuple  # (sha256 of the resized pixels, original size, grid)
-
-
-@dataclass(frozen=True)
-class Request:
-    """One question about one image. `prompt` (raw user text) replaces `task` + `query`."""
-
-    image: str | Path | Image.Image | PreparedImage
-    query: str | list[str] | None = None
-    task: str = "detect"
-    prompt: str | None = None
-    mode: str | Mode = Mode.HYBRID
-    max_tokens: int = 512
-    sampling: Sampling = Sampling()
-    strict: bool = False
-    guards: Guards = Guards()
-    redecode_labels: bool | None = None  # None: on for task "ocr" in hybrid mode
-    rendering: str = "A"
-    seed: int = 0
-    max_pixels: int | None = None  # None: preprocess.DEFAULT_MAX_PIXELS
-    tiles: str | tuple[int, int] | None = None  # "auto" or (rows, cols): decode overlapping crops and merge
-    tile_overlap: float = 0.2  # fraction of a tile shared with its neighbour
-    tile_whole: bool = True  # with tiles, also decode the whole image and merge it in
-    tag: Hashable | Any = None  # the caller's own (a path, a frame index); never read by the engine
-
-
-@dataclass
-class Result:
-    objects: list[LocatedObject]
-    empty_labels: list[str | None]  # labels the model answered with <box>None</box>
-    text: str  # the generated text, special tokens included
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids
-    token_probs: list[float]  # the decoder's probability of each generated id
-    grid: list[int]  # [h, w] patches of the image
-    image_size: tuple[int, int]  # (W0, H0) the pixel frame of every box and point
-    mode: str
-    truncated: bool  # the stream ended inside an item (length cap or stop)
-    stats: dict = field(default_factory=dict)  # timings per phase (s), steps, host reads, stop reason
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["objects"] = [o.to_dict() for o in self.objects]
-        return out
 
 
 class EventKind(Enum):
@@ -183,24 +124,6 @@ def fit_max_tokens(prompt_len: int, max_tokens: int, limit: int) -> int:
     return min(max_tokens, limit - prompt_len)
 
 
-def parse_mode(mode: str | Mode) -> Mode:
-    if isinstance(mode, Mode):
-        return mode
-    modes = {m.value: m for m in Mode}
-    if mode not in modes:
-        raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(modes)}")
-    return modes[mode]
-
-
-def prepare_image(model: LocateModel, image: str | Path | Image.Image | PreparedImage, max_pixels: int | None = None):
-    """Load (checking the pixel limit), convert to RGB, cut into patches and key by content."""
-    if isinstance(image, PreparedImage):
-        return image
-    rgb = to_rgb(load_image(image, max_pixels))
-    pre = preprocess(rgb, in_token_limit=model.in_token_limit, patch_size=model.network.config.vision.patch_size)
-    return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid))
-
-
 @dataclass(eq=False)
 class _Row:
     """An admitted request: its slot, its decoder, and what its result and events need."""
@@ -222,7 +145,7 @@ class _Row:
 class Engine:
     """Decodes submitted requests, up to `max_rows` at a time. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, model: LocateModel, max_rows: int | None = None, schedule: Schedule | None = None):
+    def __init__(self, model: Runtime, max_rows: int | None = None, schedule: Schedule | None = None):
         self.model = model
         self.max_rows = max_rows or default_rows()
         if self.max_rows < 1:
@@ -314,8 +237,6 @@ class Engine:
                 self.cancel(other)
             self._fail(parent, child.error, out)
         elif all(c.result is not None for c in children):
-            from .tiles import merge_results
-
             self.tiles.pop(parent)
             try:
                 result = merge_results(parent.request, image.rgb, requests, [c.result for c in children])
@@ -334,12 +255,12 @@ class Engine:
         """The row of a request, or None for a tiled one whose views now wait at the front of the queue."""
         r, model = handle.request, self.model
         t0 = time.perf_counter()
-        image = prepare_image(model, r.image, r.max_pixels)
+        image = model.prepare(r.image, r.max_pixels)
         if r.tiles is not None and self._expand_tiles(handle, image):
             return None
         mode = parse_mode(r.mode)
         user_text = r.prompt if r.prompt is not None else task_text(r.task, r.query)
-        ids = prompt_ids(model.tokenizer, user_text, [image.pre.grid], rendering=r.rendering)
+        ids = model.prompt(user_text, image.pre.grid, r.rendering)
         budget = fit_max_tokens(len(ids), r.max_tokens, model.max_length)
         redecode = r.redecode_labels if r.redecode_labels is not None else r.task == "ocr" and mode is Mode.HYBRID
         options = DecodeOptions(mode, budget, r.sampling, r.strict, r.guards, redecode_labels=redecode, seed=r.seed)
@@ -350,9 +271,7 @@ class Engine:
     def _expand_tiles(self, handle: Handle, image: PreparedImage) -> bool:
         """Queue a tiled request's views at the front; False when the image needs no tiles (it is decoded as
         it is)."""
-        from .tiles import split_request
-
-        requests = split_request(handle.request, image.rgb, self.model)
+        requests = split_request(handle.request, image.rgb, self.model.in_token_limit, self.model.patch_size)
         if not requests:
             return False
         children = [Handle(next(self._ids), c, parent=handle) for c in requests]
@@ -378,9 +297,8 @@ class Engine:
         self._place(joining)
         self._prefixes(joining)
         t0 = time.perf_counter()
-        embed = self.model.network.language_model.model.embed_tokens
-        items = [(row.slot, embed(mx.array(row.prompt[row.prefix_len :])), row.prefix_len) for row in joining]
-        last = run_prefill(self.model, self.cache, items)
+        items = [(row.slot, self.model.embed_ids(row.prompt[row.prefix_len :]), row.prefix_len) for row in joining]
+        last = self.model.prefill(self.cache, items)
         mx.eval(list(last.values()))
         prefill_s = time.perf_counter() - t0
         self.seconds["prefill"] += prefill_s
@@ -432,7 +350,7 @@ class Engine:
             features = model.features_for([row.image for row in new.values()])
             t1 = time.perf_counter()
             items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
-            prefixes = compute_prefixes(model, items)
+            prefixes = model.compute_prefixes(items)
             t2 = time.perf_counter()
             self.seconds["vision"] += t1 - t0
             self.seconds["prefix"] += t2 - t1
@@ -465,7 +383,7 @@ class Engine:
             inputs[i, : len(f)] = f
             c[i], q[i], block[i] = row.decoder.cached, len(f), row.decoder.next is Next.BLOCK
             row.decoder.fed()
-        return self.model.steps.run(phase, self.cache, mx.array(inputs), entries, c, q, block, dense)
+        return self.model.run(phase, self.cache, mx.array(inputs), entries, c, q, block, dense)
 
     def _summary(self, phase: Phase, rows: list[_Row], index: list[int], logits: mx.array) -> mx.array:
         """The compiled summary of one forward's logits, taken at `rows`' entries: (len(rows), width)."""
@@ -556,7 +474,7 @@ class Engine:
         c, q = [0] * R, [0] * R
         for i, row in zip(index, rows, strict=True):
             c[i], q[i] = len(row.decoder.seq), 1
-        logits = self.model.steps.run(Phase.AR, self.cache, inputs[:, None], entries, c, q, dense=dense)
+        logits = self.model.run(Phase.AR, self.cache, inputs[:, None], entries, c, q, dense=dense)
         mx.async_eval(logits)
         return logits, {row.slot: i for i, row in zip(index, rows, strict=True)}
 
@@ -567,9 +485,7 @@ class Engine:
         if ids.box_end not in new:
             return
         dec = row.decoder
-        parsed = parse_tokens(
-            dec.seq[dec.prompt_len :], ids, self.model.tokenizer.decode, row.image.pre.original_size, dec.probs
-        )
+        parsed = parse_tokens(dec.seq[dec.prompt_len :], ids, self.model.text, row.image.pre.original_size, dec.probs)
         for obj in parsed.objects[row.emitted :]:
             self._emit(row.handle, EngineEvent(row.handle, EventKind.OBJECT, object=obj), out)
         for label in parsed.empty_labels[row.emitted_empty :]:
@@ -581,10 +497,10 @@ class Engine:
         self._succeed(row.handle, build_result(self.model, row), out)
 
 
-def build_result(model: LocateModel, row: _Row) -> Result:
+def build_result(model: Runtime, row: _Row) -> Result:
     out = row.decoder.result()
     pre = row.image.pre
-    parsed = parse_tokens(out.tokens, model.token_ids, model.tokenizer.decode, pre.original_size, out.probs)
+    parsed = parse_tokens(out.tokens, model.token_ids, model.text, pre.original_size, out.probs)
     s, t = out.stats, row.timings
     prefill_s = t["prefill_s"]
     stats = {
@@ -613,7 +529,7 @@ def build_result(model: LocateModel, row: _Row) -> Result:
     return Result(
         objects=parsed.objects,
         empty_labels=parsed.empty_labels,
-        text=model.tokenizer.decode(out.tokens),
+        text=model.text(out.tokens),
         prompt_ids=row.prompt,
         token_ids=out.tokens,
         token_probs=out.probs,
@@ -623,45 +539,3 @@ def build_result(model: LocateModel, row: _Row) -> Result:
         truncated=parsed.truncated,
         stats=stats,
     )
-
-
-def run_prefill(model: LocateModel, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
-    """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most PREFILL_ROWS rows
-    (sequences x padded rows; a longer prompt goes in chunks); returns each cache row's last logits (1, V)."""
-    last: dict[int, mx.array] = {}
-    work = list(items)
-    while work:
-        by_rows: dict[int, list] = {}
-        for slot, x, c in work:
-            chunk = x[:PREFILL_ROWS]
-            by_rows.setdefault(padded_rows(Phase.PREFILL, chunk.shape[0]), []).append((slot, chunk, c))
-        for Q, group in sorted(by_rows.items()):
-            per_call = max(1, PREFILL_ROWS // Q)
-            for start in range(0, len(group), per_call):
-                part = group[start : start + per_call]
-                dense = len(part) == cache.slots and [slot for slot, _, _ in part] == list(range(cache.slots))
-                R = cache.slots if dense else rows_bucket(len(part))
-                pad = R - len(part)
-                inputs = mx.stack(
-                    [mx.pad(x, [(0, Q - x.shape[0]), (0, 0)]) for _, x, _ in part]
-                    + [mx.zeros((Q, part[0][1].shape[-1]), part[0][1].dtype)] * pad
-                )
-                entries = [slot for slot, _, _ in part] + [cache.scratch] * pad
-                c = [c for _, _, c in part] + [0] * pad
-                q = [x.shape[0] for _, x, _ in part] + [0] * pad
-                logits = model.steps.run(Phase.PREFILL, cache, inputs, entries, c, q, dense=dense)
-                for i, (slot, _, _) in enumerate(part):
-                    last[slot] = logits[i]
-        work = [(slot, x[PREFILL_ROWS:], c + PREFILL_ROWS) for slot, x, c in work if x.shape[0] > PREFILL_ROWS]
-    return last
-
-
-def compute_prefixes(model: LocateModel, items: list[tuple[list[int], mx.array]]) -> list[list[mx.array]]:
-    """The K|V of each (prefix ids, image features) pair, prefilled together in a cache of their own; per
-    prefix, per layer (1, 2, KV, P, D) arrays of their own."""
-    cache = model.new_cache(slots=len(items))
-    embeds = [model.network.embed(ids, features)[0] for ids, features in items]
-    run_prefill(model, cache, [(i, e, 0) for i, e in enumerate(embeds)])
-    prefixes = [cache.copy_out(i, len(ids)) for i, (ids, _) in enumerate(items)]
-    mx.eval(prefixes)
-    return prefixes

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .loader import plan_shards, shard_names, write_index
+from .checkpoint import DTYPES, plan_shards, shard_names, write_index
 
 # config.json of the release (as the golden checkpoints have it); the sizes are replaced by a preset's.
 RELEASE_CONFIG: dict = json.loads((Path(__file__).parent / "release_config.json").read_text())
@@ -44,7 +44,6 @@ TOKENIZER_FILES = (
 )
 OPTIONAL_TOKENIZER_FILES = ("tokenizer.json",)
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden" / "tokenizer"
-DTYPES = {"bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 @dataclass(frozen=True)

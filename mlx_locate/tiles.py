@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from PIL import Image
 
 from .metrics import iou
 from .parse import LocatedObject
 from .preprocess import MERGE, target_size
-
-if TYPE_CHECKING:
-    from .engine import Request
-    from .locate import LocateModel, Result
+from .request import Request, Result
 
 MAX_TILES = 64  # tiles per image (auto or given); bounds what one request may cost
 MAX_TILE_ASPECT = 1.5  # auto tiles are at most this elongated (or as elongated as the image)
@@ -137,15 +134,14 @@ def auto_grid(size: tuple[int, int], in_token_limit: int, patch: int, overlap: f
     return min((area, aspect, g) for g, _, area, aspect in shaped)[2]
 
 
-def split_request(request: Request, image: Image.Image, model: LocateModel) -> list[Request]:
+def split_request(request: Request, image: Image.Image, in_token_limit: int, patch: int) -> list[Request]:
     """The child requests of a tiled request: one per tile (cropped image, `tag` = its `Tile`), and the whole
-    image first when `request.tile_whole`. None for a single tile: the image needs no tiles and the request
+    image first when `request.tile_whole`. No children for a single tile: the image needs no tiles and the request
     is decoded as it is. Raises `ValueError` for a bad grid or overlap, or tiles smaller than the model's
     smallest input."""
     check_tiling(request.tiles, request.tile_overlap)
-    patch = model.network.config.vision.patch_size
     if request.tiles == "auto":
-        rows, cols = auto_grid(image.size, model.in_token_limit, patch, request.tile_overlap)
+        rows, cols = auto_grid(image.size, in_token_limit, patch, request.tile_overlap)
     else:
         rows, cols = request.tiles
     if (rows, cols) == (1, 1):
@@ -388,8 +384,6 @@ def merge_results(request: Request, image: Image.Image, children: list[Request],
     """One `Result` for a tiled request, in the pixels of `image`: the views' objects mapped back and merged
     (module docstring), labels answered None by some view and found by none, the answer text rebuilt from
     the merged objects, and stats summed over the views (per view under `stats["tiles"]`)."""
-    from .locate import Result
-
     for r in results:
         if isinstance(r, Exception):
             raise r

@@ -37,7 +37,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
@@ -45,23 +45,17 @@ from typing import NamedTuple
 from PIL import Image
 from tqdm import tqdm
 
-from . import jsonl
-from .batch import Jsonl, OutputError
-from .decide import Mode
+from . import cli, jsonl
+from .annotate import Jsonl, OutputError
 from .draw import draw_objects
-from .engine import EventKind, Request, RequestError
-from .generate import DTYPES, positive_int, tiles_arg
-from .locate import LocateModel, Result, load
+from .engine import EventKind
+from .locate import LocateModel
 from .metrics import iou
 from .parse import LocatedObject
-from .prompts import TASKS, task_text
-from .tiles import check_tiling
+from .prompts import task_text
+from .request import DEFAULT_TASK, Request, RequestError, Result
 
-DEFAULT_MODEL = "demo"
 DEFAULT_FPS = 2.0
-DEFAULT_TASK = "detect"
-DEFAULT_MODE = Mode.HYBRID.value
-DEFAULT_MAX_TOKENS = 512
 TRACK_IOU = 0.3  # a detection continues a track when it overlaps the track's predicted box this much
 TRACK_MAX_AGE = 2  # sampled frames a track may go unseen before it ends
 TRACK_POINT_RADIUS = 0.05  # points: the same, within this fraction of the frame's shorter side
@@ -320,6 +314,7 @@ class Settings:
     tiles: str | tuple[int, int] | None
     tile_overlap: float
     tile_whole: bool
+    decoding: dict = field(default_factory=dict)  # the other `Request` decoding fields (sampling, guards, ...)
 
     def requests(self, frame: Frame) -> list[Request]:
         tiling = {"tiles": self.tiles, "tile_overlap": self.tile_overlap, "tile_whole": self.tile_whole}
@@ -333,6 +328,7 @@ class Settings:
                 max_tokens=self.max_tokens,
                 tag=(frame.index, i),
                 **tiling,
+                **self.decoding,
             )
             for i, q in enumerate(self.queries)
         ]
@@ -343,6 +339,7 @@ class Settings:
         fields["queries"] = list(self.queries)
         if isinstance(self.tiles, tuple):
             fields["tiles"] = list(self.tiles)
+        fields["decoding"] = {k: asdict(v) if is_dataclass(v) else v for k, v in self.decoding.items()}
         return {"video": str(video), "size": list(size), **fields, "complete": False}
 
 
@@ -373,14 +370,14 @@ def locate_frames(
     frames: Iterable[Frame],
     settings: Settings,
     done: dict[int, dict] | None = None,
-    batch_size: int | None = None,
+    max_rows: int | None = None,
 ) -> Iterator[tuple[Frame, dict, bool]]:
     """`(frame, line, new)` for every frame, in order, with track ids set on its objects.
 
     Frames in `done` (index -> its line from an earlier run) skip the model; the others go through one engine.
     At most `2 * rows` requests and as many frames are in flight, so memory does not grow with the video."""
     done = done or {}
-    engine = model.engine(batch_size)
+    engine = model.engine(max_rows)
     window = max(2 * engine.max_rows, len(settings.queries))
     frames = iter(frames)
     queue: deque[tuple[Frame, list]] = deque()  # frames in order: their answers (or a line from `done`)
@@ -548,76 +545,60 @@ def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
 # --- Command line -----------------------------------------------------------------------------------------
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlx-locate-video",
         description="Locate and track objects in a video with LocateAnything on MLX: JSONL per frame, MOT tracks, "
         "an annotated clip.",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder, hub id or 'demo' (default: demo)")
+    cli.add_model(p)
     p.add_argument("--video", required=True, help="video file (anything FFmpeg reads: MP4, MKV, WebM, MOV, ...)")
-    p.add_argument("--task", choices=TASKS, default=DEFAULT_TASK, help="prompt template (default: %(default)s)")
-    p.add_argument("--query", action="append", help="what to find; repeat for several queries")
-    p.add_argument("--prompt", help="raw user text, sent as is; replaces --task and --query")
-    p.add_argument("--fps", type=positive_float, default=DEFAULT_FPS, help="frames per second to sample (default: 2)")
-    p.add_argument("--mode", choices=[m.value for m in Mode], default=DEFAULT_MODE, help="(default: %(default)s)")
+    cli.add_questions(p, several_prompts=False)
     p.add_argument(
-        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="generated tokens (default: %(default)s)"
+        "--fps", type=cli.positive_float, default=DEFAULT_FPS, help="frames per second to sample (default: 2)"
     )
-    p.add_argument("--tiles", type=tiles_arg, metavar="auto|ROWSxCOLS", help="tile every frame (see mlx-locate)")
-    p.add_argument("--tile-overlap", type=float, default=0.2, help="with --tiles (default: %(default)s)")
-    p.add_argument("--no-tile-whole", action="store_true", help="with --tiles: tiles only, not the whole frame too")
-    p.add_argument("--batch-size", type=positive_int, help="engine rows (default: 4 on a CPU, 16 on a GPU)")
-    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
-    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder applied on top of --model")
+    cli.add_rows(p)
     p.add_argument("--out", required=True, help="JSONL, one line per sampled frame; an existing file is resumed")
     p.add_argument("--annotated", metavar="PATH", help="write the sampled frames with boxes and track ids drawn")
     p.add_argument("--mot", metavar="PATH", help="write the tracks in MOT Challenge format")
     p.add_argument("--overwrite", action="store_true", help="let --annotated and --mot replace existing files")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    cli.add_progress(p)
+    cli.add_decoding(p)
+    cli.add_sampling(p)
+    cli.add_tiling(p, "frame")
     return p
 
 
-def settings_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Settings:
-    if args.prompt is not None and (args.query or args.task != DEFAULT_TASK):
-        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
-    if args.tiles is None and (args.no_tile_whole or args.tile_overlap != 0.2):
-        parser.error("--tile-overlap and --no-tile-whole only apply with --tiles")
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The run's settings; `ValueError` for a bad query, sampling or tiling value (before the model loads)."""
+    task = args.task or DEFAULT_TASK
     queries = tuple(args.query or [None])
+    if args.prompt is None:
+        for query in queries:
+            task_text(task, query)
+    decoding = cli.request_options(args)
+    tiling = cli.tiling_of(args) or {"tiles": None, "tile_overlap": Request.tile_overlap, "tile_whole": True}
     return Settings(
-        task=args.task,
+        task=task,
         queries=queries if args.prompt is None else (None,),
         prompt=args.prompt,
-        mode=args.mode,
-        max_tokens=args.max_tokens,
+        mode=decoding.pop("mode"),
+        max_tokens=decoding.pop("max_tokens"),
         fps=args.fps,
-        tiles=args.tiles,
-        tile_overlap=args.tile_overlap,
-        tile_whole=not args.no_tile_whole,
+        **tiling,
+        decoding=decoding,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    settings = settings_of(parser, args)
+    cli.check_questions(parser, args)
+    cli.check_decoding(parser, args)
+    cli.check_tiling_flags(parser, args)
     annotated = None
     try:
-        if settings.prompt is None:
-            for query in settings.queries:
-                task_text(settings.task, query)
-        if settings.tiles is not None:
-            check_tiling(settings.tiles, settings.tile_overlap)
+        settings = settings_of(args)
         for path in (args.annotated, args.mot):
             if path and Path(path).exists() and not args.overwrite:
                 raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
@@ -630,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = min(rate, Fraction(info.rate))
         if args.annotated:
             annotated = AnnotatedVideo(args.annotated, rate)
-        model = load(args.model, dtype=args.dtype, adapter_path=args.adapter)
+        model = cli.load_model(args)
         written, problem = run(model, args, settings, info, out, header, done, has_header, annotated)
         annotated = None
     except (FileNotFoundError, FileExistsError, ValueError, OutputError) as e:
@@ -669,7 +650,7 @@ def run(
             lines.write(header)
         frames = Sampler(args.video, settings.fps)
         with tqdm(total=total, unit="frame", disable=args.no_progress) as bar:
-            for frame, line, new in locate_frames(model, frames, settings, done, args.batch_size):
+            for frame, line, new in locate_frames(model, frames, settings, done, args.max_rows):
                 if new:
                     lines.write(line)
                     written += 1

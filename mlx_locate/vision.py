@@ -6,14 +6,13 @@ Runs one image at a time (§6.5), so attention needs no mask and uses fused SDPA
 from __future__ import annotations
 
 import math
-import os
-import threading
 from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .attention import attention
 from .config import VisionConfig
 
 
@@ -93,49 +92,6 @@ class PatchEmbed(nn.Module):
         """(B, L, 3*p*p) flattened patches -> (B, L, C)."""
         x = self.proj(patches.astype(self.proj.weight.dtype))
         return x + self.pos_emb(*grid).astype(x.dtype)
-
-
-MAX_CPU_STREAMS = 4
-
-
-_thread_streams = threading.local()  # MLX streams belong to the thread that made them (a server's worker)
-
-
-def cpu_streams() -> tuple[mx.Stream, ...]:
-    """The calling thread's CPU streams, made on its first call."""
-    if not hasattr(_thread_streams, "cpu"):
-        _thread_streams.cpu = tuple(mx.new_stream(mx.cpu) for _ in range(min(os.cpu_count() or 1, MAX_CPU_STREAMS)))
-    return _thread_streams.cpu
-
-
-def stream_spans(n: int) -> list[tuple[mx.Stream, int, int]]:
-    """`range(n)` split into near-equal spans (stream, start, stop), one per CPU stream of the calling thread
-    (fewer when n is smaller)."""
-    streams = cpu_streams()[:n]
-    bounds = np.linspace(0, n, len(streams) + 1).round().astype(int)
-    return [(s, int(a), int(b)) for s, a, b in zip(streams, bounds[:-1], bounds[1:], strict=True)]
-
-
-CPU_SCORES = 1 << 27  # attention scores one CPU call may hold (float32: 512 MB); longer queries go in chunks
-
-
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
-    """Fused SDPA over (B, H, L, D). On the CPU backend, whose softmax runs on one thread per stream and whose
-    attention holds all its scores at once, an unmasked call splits the heads over one stream per core (up to
-    MAX_CPU_STREAMS) and the queries into chunks of at most CPU_SCORES scores: the same arithmetic per query row,
-    bit for bit, in bounded memory (a 25,600-patch image would need 21 GB of scores at once)."""
-    B, heads, L, _ = q.shape
-    if mask is not None or mx.default_device() != mx.cpu:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    parts = []
-    for s, a, b in stream_spans(heads):
-        rows = max(1, CPU_SCORES // (B * (b - a) * k.shape[2]))
-        chunks = [
-            mx.fast.scaled_dot_product_attention(q[:, a:b, i : i + rows], k[:, a:b], v[:, a:b], scale=scale, stream=s)
-            for i in range(0, L, rows)
-        ]
-        parts.append(chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=2))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
 
 
 class MLP(nn.Module):

@@ -19,9 +19,10 @@ from PIL import Image, ImageFile
 
 import mlx_locate
 from mlx_locate import Request, generate
-from mlx_locate.engine import RequestError
+from mlx_locate import cli as cli_module
 from mlx_locate.locate import load
 from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, ImageTooLargeError, load_image, to_rgb
+from mlx_locate.request import RequestError
 
 DEMO = Path(mlx_locate.__file__).parent / "demo"
 EXAMPLE = DEMO / "example.png"
@@ -91,9 +92,9 @@ def demo():
 @pytest.fixture
 def cli(demo, monkeypatch, capsys):
     """`cli(*args, image=, query=)` -> (exit code, stdout, stderr) of `main` on the demo model (loaded once)."""
-    real_load = generate.load
+    real_load = cli_module.load
     monkeypatch.setattr(
-        generate,
+        cli_module,
         "load",
         lambda path, dtype=None, adapter_path=None: demo if path == "demo" else real_load(path, dtype, adapter_path),
     )

@@ -12,6 +12,7 @@ import pytest
 from conftest import GOLDEN
 from PIL import Image
 
+from mlx_locate import cli as cli_module
 from mlx_locate import generate
 from mlx_locate.locate import load
 from mlx_locate.sampling import Sampling
@@ -35,7 +36,7 @@ def cached_load(path, dtype=None, adapter_path=None):
 @pytest.fixture
 def cli(golden_dir, monkeypatch, capsys):
     """`cli(*args)` -> (exit code, stdout, stderr) of `main` with `--model tiny_peaky --image IMAGE --max-tokens 16`."""
-    monkeypatch.setattr(generate, "load", cached_load)
+    monkeypatch.setattr(cli_module, "load", cached_load)
     model = str(golden_dir("tiny_peaky"))
 
     def run(*args: str, image=IMAGE, model=model) -> tuple[int, str, str]:
@@ -153,9 +154,9 @@ def test_prompt_and_sampling_flags(cli):
 
 def test_sampling_of():
     args = generate.build_parser().parse_args(["--image", "x", "--official-sampling", "--temperature", "0.3"])
-    assert generate.sampling_of(args) == Sampling(temperature=0.3, top_p=0.9, top_k=0, repetition_penalty=1.1)
+    assert cli_module.sampling_of(args) == Sampling(temperature=0.3, top_p=0.9, top_k=0, repetition_penalty=1.1)
     args = generate.build_parser().parse_args(["--image", "x", "--top-k", "4"])
-    assert generate.sampling_of(args) == Sampling(top_k=4)
+    assert cli_module.sampling_of(args) == Sampling(top_k=4)
 
 
 def test_user_errors_exit_2(cli, tmp_path):

@@ -10,8 +10,8 @@ import pytest
 from conftest import TOKENIZER_DIR
 from PIL import Image, ImageDraw
 
+from mlx_locate import checkpoint, load
 from mlx_locate import convert as cv
-from mlx_locate import load, loader
 from mlx_locate.compiled import StepRunner
 from mlx_locate.convert import PRESETS, convert, main
 from mlx_locate.preprocess import preprocess
@@ -87,7 +87,7 @@ def logits(model, image) -> mx.array:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_round_trip(golden_dir, tmp_path, image, dtype, capsys, monkeypatch):
     src = golden_dir("tiny_random")  # bfloat16, original HF layout
-    monkeypatch.setattr(loader, "MAX_SHARD_BYTES", 4 * 10**6)  # the embedding alone, then the rest
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_BYTES", 4 * 10**6)  # the embedding alone, then the rest
     dst = convert(src, tmp_path / "out", dtype)
     out = capsys.readouterr().out
     assert "stored head copy is bit-identical to embed_tokens" in out

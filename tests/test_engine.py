@@ -13,15 +13,17 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import GOLDEN, golden_case, golden_cases
+from conftest import GOLDEN, approx_tree, golden_case, golden_cases
 from PIL import Image
 
 import mlx_locate
 from mlx_locate import compiled as compiled_module
 from mlx_locate import engine as engine_module
+from mlx_locate import runtime as runtime_module
 from mlx_locate.cache import kv_bucket
-from mlx_locate.engine import EventKind, Request, RequestError, Schedule
-from mlx_locate.loader import DEMO_DIR
+from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.engine import EventKind, Schedule
+from mlx_locate.request import Request, RequestError
 from mlx_locate.sampling import Sampling
 
 SCHEDULES = {"mixed-dense": Schedule(mixed=True, dense=True), "split-gathered": Schedule(mixed=False, dense=False)}
@@ -105,7 +107,7 @@ def test_a_failing_request_is_reported_and_the_others_go_on(models, tmp_path):
         Request(good.image, "word " * 17000),  # longer than model_max_length (16384)
         good,
     ]
-    results = model.locate_many(requests, batch_size=2)
+    results = model.locate_many(requests, max_rows=2)
     errors = [r for r in results if isinstance(r, RequestError)]
     assert [isinstance(r, RequestError) for r in results] == [True, False, True, True, True, False]
     assert "not found" in str(errors[0]) and "not a readable image" in str(errors[1])
@@ -134,7 +136,8 @@ def test_events_stream_each_object_before_done():
         assert [e.object for e in mine if e.kind is EventKind.OBJECT] == result.objects
         assert [e.label for e in mine if e.kind is EventKind.EMPTY] == result.empty_labels
         alone = model.locate(image, handle.request.query, mode=handle.request.mode)
-        assert result.token_ids == alone.token_ids and result.objects == alone.objects
+        assert result.token_ids == alone.token_ids
+        assert [o.to_dict() for o in result.objects] == approx_tree([o.to_dict() for o in alone.objects])
     assert handles[0].result.objects and handles[1].result.empty_labels == ["star"]
     assert sum(n > 0 for n in steps_with_objects) > 1  # objects arrive over several steps, not all at the end
 
@@ -161,8 +164,8 @@ def test_sampling_with_a_seed_per_row_is_the_same_batched_and_alone(mode):
     hot = Sampling(temperature=1.5, top_p=0.95)
     requests = [Request(image, "square", mode=mode, sampling=hot, seed=s, max_tokens=40) for s in (1, 2, 3, 4)]
     requests.append(Request(image, "circle", mode=mode, sampling=Sampling(repetition_penalty=1.3), max_tokens=40))
-    batched = model.locate_many(requests, batch_size=5)
-    alone = [model.locate_many([r], batch_size=1)[0] for r in requests]
+    batched = model.locate_many(requests, max_rows=5)
+    alone = [model.locate_many([r], max_rows=1)[0] for r in requests]
     for b, a in zip(batched, alone, strict=True):
         assert b.token_ids == a.token_ids and b.token_probs == pytest.approx(a.token_probs, rel=1e-5)
     if mode == "slow":  # block decoders take their tokens from the top candidates, not the draw
@@ -171,7 +174,7 @@ def test_sampling_with_a_seed_per_row_is_the_same_batched_and_alone(mode):
 
 def test_long_prompts_prefill_in_chunks(models, monkeypatch):
     """Prompts longer than PREFILL_ROWS go in chunks; tiny chunks give the reference's tokens as well."""
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS", 64)
+    monkeypatch.setattr(runtime_module, "PREFILL_ROWS", 64)
     monkeypatch.setattr(compiled_module, "PREFILL_ROWS", 64)
     model = models["tiny_random"]
     pairs = [(n, "hybrid") for n in golden_cases() if n.startswith("tiny_random")]
@@ -185,7 +188,7 @@ def test_images_of_one_grid_share_a_vision_batch(models):
     model = models["tiny_random"]
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(3)]
-    prepared = [engine_module.prepare_image(model, im) for im in images]
+    prepared = [model.prepare(im) for im in images]
     model.features.clear()
     together = model.features_for(prepared)
     assert [cached for cached, _ in together] == [False] * 3
@@ -199,34 +202,32 @@ def test_queries_on_one_image_prefill_its_prefix_once(models, monkeypatch):
     model = models["tiny_peaky"]
     model.prefixes.clear()
     calls = []
-    compute = engine_module.compute_prefixes
-    monkeypatch.setattr(
-        engine_module, "compute_prefixes", lambda m, items: calls.append(len(items)) or compute(m, items)
-    )
+    compute = model.compute_prefixes
+    monkeypatch.setattr(model, "compute_prefixes", lambda items: calls.append(len(items)) or compute(items))
     image = GOLDEN / "images" / "shapes_448x448.png"
     other = GOLDEN / "images" / "shapes_640x480.png"
     requests = [Request(image, q, max_tokens=8) for q in ("red box", "green circle", "the blue square")]
-    model.locate_many([*requests, Request(other, "red box", max_tokens=8)], batch_size=4)
-    model.locate_many(requests, batch_size=2)  # kept: no new prefix
+    model.locate_many([*requests, Request(other, "red box", max_tokens=8)], max_rows=4)
+    model.locate_many(requests, max_rows=2)  # kept: no new prefix
     assert calls == [2]
 
 
 def test_tiled_requests_merge_their_tiles(monkeypatch):
     """A request with `tiles` becomes its tiles' requests, decoded with the others; the caller sees the merged
     result only (the merge itself is tested in test_tiles.py)."""
-    import mlx_locate.tiles as tiles
-
     model = mlx_locate.load("demo")
     image = Image.open(DEMO_DIR / "example.png")
     crops = [image.crop((0, 0, 140, 140)), image.crop((84, 84, 224, 224))]
-    monkeypatch.setattr(tiles, "split_request", lambda r, im, m: [Request(c, r.query, mode=r.mode) for c in crops])
+    monkeypatch.setattr(
+        engine_module, "split_request", lambda r, im, limit, patch: [Request(c, r.query, mode=r.mode) for c in crops]
+    )
     merged = []
 
     def merge(request, im, children, results):
         merged.append([r.token_ids for r in results])
         return results[0]
 
-    monkeypatch.setattr(tiles, "merge_results", merge)
+    monkeypatch.setattr(engine_module, "merge_results", merge)
     engine = model.engine(4)
     tiled = engine.submit(Request(image, "square", mode="fast", tiles=(1, 2)))
     plain = engine.submit(Request(image, "circle", mode="fast"))
@@ -255,14 +256,12 @@ def test_memory_is_bounded_by_rows_and_buckets(models):
 def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
     """Rows joining together with more new images than the prefix store holds each get their own prefix (a
     prefix stored in the same admission must not push out one about to be copied)."""
-    import mlx_locate.locate as locate_module
-
-    monkeypatch.setattr(locate_module, "PREFIX_CACHE_SIZE", 2)
+    monkeypatch.setattr(runtime_module, "PREFIX_CACHE_SIZE", 2)
     model = models["tiny_peaky"]
     model.clear_caches()
     rng = np.random.default_rng(9)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(5)]
-    batched = model.locate_many([Request(im, "red box", max_tokens=8) for im in images], batch_size=5)
-    alone = [model.locate_many([Request(im, "red box", max_tokens=8)], batch_size=1)[0] for im in images]
+    batched = model.locate_many([Request(im, "red box", max_tokens=8) for im in images], max_rows=5)
+    alone = [model.locate_many([Request(im, "red box", max_tokens=8)], max_rows=1)[0] for im in images]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert len(model.prefixes) == 2

@@ -244,7 +244,7 @@ def test_predictions_are_scored_without_a_model(run, bench, tmp_path, monkeypatc
     out, _ = run
     import mlx_locate.locate
 
-    monkeypatch.setattr(mlx_locate.locate, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(mlx_locate.cli, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     # The COCO answers get the COCO path; the JSONL's detection answers on the same images do not.
     files = [str(out / f"synthetic_coco_{m}.jsonl") for m in MODES] + [str(out / "synthetic_hybrid.jsonl")]
     code, printed = run_main(["--predictions", *files, "--data", str(bench / DATA[1]), "--out", str(tmp_path)])

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 from PIL import Image, ImageDraw
 
 from mlx_locate import Request, RequestError, generate
-from mlx_locate.locate import Result, load
+from mlx_locate import cli as cli_module
+from mlx_locate.locate import load
 from mlx_locate.metrics import greedy_match, iou
 from mlx_locate.parse import LocatedObject
 from mlx_locate.preprocess import preprocess
+from mlx_locate.request import Result
 from mlx_locate.tiles import (
     MAX_TILES,
     Tile,
@@ -31,9 +32,6 @@ from mlx_locate.tuner.synthetic import COLORS, Obj, _draw
 
 MAX_TOKENS = 96  # a view's answer cap: a few boxes of the demo model
 DEMO_LIMIT, PATCH = 256, 14  # the demo model's in_token_limit and patch size
-FAKE_MODEL = SimpleNamespace(
-    in_token_limit=DEMO_LIMIT, network=SimpleNamespace(config=SimpleNamespace(vision=SimpleNamespace(patch_size=PATCH)))
-)
 
 
 # --- The grid --------------------------------------------------------------------------------------------
@@ -102,18 +100,18 @@ def test_auto_grid_is_the_fewest_fitting_tiles():
 def test_split_request_children():
     image = Image.new("RGB", (560, 560))
     request = Request(image, "square", tiles="auto", mode="fast", tag="mine")
-    children = split_request(request, image, FAKE_MODEL)
+    children = split_request(request, image, DEMO_LIMIT, PATCH)
     assert [c.tag.whole for c in children] == [True] + [False] * 9
     assert children[0].image is image
     for c in children:
         assert c.tiles is None and c.mode == "fast" and c.query == "square"
         assert c.image.size == (c.tag.box[2] - c.tag.box[0], c.tag.box[3] - c.tag.box[1])
-    assert len(split_request(replace(request, tile_whole=False), image, FAKE_MODEL)) == 9
+    assert len(split_request(replace(request, tile_whole=False), image, DEMO_LIMIT, PATCH)) == 9
     small = Image.new("RGB", (200, 200))  # fits the budget: no tiles, the request is decoded as it is
-    assert split_request(replace(request, image=small), small, FAKE_MODEL) == []
-    assert split_request(replace(request, tiles=(1, 1)), image, FAKE_MODEL) == []
+    assert split_request(replace(request, image=small), small, DEMO_LIMIT, PATCH) == []
+    assert split_request(replace(request, tiles=(1, 1)), image, DEMO_LIMIT, PATCH) == []
     with pytest.raises(ValueError, match="a 200x200 image in 8x8 tiles gives tiles under 28 pixels a side"):
-        split_request(replace(request, tiles=(8, 8), tile_overlap=0), small, FAKE_MODEL)
+        split_request(replace(request, tiles=(8, 8), tile_overlap=0), small, DEMO_LIMIT, PATCH)
 
 
 # --- Merging, on hand-made views ------------------------------------------------------------------------
@@ -424,7 +422,7 @@ def test_an_image_that_needs_no_tiles_gives_the_untiled_result(model, tmp_path, 
             plain.grid,
         )
         assert "tile_grid" not in tiled.stats and "tiles" not in tiled.stats
-    monkeypatch.setattr(generate, "load", lambda path, **options: model)
+    monkeypatch.setattr(cli_module, "load", lambda path, **options: model)
     image.save(tmp_path / "small.png")
     args = ["--image", str(tmp_path / "small.png"), "--query", "square", "--max-tokens", str(MAX_TOKENS), "--json"]
     lines = []
@@ -454,7 +452,7 @@ def test_every_mode_and_task(model):
 
 
 def test_cli_tiles(model, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(generate, "load", lambda path, **options: model)
+    monkeypatch.setattr(cli_module, "load", lambda path, **options: model)
     image = draw_scene((392, 196), (Obj("square", "red", (20, 40, 70, 90)),))
     image.save(tmp_path / "wide.png")
     args = ["--image", str(tmp_path / "wide.png"), "--query", "square", "--mode", "fast", "--json"]

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.compiled import StepRunner
 from mlx_locate.eval import greedy_match, iou, match_points
-from mlx_locate.loader import DEMO_DIR
 from mlx_locate.locate import load
 from mlx_locate.prompts import prompt_ids, task_text
 from mlx_locate.tokenizer import Tokenizer

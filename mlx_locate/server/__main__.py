@@ -11,8 +11,8 @@ import ipaddress
 import sys
 from pathlib import Path
 
-from ..generate import DEFAULT_MODEL, DTYPES, positive_int
-from ..loader import resolve
+from .. import cli
+from ..checkpoint import resolve
 from .protocol import DEFAULT_MAX_PIXELS, Settings
 
 DEFAULT_HOST = "127.0.0.1"
@@ -21,28 +21,21 @@ DEFAULT_PORT = 8080
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared with `mlx-locate-mcp`: what to load and what one request may cost."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder, hub id or 'demo' (default: demo)")
-    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
-    p.add_argument("--adapter", metavar="PATH", help="a LoRA adapter folder applied on top of --model")
-    p.add_argument(
-        "--max-pixels",
-        type=positive_int,
-        default=DEFAULT_MAX_PIXELS,
-        help="largest image accepted, in pixels, checked from its header (default: %(default)s)",
-    )
+    cli.add_model(p)
+    cli.add_max_pixels(p, DEFAULT_MAX_PIXELS)
     p.add_argument(
         "--max-queue",
-        type=positive_int,
+        type=cli.positive_int,
         default=Settings.max_queue,
         help="requests waiting or decoding at once; more are refused (HTTP 503) (default: %(default)s)",
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=cli.positive_float,
         default=Settings.timeout_s,
         help="seconds one request may take, queueing included (HTTP 504) (default: %(default)s)",
     )
-    p.add_argument("--max-rows", type=positive_int, help="engine rows per step (default: the engine's)")
+    cli.add_rows(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

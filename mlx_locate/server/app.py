@@ -21,9 +21,10 @@ from importlib.resources import files
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from ..engine import EventKind, Request, RequestError
-from ..locate import LocateModel, Result
+from ..engine import EventKind
+from ..locate import LocateModel
 from ..prompts import TASKS
+from ..request import Request, RequestError, Result
 from ..sampling import Sampling
 from .protocol import (
     InputError,

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from ..engine import Request
-from ..locate import Result
 from ..preprocess import load_image
 from ..prompts import CATEGORY_SEPARATOR, task_text
+from ..request import Request, Result
 
 DEFAULT_MAX_PIXELS = 4096 * 4096  # a decoded RGBA image of this size is 64 MiB; the queue bounds how many wait
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")

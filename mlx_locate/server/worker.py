@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..engine import EngineEvent, EventKind, Handle, Request
-from ..locate import LocateModel, Result
+from ..engine import EngineEvent, EventKind, Handle
+from ..locate import LocateModel
+from ..request import Request, Result
 
 log = logging.getLogger("mlx_locate.server")
 

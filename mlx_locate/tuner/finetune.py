@@ -28,17 +28,18 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..checkpoint import read_json, resolve
 from ..config import ModelConfig
-from ..engine import Request, RequestError
-from ..loader import build_model, read_json, resolve
+from ..loader import build_model
 from ..locate import CPU_DTYPE, LocateModel
+from ..lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
 from ..model import LocateAnything
 from ..preprocess import IN_TOKEN_LIMIT, preprocess
 from ..projector import merge_2x2
+from ..request import Request, RequestError
 from ..tokenizer import Tokenizer
 from ..vision import rope2d_tables
 from .datasets import Example, Record, box_counts, encode_record, truth_of
-from .lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
 from .train import (
     KIND_NTP,
     NUM_KINDS,

@@ -31,9 +31,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tokenizers import Tokenizer as _Tokenizer
 
+from ..checkpoint import DEMO_DIR, DTYPES, read_weights
 from ..config import ModelConfig
 from ..language import DecoderLayer
-from ..loader import DEMO_DIR, read_weights, sanitize
+from ..loader import sanitize
 from ..masks import BLOCK
 from ..model import LocateAnything
 from ..preprocess import PATCH_SIZE
@@ -60,7 +61,6 @@ IGNORE = -1
 KIND_NTP = 1
 NUM_KINDS = 2 + BLOCK
 STAT_COLUMNS = NUM_KINDS + 2  # the kinds, then coordinate targets of the NTP and of the block stream
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 
 
 # --- Checkpoint files -------------------------------------------------------------------------------------
