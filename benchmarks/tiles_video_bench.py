@@ -124,7 +124,7 @@ def seam_placements(model, n: int, batch_size, max_tokens: int) -> dict:
     scenes = [seam_scene(seed) for seed in range(n)]
     requests = [Request(s.image, "square", tiles="auto", max_tokens=max_tokens) for s in scenes]
     counts = {"once": 0, "more": 0, "missed": 0}
-    for scene, result in zip(scenes, model.locate_many(requests, batch_size=batch_size), strict=True):
+    for scene, result in zip(scenes, model.locate_many(requests, max_rows=batch_size), strict=True):
         square = scene.objects[0].box
         overlapping = [o.box for o in result.objects if o.box is not None and iou(o.box, square) > 0]
         if len(overlapping) > 1:
