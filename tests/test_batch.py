@@ -370,7 +370,8 @@ def coco_expected(lines: dict[str, dict], ids: dict[str, int]) -> list[tuple]:
         for category_id, result in enumerate(line.get("results", []), start=1):
             for obj in result["objects"]:
                 x1, y1, x2, y2 = obj["box"]
-                bbox = [min(x1, x2), min(y1, y2), abs(x2 - x1), abs(y2 - y1)]
+                assert x1 <= x2 and y1 <= y2
+                bbox = [x1, y1, x2 - x1, y2 - y1]
                 expected.append((ids[image], category_id, bbox, obj["confidence"]))
     return sorted(expected, key=lambda e: (e[0], e[1], e[3]))
 
