@@ -110,7 +110,7 @@ def test_interrupted_then_resumed_with_a_worker_killed_it_ends_as_one_process_do
     assert sorted(json.loads(coco.read_text()), key=json.dumps) == approx_tree(
         sorted(json.loads(single[1].read_text()), key=json.dumps)
     )
-    assert sorted(p.name for p in drawings.iterdir()) == sorted(f"{i}.png.png" for i in range(8))
+    assert sorted(p.name for p in drawings.iterdir()) == sorted(f"{i}.png" for i in range(8))
 
 
 def test_a_line_that_comes_back_twice_is_written_once(folder, single, tmp_path, capfd, monkeypatch):
