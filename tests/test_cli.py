@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +245,15 @@ def test_module_help():
         "--redecode-labels",
     ):
         assert flag in proc.stdout
+
+
+def test_every_command_with_a_progress_bar_takes_no_progress():
+    with_bar = {"mlx_locate.batch", "mlx_locate.video", "mlx_locate.convert", "mlx_locate.evaluate"}
+    with_bar.add("mlx_locate.finetune")  # the training loop's bar (tuner.finetune)
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    section = pyproject.split("[project.scripts]")[1].split("\n[")[0]
+    for target in re.findall(r'^mlx-locate[\w-]* = "([\w.]+):main"', section, re.M):
+        module = importlib.import_module(target)
+        assert "tqdm" not in inspect.getsource(module) or module.__name__ in with_bar, module.__name__
+    for name in with_bar:
+        assert "--no-progress" in importlib.import_module(name).build_parser().format_help(), name
