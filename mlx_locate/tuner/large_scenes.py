@@ -63,18 +63,9 @@ def scattered_scene(
     no grid: seams of any tiling cross some of them. Deterministic in `seed`."""
     rng = np.random.default_rng([11, seed])
     image = Image.new("RGB", size, tuple(int(v) for v in rng.integers(220, 241, size=3)))
-    draw = ImageDraw.Draw(image)
     objects: list[Obj] = []
-    for _ in range(int(rng.integers(count[0], count[1] + 1))):
-        while True:
-            s = int(rng.integers(side[0], side[1] + 1))
-            x, y = int(rng.integers(0, size[0] - s + 1)), int(rng.integers(0, size[1] - s + 1))
-            if not any(_overlaps((x, y, x + s, y + s), o.box, gap) for o in objects):
-                break
-        obj = Obj(str(rng.choice(shapes)), str(rng.choice(list(COLORS))), (x, y, x + s, y + s))
-        _draw(draw, obj, COLORS[obj.color])
-        objects.append(obj)
-    return Scene(image, tuple(objects))
+    scatter(rng, size, objects, int(rng.integers(count[0], count[1] + 1)), side, shapes, gap)
+    return drawn(image, objects)
 
 
 def seam_scene(
@@ -90,7 +81,6 @@ def seam_scene(
     triangles away from it. The square is the scene's first object. Deterministic in `seed`."""
     rng = np.random.default_rng([13, seed])
     image = Image.new("RGB", size, tuple(int(v) for v in rng.integers(220, 241, size=3)))
-    draw = ImageDraw.Draw(image)
     boxes = tile_boxes(size, *grid, overlap)
     axis = int(rng.integers(0, 2)) if grid[0] > 1 and grid[1] > 1 else int(grid[1] == 1)  # 0: a vertical seam
     extent = size[axis]
@@ -100,13 +90,24 @@ def seam_scene(
     across = int(rng.integers(0, size[1 - axis] - s + 1))
     x, y = (start, across) if axis == 0 else (across, start)
     objects = [Obj("square", str(rng.choice(list(COLORS))), (x, y, x + s, y + s))]
-    while len(objects) < others + 1:
-        s = int(rng.integers(side[0] - 15, side[1] + 1))
-        x, y = int(rng.integers(0, size[0] - s + 1)), int(rng.integers(0, size[1] - s + 1))
-        if not any(_overlaps((x, y, x + s, y + s), o.box, 8) for o in objects):
-            objects.append(
-                Obj(str(rng.choice(["circle", "triangle"])), str(rng.choice(list(COLORS))), (x, y, x + s, y + s))
-            )
+    scatter(rng, size, objects, others, (side[0] - 15, side[1]), ("circle", "triangle"), 8)
+    return drawn(image, objects)
+
+
+def scatter(rng, size, objects: list[Obj], n: int, side: tuple[int, int], shapes: tuple[str, ...], gap: int) -> None:
+    """Add `n` shapes of `shapes` (sides from `side`, random colours) to `objects`, each at a random place at
+    least `gap` pixels from the others."""
+    for _ in range(n):
+        while True:
+            s = int(rng.integers(side[0], side[1] + 1))
+            x, y = int(rng.integers(0, size[0] - s + 1)), int(rng.integers(0, size[1] - s + 1))
+            if not any(_overlaps((x, y, x + s, y + s), o.box, gap) for o in objects):
+                break
+        objects.append(Obj(str(rng.choice(shapes)), str(rng.choice(list(COLORS))), (x, y, x + s, y + s)))
+
+
+def drawn(image: Image.Image, objects: list[Obj]) -> Scene:
+    draw = ImageDraw.Draw(image)
     for obj in objects:
         _draw(draw, obj, COLORS[obj.color])
     return Scene(image, tuple(objects))
