@@ -94,7 +94,15 @@ def seam_scene(
     return drawn(image, objects)
 
 
-def scatter(rng, size, objects: list[Obj], n: int, side: tuple[int, int], shapes: tuple[str, ...], gap: int) -> None:
+def scatter(
+    rng: np.random.Generator,
+    size: tuple[int, int],
+    objects: list[Obj],
+    n: int,
+    side: tuple[int, int],
+    shapes: tuple[str, ...],
+    gap: int,
+) -> None:
     """Add `n` shapes of `shapes` (sides from `side`, random colours) to `objects`, each at a random place at
     least `gap` pixels from the others."""
     for _ in range(n):
