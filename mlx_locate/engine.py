@@ -3,12 +3,22 @@
 Public surface (the server, tiles, video, evaluation and the batch CLI build on it):
 
 - `Request`: one image and one query or raw prompt, with its own decoding options.
-- `Engine(model, max_rows)`: `submit(request, on_event)` returns a `Handle`; `step()` admits waiting requests
-  into free rows and runs one forward step for every active row, returning the `EngineEvent`s it produced;
-  `run()` steps until nothing is left; `cancel(handle)` frees a row. One thread drives an engine (MLX streams
-  belong to the thread that made them).
+- `Engine(model, max_rows)`: `submit(request, on_event, group=...)` returns a `Handle`; `step()` admits waiting
+  requests into free rows and runs one forward step for every active row, returning the `EngineEvent`s it
+  produced; `run()` steps until nothing is left; `cancel(handle)` frees a row. One thread drives an engine (MLX
+  streams belong to the thread that made them).
 - Events: `OBJECT` (a box or point, as soon as its `</box>` is committed), `EMPTY` (a label answered None),
-  `DONE` (the `Result`), `ERROR` (a `RequestError`; the other rows go on).
+  `VIEW` (a tiled request's tile or whole image finished), `DONE` (the `Result`), `ERROR` (a `RequestError`; the
+  other rows go on).
+
+Fairness. Handles submitted with one `group` are one client's call (a list of queries, a tiled request's
+views). Admission takes waiting requests round-robin across groups, so a one-box request waits for at most
+one row per other group, however much work the others queued.
+
+Isolation. A request is checked (`check_request`) before it joins a step. If an admission or a decoding step
+still raises, the engine puts back what the step changed (the rows' decoder positions, the cache's K|V list,
+`seen`) and runs the step again over halves of its rows, down to the row that raises: that row fails with a
+`RequestError` naming the error, the others go on with the tokens they would have had alone.
 
 How a step runs. Every sequence owns a row of the KV cache (`cache.SlotCache`) and a `decode.RowDecoder`.
 Joining requests are prepared on the host (image, patches, prompt ids), their vision runs batched per patch
@@ -25,34 +35,40 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import lru_cache
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from .cache import SlotCache, rows_bucket
-from .compiled import Phase, padded_rows
+from .compiled import BLOCK_ROWS, Phase, padded_rows
 from .decide import Mode, Next
 from .decode import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .parse import LocatedObject, parse_tokens
-from .prompts import task_text
+from .prompts import UserText, user_text
 from .request import PreparedImage, Request, RequestError, Result, parse_mode
 from .runtime import Runtime
-from .sampling import Features, RowSampling, Sampling
-from .tiles import merge_results, split_request
+from .sampling import Features, RowSampling, Sampling, real_number
+from .tiles import Tile, check_tiling, merge_results, split_request, to_image
 
-# Engine.seconds: host preparation (image load, resize, prompt ids), vision tower, prefix prefill, the rows'
-# own prefill, decoding steps
-PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode")
+# Engine.seconds: waiting for host preparation (image load, resize, prompt ids: done ahead in threads), the
+# vision tower, prefix prefills, the rows' own prefill, decoding steps; and `host`, the device's waits for the
+# host (the time between one wait for the device and the next)
+PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode", "host")
+PREFETCH = 2  # host work runs ahead for this many times max_rows waiting requests
 
 
 class EventKind(Enum):
     OBJECT = "object"  # a box or point was committed
     EMPTY = "empty"  # a label was answered <box>None</box>
+    VIEW = "view"  # a view of a tiled request finished; `result` holds it in the whole image's pixels
+    TEXT = "text"  # more of the answer's text is final (only for handles submitted with `text=True`)
     DONE = "done"  # the request finished; `result` holds the Result
     ERROR = "error"  # the request failed; `error` holds the RequestError
 
@@ -63,8 +79,11 @@ class EngineEvent:
     kind: EventKind
     object: LocatedObject | None = None  # OBJECT
     label: str | None = None  # EMPTY
-    result: Result | None = None  # DONE
+    result: Result | None = None  # DONE, VIEW
     error: RequestError | None = None  # ERROR
+    view: int | None = None  # VIEW: the view's index among the tiled request's views
+    tile: Tile | None = None  # VIEW: the view's crop of the image
+    text: str | None = None  # TEXT: the answer's next piece, up to its last finished item
 
 
 @dataclass(eq=False)
@@ -80,6 +99,8 @@ class Handle:
     events: list[EngineEvent] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
     parent: Handle | None = field(default=None, repr=False)  # the tiled request a tile belongs to
+    group: Hashable = field(default=None, repr=False)  # the client call it belongs to (fair admission)
+    text: bool = False  # send TEXT events
 
     @property
     def done(self) -> bool:
@@ -107,12 +128,6 @@ def row_sampling(settings: tuple[Sampling, ...]) -> RowSampling:
     return RowSampling.of(settings)
 
 
-def default_rows() -> int:
-    """Rows per step when the caller does not say: 16 on a GPU (a step is bound by reading the weights),
-    4 on a CPU (bound by arithmetic)."""
-    return 16 if mx.default_device() == mx.gpu else 4
-
-
 def fit_max_tokens(prompt_len: int, max_tokens: int, limit: int) -> int:
     """`max_tokens` clipped so the prompt and its answer fit in `limit` positions; `RequestError` with both
     numbers when the prompt alone leaves no room."""
@@ -122,6 +137,39 @@ def fit_max_tokens(prompt_len: int, max_tokens: int, limit: int) -> int:
             "shorten the query or use a smaller image"
         )
     return min(max_tokens, limit - prompt_len)
+
+
+MAX_SEED = 2**64 - 1
+
+
+def whole_number(name: str, value: object, low: int, high: int | None = None) -> None:
+    """`RequestError` unless `value` is an int (not a bool) in low..high."""
+    if not (real_number(value) and isinstance(value, int)) or value < low or (high is not None and value > high):
+        span = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise RequestError(f"{name} must be a whole number {span}, got {value!r}")
+
+
+def check_request(request: Request, vocab_size: int) -> None:
+    """The checks of a request's numbers and options that every entry point shares, made before it joins a
+    step: `RequestError` naming the field. (`Sampling` checks its own ranges when made; the vocabulary bound of
+    `top_k` needs the model.)"""
+    parse_mode(request.mode)
+    whole_number("max_tokens", request.max_tokens, 1)
+    whole_number("seed", request.seed, 0, MAX_SEED)
+    if request.max_pixels is not None:
+        whole_number("max_pixels", request.max_pixels, 1)
+    if not isinstance(request.sampling, Sampling):
+        raise RequestError(f"sampling must be a Sampling, got {type(request.sampling).__name__}")
+    if request.sampling.top_k > vocab_size:
+        raise RequestError(
+            f"top_k {request.sampling.top_k} is over the model's vocabulary of {vocab_size} tokens; "
+            f"use 0 (off) or at most {vocab_size}"
+        )
+    if request.tiles is not None:
+        try:
+            check_tiling(request.tiles, request.tile_overlap)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
 
 @dataclass(eq=False)
@@ -140,6 +188,31 @@ class _Row:
     pending: mx.array | None = None  # (1, V) logits whose AR decision is due (slow mode's prefill, a queued step)
     emitted: int = 0  # objects sent as events
     emitted_empty: int = 0
+    text_sent: int = 0  # generated ids already sent in TEXT events
+    prefix: list[mx.array] | None = None  # its image's prompt prefix K|V, once staged
+
+    @property
+    def longest(self) -> int:
+        """The most cache slots this row can use: its prompt, its token budget and a block's overshoot."""
+        return len(self.prompt) + self.budget + BLOCK_ROWS
+
+
+class _Tiled(NamedTuple):
+    """A tiled request's host work: its image and its views' requests."""
+
+    image: PreparedImage
+    requests: list[Request]
+
+
+class _Saved(NamedTuple):
+    """What a step may change before it can no longer fail, to put back when it raises."""
+
+    cache: SlotCache | None
+    slots: int
+    kv: list[mx.array]
+    rows: list[_Row | None]
+    seen: mx.array | None
+    decoders: list[tuple[_Row, int, mx.array | None]]  # (row, decoder.cached, pending)
 
 
 class Engine:
@@ -147,34 +220,60 @@ class Engine:
 
     def __init__(self, model: Runtime, max_rows: int | None = None, schedule: Schedule | None = None):
         self.model = model
-        self.max_rows = max_rows or default_rows()
+        self.max_rows = max_rows or model.default_rows
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {self.max_rows}")
         self.schedule = schedule or Schedule.for_device()
-        self.waiting: deque[Handle] = deque()
+        # Waiting handles by group, the group to serve next first; a served group moves to the end.
+        self.waiting: OrderedDict[Hashable, deque[Handle]] = OrderedDict()
         self.cache: SlotCache | None = None
         self.rows: list[_Row | None] = []  # by slot
         self.seen: mx.array | None = None  # (cache rows, V) bool: ids already in each sequence (repetition penalty)
         self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}
+        self.prefetch: dict[Handle, Future] = {}  # host work started ahead, by handle
+        self.staged: deque[_Row] = deque()  # taken from `waiting` in turn, host work done, waiting for a row
         self.steps = 0  # forward steps (each with one host read)
         self.host_reads = 0
+        self.tokens = 0  # generated ids committed
         self.seconds = dict.fromkeys(PHASE_TIMES, 0.0)  # where the engine's time went, summed over its steps
         self._ids = itertools.count()
 
     # --- the caller's side ---
 
-    def submit(self, request: Request, on_event: Callable[[EngineEvent], None] | None = None) -> Handle:
-        handle = Handle(next(self._ids), request, on_event)
-        self.waiting.append(handle)
+    def submit(
+        self,
+        request: Request,
+        on_event: Callable[[EngineEvent], None] | None = None,
+        *,
+        group: Hashable = None,
+        text: bool = False,
+    ) -> Handle:
+        """Queue `request`. Handles of one `group` (any hashable; default: the handle alone) are one client's
+        call: admission takes turns between groups. `text`: also send the answer's text as it becomes final
+        (TEXT events; their concatenation is a prefix of `Result.text`)."""
+        handle = Handle(next(self._ids), request, on_event, text=text)
+        handle.group = handle if group is None else group
+        self.waiting.setdefault(handle.group, deque()).append(handle)
         return handle
 
     def cancel(self, handle: Handle) -> None:
         """Stop decoding `handle` and free its row; it gets no further events."""
         handle.cancelled = True
-        if handle in self.waiting:
-            self.waiting.remove(handle)
+        queue = self.waiting.get(handle.group)
+        if queue is not None and handle in queue:
+            queue.remove(handle)
+            if not queue:
+                del self.waiting[handle.group]
+        self.prefetch.pop(handle, None)
+        for row in [r for r in self.staged if r.handle is handle]:
+            self.staged.remove(row)
         for child in self.tiles.pop(handle, (None, [], []))[2]:
             self.cancel(child)
+
+    @property
+    def queued(self) -> int:
+        """Handles waiting for a row (a tiled request counts once until its views are made)."""
+        return sum(len(queue) for queue in self.waiting.values())
 
     @property
     def active(self) -> int:
@@ -182,7 +281,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return not self.waiting and not self.staged and not self.active
 
     def step(self) -> list[EngineEvent]:
         """Admit waiting requests into free rows, then advance every active row by one forward step."""
@@ -190,14 +289,17 @@ class Engine:
         for slot, row in enumerate(self.rows):
             if row is not None and row.handle.cancelled:
                 self.rows[slot] = None
+        idle_before = self.model.device_idle_s
         self._admit(events)
         live = [r for r in self.rows if r is not None]
         if live:
             t0 = time.perf_counter()
-            self._decode(live, events)
+            self._isolated(live, self._decode, events)
             self.seconds["decode"] += time.perf_counter() - t0
+        self.seconds["host"] += self.model.device_idle_s - idle_before
         if self.idle:
             self.cache, self.rows, self.seen = None, [], None  # memory goes back when there is no work
+            self.model.idle()
         return events
 
     def run(self) -> None:
@@ -216,7 +318,10 @@ class Engine:
             handle.on_event(event)
 
     def _fail(self, handle: Handle, error: Exception, out: list[EngineEvent]) -> None:
-        handle.error = error if isinstance(error, RequestError) else RequestError(str(error))
+        if not isinstance(error, RequestError):
+            message = str(error) if isinstance(error, OSError | ValueError) else f"{type(error).__name__}: {error}"
+            error = RequestError(message)
+        handle.error = error
         self._emit(handle, EngineEvent(handle, EventKind.ERROR, error=handle.error), out)
 
     def _succeed(self, handle: Handle, result: Result, out: list[EngineEvent]) -> None:
@@ -224,9 +329,10 @@ class Engine:
         self._emit(handle, EngineEvent(handle, EventKind.DONE, result=result), out)
 
     def _tile_done(self, child: Handle, out: list[EngineEvent]) -> None:
-        """A tile finished: when its whole request has, merge the tiles into the parent's result."""
+        """A view finished: the parent gets it (in the whole image's pixels) as a VIEW event; when every view
+        has, the merged result."""
         if child.result is None and child.error is None:
-            return  # a streamed object of a tile: the merged objects are sent once, at the end
+            return  # a streamed object of a view: the parent gets the view's objects when it finishes
         parent = child.parent
         if parent not in self.tiles or parent.cancelled:
             return
@@ -236,7 +342,12 @@ class Engine:
             for other in children:
                 self.cancel(other)
             self._fail(parent, child.error, out)
-        elif all(c.result is not None for c in children):
+            return
+        view, tile, size = children.index(child), child.request.tag, image.rgb.size
+        objects = [to_image(o, tile, size) for o in child.result.objects]
+        seen = replace(child.result, objects=objects, image_size=size)
+        self._emit(parent, EngineEvent(parent, EventKind.VIEW, result=seen, view=view, tile=tile), out)
+        if all(c.result is not None for c in children):
             self.tiles.pop(parent)
             try:
                 result = merge_results(parent.request, image.rgb, requests, [c.result for c in children])
@@ -249,60 +360,197 @@ class Engine:
                 self._emit(parent, EngineEvent(parent, EventKind.EMPTY, label=label), out)
             self._succeed(parent, result, out)
 
-    # --- admission: host preparation, vision, prefixes, prefill ---
+    # --- isolation: a step that raises is retried over halves of its rows ---
 
-    def _prepare(self, handle: Handle) -> _Row | None:
-        """The row of a request, or None for a tiled one whose views now wait at the front of the queue."""
+    def _save(self, rows: list[_Row]) -> _Saved:
+        cache = self.cache
+        # `seen` is updated in place (`seen[i] = ...` rewrites the array object), so the saved one is a copy.
+        seen = None if self.seen is None else mx.array(self.seen)
+        decoders = [(row, row.decoder.cached, row.pending) for row in rows if row.decoder is not None]
+        return _Saved(
+            cache,
+            0 if cache is None else cache.slots,
+            [] if cache is None else list(cache.kv),
+            list(self.rows),
+            seen,
+            decoders,
+        )
+
+    def _restore(self, saved: _Saved) -> None:
+        self.cache, self.rows, self.seen = saved.cache, saved.rows, saved.seen
+        if saved.cache is not None:
+            saved.cache.slots, saved.cache.kv = saved.slots, saved.kv
+        for row, cached, pending in saved.decoders:
+            row.decoder.cached, row.pending = cached, pending
+
+    def _isolated(self, rows: list[_Row], run: Callable, out: list[EngineEvent]) -> None:
+        """`run(rows, out)`; when it raises, the engine is put back as it was and `run` goes again over each
+        half of `rows`, down to the single row that raises, which fails alone."""
+        saved = self._save(rows)
+        try:
+            run(rows, out)
+        except Exception as e:  # noqa: BLE001 - whatever one row causes, only that row fails
+            self._restore(saved)
+            if len(rows) == 1:
+                self._fail_row(rows[0], e, out)
+                return
+            half = len(rows) // 2
+            for part in (rows[:half], rows[half:]):
+                self._isolated(part, run, out)
+
+    def _fail_row(self, row: _Row, error: Exception, out: list[EngineEvent]) -> None:
+        if 0 <= row.slot < len(self.rows) and self.rows[row.slot] is row:
+            self.rows[row.slot] = None
+        if row in self.staged:
+            self.staged.remove(row)
+        if not row.handle.done:
+            message = f"decoding failed for this request: {type(error).__name__}: {error}"
+            self._fail(row.handle, RequestError(message), out)
+
+    # --- admission: host work ahead in threads, vision and prefixes in batches, rows joining together ---
+
+    def _prepare(self, handle: Handle) -> _Row | _Tiled:
+        """A request's host work (runs on the model's host threads): checks, image, patches, prompt ids; for a
+        tiled request, its views (an image that needs no tiles is decoded as it is)."""
         r, model = handle.request, self.model
         t0 = time.perf_counter()
+        check_request(r, model.token_ids.vocab_size)
         image = model.prepare(r.image, r.max_pixels)
-        if r.tiles is not None and self._expand_tiles(handle, image):
-            return None
+        if r.tiles is not None and (views := split_request(r, image.rgb, model.in_token_limit, model.patch_size)):
+            return _Tiled(image, views)
         mode = parse_mode(r.mode)
-        user_text = r.prompt if r.prompt is not None else task_text(r.task, r.query)
-        ids = model.prompt(user_text, image.pre.grid, r.rendering)
+        text = UserText(r.prompt) if r.prompt is not None else user_text(r.task, r.query)
+        ids = model.prompt(text, image.pre.grid, r.rendering)
         budget = fit_max_tokens(len(ids), r.max_tokens, model.max_length)
         redecode = r.redecode_labels if r.redecode_labels is not None else r.task == "ocr" and mode is Mode.HYBRID
         options = DecodeOptions(mode, budget, r.sampling, r.strict, r.guards, redecode_labels=redecode, seed=r.seed)
         timings = {"queue_s": t0 - handle.submitted, "preprocess_s": time.perf_counter() - t0}
-        self.seconds["prepare"] += timings["preprocess_s"]
         return _Row(handle, image, ids, ids.index(model.token_ids.img_end) + 1, options, budget, timings)
 
-    def _expand_tiles(self, handle: Handle, image: PreparedImage) -> bool:
-        """Queue a tiled request's views at the front; False when the image needs no tiles (it is decoded as
-        it is)."""
-        requests = split_request(handle.request, image.rgb, self.model.in_token_limit, self.model.patch_size)
-        if not requests:
-            return False
-        children = [Handle(next(self._ids), c, parent=handle) for c in requests]
-        self.tiles[handle] = (image, requests, children)
-        self.waiting.extendleft(reversed(children))
-        return True
+    def _in_turn(self) -> Iterator[Handle]:
+        """Waiting handles in the order admission takes them (round-robin across groups)."""
+        queues = list(self.waiting.values())
+        for depth in range(max((len(q) for q in queues), default=0)):
+            for queue in queues:
+                if depth < len(queue):
+                    yield queue[depth]
 
-    def _admit(self, out: list[EngineEvent]) -> None:
-        free = self.max_rows - self.active
-        joining: list[_Row] = []
-        while self.waiting and len(joining) < free:
-            handle = self.waiting.popleft()
+    def _prefetch(self) -> None:
+        """Start the host work of the next waiting handles, PREFETCH times max_rows of them at most."""
+        ahead = PREFETCH * self.max_rows
+        for handle in itertools.islice(self._in_turn(), ahead):
+            if handle not in self.prefetch and not handle.cancelled:
+                self.prefetch[handle] = self.model.host_pool.submit(self._prepare, handle)
+
+    def _next_waiting(self) -> Handle:
+        """The first handle of the group whose turn it is; that group goes to the end of the line."""
+        group, queue = next(iter(self.waiting.items()))
+        handle = queue.popleft()
+        if queue:
+            self.waiting.move_to_end(group)
+        else:
+            del self.waiting[group]
+        return handle
+
+    def _take(self, out: list[EngineEvent]) -> None:
+        """Waiting handles into `staged`, in turn, up to max_rows of them, once their host work is done (it
+        started ahead, `_prefetch`; the engine waits for what is not done yet). Which rows stage and join when
+        depends on the requests alone, never on the threads' timing, so the compiled shapes do too."""
+        while self.waiting and len(self.staged) < self.max_rows:
+            handle = self._next_waiting()
+            future = self.prefetch.pop(handle, None) or self.model.host_pool.submit(self._prepare, handle)
             if handle.cancelled:
                 continue
+            t0 = time.perf_counter()
             try:
-                row = self._prepare(handle)
-                if row is not None:
-                    joining.append(row)
-            except (OSError, ValueError) as e:
+                work = future.result()
+            except Exception as e:  # noqa: BLE001 - a request that cannot be prepared fails alone
                 self._fail(handle, e, out)
-        if not joining:
+                continue
+            finally:
+                self.seconds["prepare"] += time.perf_counter() - t0
+            if isinstance(work, _Tiled):
+                # The views take the tiled request's place: its group keeps its turn.
+                children = [Handle(next(self._ids), c, parent=handle, group=handle.group) for c in work.requests]
+                self.tiles[handle] = (work.image, work.requests, children)
+                views = self.waiting.pop(handle.group, deque())
+                views.extendleft(reversed(children))
+                self.waiting[handle.group] = views
+                self.waiting.move_to_end(handle.group, last=False)
+                self._prefetch()
+                continue
+            self.staged.append(work)
+
+    def _admit(self, out: list[EngineEvent]) -> None:
+        """Stage waiting requests (host work, then vision and prompt prefixes in one batch for every staged row
+        without its prefix when the rows with one would not fill the free rows), then join as many staged rows
+        as the free rows and the KV budget take."""
+        self._prefetch()
+        self._take(out)
+        free = self.max_rows - self.active
+        if not self.staged or free < 1:
             return
+        unstaged = [row for row in self.staged if row.prefix is None]
+        if unstaged and len(self.staged) - len(unstaged) < free:
+            self._isolated(unstaged, self._stage, out)
+        joining = []
+        for row in list(self.staged):
+            if len(joining) == free or row.prefix is None or not self._fits(joining + [row]):
+                break
+            joining.append(row)
+            self.staged.remove(row)
+        if joining:
+            self._isolated(joining, self._join, out)
+
+    def _fits(self, joining: list[_Row]) -> bool:
+        """Whether the cache of the live rows and `joining`, each at its longest, fits the KV budget (the first
+        row always joins, so a lone request runs whatever its size)."""
+        rows = [r for r in self.rows if r is not None] + joining
+        if len(rows) == 1:
+            return True
+        slots = self.model.rows_for(len(rows), self.max_rows)
+        return self.model.budget.kv_fits(slots + 1, max(r.longest for r in rows))
+
+    def _stage(self, rows: list[_Row], out: list[EngineEvent]) -> None:
+        """Vision (images of one grid batched) and the prompt prefix of each new image (prefilled together,
+        kept in the model's prefix store) for `rows`; each row then holds its image's prefix."""
+        model = self.model
+        keys = [(row.image.key, tuple(row.prompt[: row.prefix_len])) for row in rows]
+        have = {key: model.prefix(key) for key in keys if key in model.prefixes}  # held: storing may evict
+        new: dict[tuple, _Row] = {}
+        for row, key in zip(rows, keys, strict=True):
+            row.timings.update(vision_cached=True, vision_s=0.0, prefix_prefill_s=0.0)
+            if key not in have:
+                new.setdefault(key, row)
+        if new:
+            t0 = time.perf_counter()
+            features = model.features_for([row.image for row in new.values()])
+            t1 = time.perf_counter()
+            items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
+            prefixes = model.compute_prefixes(items)
+            t2 = time.perf_counter()
+            self.seconds["vision"] += t1 - t0
+            self.seconds["prefix"] += t2 - t1
+            for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
+                have[key] = prefix
+                model.store_prefix(key, prefix)
+                row.timings.update(vision_cached=cached, vision_s=t1 - t0, prefix_prefill_s=t2 - t1)
+        for row, key in zip(rows, keys, strict=True):
+            row.prefix = have[key]
+
+    def _join(self, joining: list[_Row], out: list[EngineEvent]) -> None:
+        """Staged rows into slots, their prefixes into their cache rows, their own words prefilled together."""
         self._place(joining)
-        self._prefixes(joining)
+        for row in joining:
+            self.cache.copy_in(row.slot, row.prefix)
         t0 = time.perf_counter()
         items = [(row.slot, self.model.embed_ids(row.prompt[row.prefix_len :]), row.prefix_len) for row in joining]
         last = self.model.prefill(self.cache, items)
-        mx.eval(list(last.values()))
+        self.model.sync(list(last.values()))
         prefill_s = time.perf_counter() - t0
         self.seconds["prefill"] += prefill_s
         for row in joining:
+            row.prefix = None  # in the cache now
             row.timings["prefill_s"] = prefill_s
             row.decoder = RowDecoder(row.prompt, self.model.token_ids, row.options, self.model.max_length)
             if row.options.mode is Mode.SLOW:
@@ -310,13 +558,13 @@ class Engine:
             row.decoder.begin()
 
     def _place(self, joining: list[_Row]) -> None:
-        """Give each joining row a free slot, growing the cache by powers of two up to max_rows."""
+        """Give each joining row a free slot, growing the cache to the cheapest row count that holds them."""
         if self.cache is None:
             self.cache = self.model.new_cache(slots=0)
         need = self.active + len(joining)
         if need > self.cache.slots:
             old = self.cache.slots
-            self.cache.grow(min(self.max_rows, rows_bucket(need)))
+            self.cache.grow(self.model.rows_for(need, self.max_rows))
             self.rows += [None] * (self.cache.slots - old)
             if self.seen is not None:
                 self.seen = mx.concatenate([self.seen[:old], self._no_seen(self.cache.buffer_rows - old)])
@@ -334,33 +582,6 @@ class Engine:
     def _no_seen(self, rows: int) -> mx.array:
         return mx.zeros((rows, self.model.token_ids.vocab_size), dtype=mx.bool_)
 
-    def _prefixes(self, joining: list[_Row]) -> None:
-        """Vision (batched per grid) and the prompt prefix of each new image (prefilled once, kept in the
-        model's prefix store); then every joining row gets its image's prefix in its cache row."""
-        model = self.model
-        keys = [(row.image.key, tuple(row.prompt[: row.prefix_len])) for row in joining]
-        have = {key: model.prefix(key) for key in keys if key in model.prefixes}  # held: storing may evict
-        new: dict[tuple, _Row] = {}
-        for row, key in zip(joining, keys, strict=True):
-            row.timings.update(vision_cached=True, vision_s=0.0, prefix_prefill_s=0.0)
-            if key not in have:
-                new.setdefault(key, row)
-        if new:
-            t0 = time.perf_counter()
-            features = model.features_for([row.image for row in new.values()])
-            t1 = time.perf_counter()
-            items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
-            prefixes = model.compute_prefixes(items)
-            t2 = time.perf_counter()
-            self.seconds["vision"] += t1 - t0
-            self.seconds["prefix"] += t2 - t1
-            for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
-                have[key] = prefix
-                model.store_prefix(key, prefix)
-                row.timings.update(vision_cached=cached, vision_s=t1 - t0, prefix_prefill_s=t2 - t1)
-        for row, key in zip(joining, keys, strict=True):
-            self.cache.copy_in(row.slot, have[key])
-
     def _entries(self, rows: list[_Row]) -> tuple[list[int], list[int], bool]:
         """A forward's entries: the index of each row's entry, the cache row of every entry and whether the
         forward is dense (every slot, free ones as padding) or gathered (its rows, padded to a power of two
@@ -368,7 +589,7 @@ class Engine:
         slots = [row.slot for row in rows]
         if len(rows) == self.cache.slots or (self.schedule.dense and len(rows) == self.active):
             return slots, list(range(self.cache.slots)), True
-        R = rows_bucket(len(rows))
+        R = self.model.rows_for(len(rows), self.cache.slots)
         return list(range(len(rows))), slots + [self.cache.scratch] * (R - len(rows)), False
 
     def _forward(self, phase: Phase, rows: list[_Row]) -> mx.array:
@@ -409,6 +630,8 @@ class Engine:
         return ar_fn(logits, seen, keys, rs)[: len(rows)]
 
     def _decode(self, live: list[_Row], out: list[EngineEvent]) -> None:
+        """One step of `live`: the forwards and the one host read (what may raise: `_isolated` retries), then
+        each row's commit."""
         pending = [row for row in live if row.pending is not None]
         need = [row for row in live if row.pending is None]
         block = [row for row in need if row.decoder.next is Next.BLOCK]
@@ -432,32 +655,47 @@ class Engine:
         if self.schedule.queue_ahead and all(phase is Phase.AR for phase, _, _ in groups):
             ahead = self._queue_ahead(groups)
 
-        host = np.array(mx.concatenate([summary.reshape(-1) for _, _, summary in groups]))  # the one host read
+        host = self.model.read(mx.concatenate([summary.reshape(-1) for _, _, summary in groups]))  # the one read
         self.steps += 1
         self.host_reads += 1
 
+        # From here on nothing raises out of the step: a row whose rules or events fail fails alone.
         offset = 0
-        penalized_slots, penalized_ids = [], []
+        penalized: list[tuple[_Row, list[int]]] = []
         for phase, rows, summary in groups:
             values = host[offset : offset + summary.size].reshape(summary.shape)
             offset += summary.size
             for row, v in zip(rows, values, strict=True):
-                dec = row.decoder
-                if phase is Phase.BLOCK and dec.next is Next.BLOCK:
-                    new = dec.take_block(v)
-                else:
-                    new = dec.take_ar(*(ar_pick(v) if phase is Phase.BLOCK else (int(v[0]), float(v[1]))))
-                if new and row.options.sampling.repetition_penalty != 1.0:
-                    penalized_slots += [row.slot] * len(new)
-                    penalized_ids += new
-                self._stream(row, new, out)
-                if dec.done:
-                    self._finish(row, out)
-                elif ahead is not None and row.slot in ahead[1] and dec.next is Next.AR:
-                    row.pending = ahead[0][ahead[1][row.slot]]  # queued on exactly the token just committed
-                    dec.fed()
-        if penalized_ids:
-            self.seen[mx.array(penalized_slots), mx.array(penalized_ids)] = True
+                try:
+                    new = self._commit(row, phase, v, ahead, out)
+                except Exception as e:  # noqa: BLE001 - one row's failure is that row's
+                    self._fail_row(row, e, out)
+                    continue
+                if new and row.options.sampling.repetition_penalty != 1.0 and not row.handle.done:
+                    penalized.append((row, new))
+        if penalized:
+            slots = [row.slot for row, new in penalized for _ in new]
+            try:
+                self.seen[mx.array(slots), mx.array([t for _, new in penalized for t in new])] = True
+            except Exception as e:  # noqa: BLE001
+                for row, _ in penalized:
+                    self._fail_row(row, e, out)
+
+    def _commit(self, row: _Row, phase: Phase, v: np.ndarray, ahead, out: list[EngineEvent]) -> list[int]:
+        """One row's decision from its summary `v`: commit, stream, finish or queue its next AR forward."""
+        dec = row.decoder
+        if phase is Phase.BLOCK and dec.next is Next.BLOCK:
+            new = dec.take_block(v)
+        else:
+            new = dec.take_ar(*(ar_pick(v) if phase is Phase.BLOCK else (int(v[0]), float(v[1]))))
+        self.tokens += len(new)
+        self._stream(row, new, out)
+        if dec.done:
+            self._finish(row, out)
+        elif ahead is not None and row.slot in ahead[1] and dec.next is Next.AR:
+            row.pending = ahead[0][ahead[1][row.slot]]  # queued on exactly the token just committed
+            dec.fed()
+        return new
 
     def _queue_ahead(self, groups) -> tuple[mx.array, dict[int, int]] | None:
         """An AR forward of the rows of an all-AR step that may go on, fed the token each is picking (still on
@@ -482,6 +720,8 @@ class Engine:
 
     def _stream(self, row: _Row, new: list[int], out: list[EngineEvent]) -> None:
         ids = self.model.token_ids
+        if row.handle.text and new:
+            self._stream_text(row, out)
         if ids.box_end not in new:
             return
         dec = row.decoder
@@ -491,6 +731,18 @@ class Engine:
         for label in parsed.empty_labels[row.emitted_empty :]:
             self._emit(row.handle, EngineEvent(row.handle, EventKind.EMPTY, label=label), out)
         row.emitted, row.emitted_empty = len(parsed.objects), len(parsed.empty_labels)
+
+    def _stream_text(self, row: _Row, out: list[EngineEvent]) -> None:
+        """The answer's text up to its last finished item (`</ref>`, `</box>`, `<|im_end|>`): the decoder takes
+        back nothing before it (the loop guard drops a box as its `</box>` commits)."""
+        ids = self.model.token_ids
+        answer = row.decoder.seq[row.decoder.prompt_len :]
+        ends = (ids.ref_end, ids.box_end, ids.im_end)
+        settled = next((i + 1 for i in range(len(answer) - 1, row.text_sent - 1, -1) if answer[i] in ends), 0)
+        if settled > row.text_sent:
+            text = self.model.text(answer[row.text_sent : settled])
+            row.text_sent = settled
+            self._emit(row.handle, EngineEvent(row.handle, EventKind.TEXT, text=text), out)
 
     def _finish(self, row: _Row, out: list[EngineEvent]) -> None:
         self.rows[row.slot] = None
@@ -525,6 +777,7 @@ def build_result(model: Runtime, row: _Row) -> Result:
         "compilations": model.compilations,
         "max_tokens": row.budget,
         "max_tokens_clipped": row.budget < row.handle.request.max_tokens,
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,  # MLX's high-water mark of this process so far
     }
     return Result(
         objects=parsed.objects,

@@ -82,7 +82,7 @@ def parse_mode(mode: str | Mode) -> Mode:
     if isinstance(mode, Mode):
         return mode
     modes = {m.value: m for m in Mode}
-    if mode not in modes:
+    if not isinstance(mode, str) or mode not in modes:
         raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(modes)}")
     return modes[mode]
 

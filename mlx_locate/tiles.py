@@ -139,11 +139,7 @@ def split_request(request: Request, image: Image.Image, in_token_limit: int, pat
     image first when `request.tile_whole`. No children for a single tile: the image needs no tiles and the request
     is decoded as it is. Raises `ValueError` for a bad grid or overlap, or tiles smaller than the model's
     smallest input."""
-    check_tiling(request.tiles, request.tile_overlap)
-    if request.tiles == "auto":
-        rows, cols = auto_grid(image.size, in_token_limit, patch, request.tile_overlap)
-    else:
-        rows, cols = request.tiles
+    rows, cols = grid_of(request, image.size, in_token_limit, patch)
     if (rows, cols) == (1, 1):
         return []
     width, height = image.size
@@ -158,6 +154,24 @@ def split_request(request: Request, image: Image.Image, in_token_limit: int, pat
     if request.tile_whole:
         tiles.insert(0, Tile((0, 0, width, height), whole=True))
     return [replace(request, image=image if t.whole else image.crop(t.box), tiles=None, tag=t) for t in tiles]
+
+
+def view_count(request: Request, size: tuple[int, int], in_token_limit: int, patch: int) -> int:
+    """How many views `split_request` makes of an image of `size` (1 for an untiled request), from the size
+    alone: what the request costs. Raises `ValueError` for a bad grid or overlap."""
+    if request.tiles is None:
+        return 1
+    rows, cols = grid_of(request, size, in_token_limit, patch)
+    return 1 if (rows, cols) == (1, 1) else rows * cols + request.tile_whole
+
+
+def grid_of(request: Request, size: tuple[int, int], in_token_limit: int, patch: int) -> tuple[int, int]:
+    """The (rows, cols) of a tiled request's tiles on an image of `size`. Raises `ValueError` for a bad grid
+    or overlap."""
+    check_tiling(request.tiles, request.tile_overlap)
+    if request.tiles == "auto":
+        return auto_grid(size, in_token_limit, patch, request.tile_overlap)
+    return tuple(request.tiles)
 
 
 @dataclass

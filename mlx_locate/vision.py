@@ -1,22 +1,26 @@
 """MoonViT vision tower (MODEL.md §6.1-§6.5): patches + grid -> per-patch features.
 
-Runs one image at a time (§6.5), so attention needs no mask and uses fused SDPA.
+Images never attend to each other (§6.5): several images of one grid run as a batch, and attention needs no
+mask (`attention.image_attention`, in bounded memory). The tower runs in three parts, `embed`, `run_blocks` and
+`finish`, so a caller can evaluate a large input a few blocks at a time.
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .attention import attention
+from .attention import SCORE_BUDGET, image_attention
 from .config import VisionConfig
 
 
+@partial(mx.compile, shapeless=True)
 def gelu_tanh(x: mx.array) -> mx.array:
+    """One elementwise kernel (compiled), so a large input holds no temporaries of its own."""
     return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
@@ -104,6 +108,9 @@ class MLP(nn.Module):
         return self.fc1(gelu_tanh(self.fc0(x)))
 
 
+MLP_ROWS = 4096  # patches per piece of a block's MLP on larger inputs
+
+
 class Block(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -115,8 +122,11 @@ class Block(nn.Module):
         self.wo = nn.Linear(dim, dim)
         self.mlp = MLP(dim, config.intermediate_size)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None = None) -> mx.array:
-        """x (B, L, C), cos/sin (B or 1, L, D/2); `mask` keeps each padded image's keys to its own patches."""
+    def __call__(
+        self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None = None, score_budget: int = SCORE_BUDGET
+    ) -> mx.array:
+        """x (B, L, C), cos/sin (B or 1, L, D/2); `mask` keeps each padded image's keys to its own patches
+        (training); without it attention holds at most `score_budget` bytes of scores where it falls back."""
         B, L, dim = x.shape
         head_dim = dim // self.num_heads
         qkv = self.wqkv(self.norm0(x)).reshape(B, L, 3, self.num_heads, head_dim)
@@ -124,9 +134,17 @@ class Block(nn.Module):
         k = apply_rope2d(qkv[:, :, 1], cos, sin)
         v = qkv[:, :, 2]
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, H, L, D)
-        attn = attention(q, k, v, head_dim**-0.5, mask)
+        scale = head_dim**-0.5
+        if mask is None:
+            attn = image_attention(q, k, v, scale, score_budget)
+        else:
+            attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         x = x + self.wo(attn.transpose(0, 2, 1, 3).reshape(B, L, dim))
-        return x + self.mlp(self.norm1(x))
+        if L <= MLP_ROWS:
+            return x + self.mlp(self.norm1(x))
+        # Patch by patch arithmetic: in pieces, so a large image never holds its whole 4x-wide MLP at once
+        parts = [x[:, i : i + MLP_ROWS] for i in range(0, L, MLP_ROWS)]
+        return mx.concatenate([part + self.mlp(self.norm1(part)) for part in parts], axis=1)
 
 
 class Encoder(nn.Module):
@@ -147,13 +165,24 @@ class VisionTower(nn.Module):
 
     def __call__(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
         """patches (h*w, 3, p, p) of one image, or (B, h*w, 3, p, p) of B images of one grid (either also
-        flattened to 3*p*p) -> (..., h*w, C) after the final LayerNorm. Images never attend to each other (§6.5)."""
-        h, w = grid
+        flattened to 3*p*p) -> (..., h*w, C) after the final LayerNorm."""
         one = patches.ndim in (2, 4)
-        batch = patches[None] if one else patches
-        x = self.patch_embed(batch.reshape(*batch.shape[:2], -1), grid)
-        cos, sin = rope2d_tables(h, w, self.config.head_dim, self.config.rope_theta)
-        for block in self.encoder.blocks:
-            x = block(x, cos[None], sin[None])
-        x = self.encoder.final_layernorm(x)
+        x = self.embed(patches[None] if one else patches, grid)
+        x = self.finish(self.run_blocks(x, grid, 0, len(self.encoder.blocks)))
         return x[0] if one else x
+
+    def embed(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
+        """(B, h*w, 3, p, p) or (B, h*w, 3*p*p) -> (B, h*w, C): patch embedding plus position embedding."""
+        return self.patch_embed(patches.reshape(*patches.shape[:2], -1), grid)
+
+    def run_blocks(
+        self, x: mx.array, grid: tuple[int, int], start: int, stop: int, score_budget: int = SCORE_BUDGET
+    ) -> mx.array:
+        """Blocks `start`..`stop` - 1 over x (B, h*w, C)."""
+        cos, sin = rope2d_tables(*grid, self.config.head_dim, self.config.rope_theta)
+        for block in self.encoder.blocks[start:stop]:
+            x = block(x, cos[None], sin[None], score_budget=score_budget)
+        return x
+
+    def finish(self, x: mx.array) -> mx.array:
+        return self.encoder.final_layernorm(x)

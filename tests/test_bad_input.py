@@ -289,8 +289,13 @@ def test_unknown_task_or_mode_in_the_api(demo):
         demo.locate(EXAMPLE, "square", mode="medium")
 
 
-def test_image_token_in_the_query(cli):
-    assert "user text must not contain <IMG_CONTEXT>" in error_line(cli(query="the <IMG_CONTEXT> square"))
+@pytest.mark.parametrize("token", ["<IMG_CONTEXT>", "<|im_end|>", "<|im_start|>", "<img>"])
+def test_special_tokens_in_the_query_are_text_and_in_a_raw_prompt_an_error(cli, token):
+    """One rule (prompts.py): a query is read as plain text; a raw prompt may not hold control tokens."""
+    code, out, err = cli(query=f"the {token} square")
+    assert code == 0 and out.strip() and "error" not in err, err
+    message = f"error: a raw prompt must not contain '{token}', a control token"
+    assert error_line(cli("--prompt", f"Point to: {token}.", query=None)).startswith(message)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------
@@ -352,14 +357,19 @@ def test_default_limit_is_pillows_warning_threshold():
 
 
 def test_image_placeholder_inside_a_query(demo):
-    """Rendering A puts the image where the user text names it (MODEL.md §8.1), as the reference does; rendering B
-    always puts it first, so a second placeholder is a clear error."""
-    result = demo.locate(EXAMPLE, "the <image-1> square")
+    """In a raw prompt rendering A puts the image where the user text names it (MODEL.md §8.1), as the reference
+    does; rendering B always puts it first, so a second placeholder is a clear error. A query is plain text
+    (prompts.py): its "<image-1>" is words, and the image goes first."""
+    result = demo.locate(EXAMPLE, prompt="Locate the <image-1> square.")
     image = demo.token_ids.image
     start = result.prompt_ids.index(image)
     assert demo.tokenizer.decode(result.prompt_ids[:start]).endswith("the <image 1><img>")
     with pytest.raises(ValueError, match="<image-1>"):
-        demo.locate(EXAMPLE, "the <image-1> square", rendering="B")
+        demo.locate(EXAMPLE, prompt="Locate the <image-1> square.", rendering="B")
+    query = demo.locate(EXAMPLE, "the <image-1> square")
+    start = query.prompt_ids.index(image)
+    assert demo.tokenizer.decode(query.prompt_ids[:start]).endswith("user\n<image 1><img>")
+    assert "the <image-1> square" in demo.tokenizer.decode(query.prompt_ids)
 
 
 @pytest.mark.parametrize(

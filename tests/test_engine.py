@@ -25,6 +25,7 @@ from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.engine import EventKind, Schedule
 from mlx_locate.request import Request, RequestError
 from mlx_locate.sampling import Sampling
+from mlx_locate.tiles import Tile
 
 SCHEDULES = {"mixed-dense": Schedule(mixed=True, dense=True), "split-gathered": Schedule(mixed=False, dense=False)}
 MODES = ("slow", "fast", "hybrid")
@@ -75,13 +76,17 @@ def test_every_golden_case_in_one_batch(models, checkpoint, modes, schedule):
     wall = time.perf_counter() - t0
     check_golden(engine, pairs, handles)
     assert engine.cache is None  # released once idle
-    assert set(engine.seconds) == {"prepare", "vision", "prefix", "prefill", "decode"}
-    assert all(v > 0 for v in engine.seconds.values()) and sum(engine.seconds.values()) <= wall, engine.seconds
+    seconds = dict(engine.seconds)
+    assert set(seconds) == {"prepare", "vision", "prefix", "prefill", "decode", "host"}
+    host = seconds.pop("host")  # the device's waits for the host, within the phases below
+    assert all(seconds[k] > 0 for k in ("vision", "prefix", "prefill", "decode")), seconds
+    assert sum(seconds.values()) <= wall and 0 < host <= wall, engine.seconds
 
 
-def test_no_compilations_after_warm_up_for_a_steady_batch(models):
+def test_no_compilations_after_warm_up_for_a_steady_batch(models, monkeypatch):
     """The same batch twice: the second traces nothing, reads once per step, and gives the same tokens."""
     model = models["tiny_peaky"]
+    monkeypatch.setattr(model, "steps", compiled_module.CompiledSteps(model.network))  # none traced yet
     pairs = [(n, m) for n in golden_cases() if n.startswith("tiny_peaky") for m in MODES][:8]
     runs = []
     for _ in range(2):
@@ -217,9 +222,14 @@ def test_tiled_requests_merge_their_tiles(monkeypatch):
     result only (the merge itself is tested in test_tiles.py)."""
     model = mlx_locate.load("demo")
     image = Image.open(DEMO_DIR / "example.png")
-    crops = [image.crop((0, 0, 140, 140)), image.crop((84, 84, 224, 224))]
+    boxes = [(0, 0, 140, 140), (84, 84, 224, 224)]
+    crops = [image.crop(b) for b in boxes]
     monkeypatch.setattr(
-        engine_module, "split_request", lambda r, im, limit, patch: [Request(c, r.query, mode=r.mode) for c in crops]
+        engine_module,
+        "split_request",
+        lambda r, im, limit, patch: [
+            Request(c, r.query, mode=r.mode, tag=Tile(b, False)) for c, b in zip(crops, boxes, strict=True)
+        ],
     )
     merged = []
 
@@ -265,3 +275,248 @@ def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
     alone = [model.locate_many([Request(im, "red box", max_tokens=8)], max_rows=1)[0] for im in images]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert len(model.prefixes) == 2
+
+
+# -- fair admission, isolation, checks, tiled views (issue 25) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return mlx_locate.load("demo")
+
+
+DEMO_IMAGE = DEMO_DIR / "example.png"
+
+
+def alone_ids(model, request: Request) -> list[int]:
+    (result,) = model.locate_many([request], max_rows=1)
+    return result.token_ids
+
+
+def test_admission_takes_turns_between_groups(demo):
+    """One row: a 4-query call submitted first, then a one-query call; the one query gets the second turn, not
+    the fifth, and every answer is what it is alone."""
+    engine = demo.engine(1)
+    done = []
+    big = [
+        engine.submit(Request(DEMO_IMAGE, q, mode="fast", max_tokens=24), done.append, group="big")
+        for q in ("square", "circle", "triangle", "star")
+    ]
+    small = engine.submit(Request(DEMO_IMAGE, "square", mode="slow", max_tokens=24), done.append)
+    engine.run()
+    order = [e.handle for e in done if e.kind is EventKind.DONE]
+    assert order == [big[0], small, *big[1:]]
+    for handle in [*big, small]:
+        assert handle.result.token_ids == alone_ids(demo, handle.request)
+    assert engine.host_reads == engine.steps
+
+
+def test_a_tiled_requests_views_take_turns_with_other_groups(demo):
+    engine = demo.engine(1)
+    done = []
+    tiled = engine.submit(Request(DEMO_IMAGE, "square", mode="fast", max_tokens=24, tiles=(1, 2)), done.append)
+    small = engine.submit(Request(DEMO_IMAGE, "circle", mode="fast", max_tokens=24), done.append)
+    engine.step()
+    (children,) = [c for _, _, c in engine.tiles.values()]
+    assert len(children) == 3 and all(c.group is tiled.group for c in children)
+    engine.run()
+    kinds = [(e.handle, e.kind) for e in done]
+    assert kinds.index((small, EventKind.DONE)) < [k for _, k in kinds].index(EventKind.VIEW, 1)  # after 1 view
+    assert tiled.result is not None and small.result.token_ids == alone_ids(demo, small.request)
+
+
+def test_a_tiled_request_streams_each_view_in_image_pixels(demo):
+    from mlx_locate.tiles import split_request, to_image
+
+    engine = demo.engine(1)
+    request = Request(DEMO_IMAGE, ["square", "circle"], mode="fast", max_tokens=40, tiles=(1, 2))
+    handle = engine.submit(request)
+    steps_of = {}
+    while not engine.idle:
+        for event in engine.step():
+            steps_of.setdefault(event.kind, []).append(engine.steps)
+    views = [e for e in handle.events if e.kind is EventKind.VIEW]
+    image = Image.open(DEMO_IMAGE).convert("RGB")
+    children = split_request(request, image, demo.in_token_limit, demo.patch_size)
+    assert [e.view for e in views] == [0, 1, 2] and [e.tile for e in views] == [c.tag for c in children]
+    for event, child in zip(views, children, strict=True):
+        (alone,) = demo.locate_many([child], max_rows=1)
+        assert event.result.objects == [to_image(o, child.tag, image.size) for o in alone.objects]
+        assert event.result.image_size == image.size
+    assert len(set(steps_of[EventKind.VIEW])) == 3  # each view as it finishes, not all at the end
+    kinds = [e.kind for e in handle.events]
+    assert kinds[:3] == [EventKind.VIEW] * 3 and kinds[-1] is EventKind.DONE
+    assert [e.object for e in handle.events if e.kind is EventKind.OBJECT] == handle.result.objects
+
+
+QUERIES = ("square", "circle", "triangle", "star")
+
+
+def mixed_requests(bad_seed: int) -> list[Request]:
+    """Rows in all three modes, one of them (the second) carrying `bad_seed`."""
+    modes = ("fast", "hybrid", "slow", "hybrid")
+    return [
+        Request(DEMO_IMAGE, q, mode=m, max_tokens=40, seed=bad_seed if i == 1 else 0)
+        for i, (q, m) in enumerate(zip(QUERIES, modes, strict=True))
+    ]
+
+
+def check_isolated(model, requests, message, monkeypatch):
+    """Decode `requests` together with the fault patched in: the second fails naming `message`, the others
+    give the tokens they give alone (without the fault)."""
+    engine = model.engine(4)
+    handles = [engine.submit(r) for r in requests]
+    engine.run()
+    monkeypatch.undo()
+    for i, (request, handle) in enumerate(zip(requests, handles, strict=True)):
+        if i == 1:
+            assert handle.result is None and isinstance(handle.error, RequestError)
+            assert message in str(handle.error)
+        else:
+            assert handle.error is None, handle.error
+            assert handle.result.token_ids == alone_ids(model, request)
+    assert engine.host_reads == engine.steps and engine.idle
+
+
+def test_a_row_that_breaks_a_decoding_step_fails_alone(demo, monkeypatch):
+    """A fault in one row's forward, mid-decode: the step is put back and retried over halves; that row fails
+    naming the fault, the others finish with their tokens alone."""
+    requests = mixed_requests(bad_seed=13)
+    feed = engine_module.RowDecoder.feed
+
+    def faulty(self):
+        if self.options.seed == 13 and self.stats.steps >= 2:
+            raise RuntimeError("injected fault")
+        return feed(self)
+
+    monkeypatch.setattr(engine_module.RowDecoder, "feed", faulty)
+    check_isolated(demo, requests, "RuntimeError: injected fault", monkeypatch)
+
+
+def test_a_setting_the_device_cannot_take_fails_its_row_alone(demo, monkeypatch):
+    """The issue's failure: a top_k past int32 (the checks bypassed) broke every row of its step."""
+    requests = mixed_requests(bad_seed=0)
+    requests[1] = Request(DEMO_IMAGE, "circle", mode="hybrid", max_tokens=40, sampling=Sampling(top_k=2**31))
+    monkeypatch.setattr(engine_module, "check_request", lambda request, vocab: None)
+    check_isolated(demo, requests, "decoding failed for this request", monkeypatch)
+
+
+def test_a_row_whose_commit_raises_fails_alone(demo, monkeypatch):
+    requests = mixed_requests(bad_seed=13)
+    take = engine_module.RowDecoder.take_block
+
+    def faulty(self, summary):
+        if self.options.seed == 13:
+            raise KeyError("rules")
+        return take(self, summary)
+
+    monkeypatch.setattr(engine_module.RowDecoder, "take_block", faulty)
+    check_isolated(demo, requests, "KeyError: 'rules'", monkeypatch)
+
+
+def test_a_row_that_breaks_admission_fails_alone(demo, monkeypatch):
+    """A fault while rows join (vision of one image): the others join, prefill and finish as alone."""
+    bad = Image.open(DEMO_IMAGE).convert("RGB").rotate(90)
+    requests = mixed_requests(bad_seed=0)
+    requests[1] = Request(bad, "circle", mode="hybrid", max_tokens=40)
+    bad_key = demo.prepare(bad).key
+    features_for = demo.features_for
+
+    def faulty(images):
+        if any(i.key == bad_key for i in images):
+            raise MemoryError("injected vision fault")
+        return features_for(images)
+
+    monkeypatch.setattr(demo, "features_for", faulty)
+    demo.clear_caches()
+    check_isolated(demo, requests, "MemoryError: injected vision fault", monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"sampling": Sampling(top_k=10**12)}, "over the model's vocabulary"),
+        ({"seed": -1}, "seed must be a whole number from 0 to 18446744073709551615"),
+        ({"seed": 2**64}, "seed must be a whole number"),
+        ({"seed": 1.5}, "seed must be a whole number"),
+        ({"max_tokens": True}, "max_tokens must be a whole number at least 1, got True"),
+        ({"max_tokens": 0}, "max_tokens must be a whole number"),
+        ({"mode": 3}, "unknown mode 3"),
+        ({"max_pixels": False}, "max_pixels must be a whole number"),
+        ({"tiles": (0, 2)}, "tiles must be 'auto' or (rows, cols)"),
+    ],
+)
+def test_every_request_is_checked_before_it_joins_a_step(demo, fields, message):
+    engine = demo.engine(2)
+    bad = engine.submit(Request(DEMO_IMAGE, "square", **fields))
+    good = engine.submit(Request(DEMO_IMAGE, "square", mode="fast", max_tokens=24))
+    engine.run()
+    assert message in str(bad.error) and good.result is not None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": float("inf")},
+        {"temperature": float("nan")},
+        {"temperature": 1e-30},
+        {"temperature": 1000.0},
+        {"temperature": True},
+        {"top_k": True},
+        {"top_k": 2.0},
+        {"repetition_penalty": float("inf")},
+        {"repetition_penalty": 1e-9},
+        {"top_p": float("nan")},
+    ],
+)
+def test_sampling_refuses_numbers_out_of_range(fields):
+    with pytest.raises(ValueError, match="invalid sampling settings"):
+        Sampling(**fields)
+
+
+@pytest.mark.parametrize("query", ["<|im_end|>", "x<|im_start|>assistant", "<IMG_CONTEXT>", "<box><1><2></box>"])
+def test_special_tokens_in_a_query_are_plain_text_and_in_a_raw_prompt_refused(demo, query):
+    """The API path: a query's control tokens are read as text (an answer); a raw prompt's are refused."""
+    result = demo.locate(DEMO_IMAGE, f"square {query}", mode="fast", max_tokens=16)
+    added = set(demo.tokenizer.added_tokens.values())
+    template = demo.locate(DEMO_IMAGE, "square x", mode="fast", max_tokens=16)
+    assert [i for i in result.prompt_ids if i in added] == [i for i in template.prompt_ids if i in added]
+    if "<box>" not in query:
+        with pytest.raises(RequestError, match="a raw prompt must not contain"):
+            demo.locate(DEMO_IMAGE, prompt=f"Point to: {query}.", max_tokens=16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_text_events_are_the_answer_item_by_item(demo, mode):
+    engine = demo.engine(2)
+    request = Request(DEMO_IMAGE, ["square", "star"], mode=mode, max_tokens=64)
+    handle = engine.submit(request, text=True)
+    quiet = engine.submit(request)
+    engine.run()
+    texts = [e.text for e in handle.events if e.kind is EventKind.TEXT]
+    assert len(texts) > 1 and "".join(texts) == handle.result.text
+    assert all(t.endswith(("</ref>", "</box>", "<|im_end|>")) for t in texts)
+    assert not any(e.kind is EventKind.TEXT for e in quiet.events)
+    assert handle.result.token_ids == quiet.result.token_ids
+    assert engine.tokens == len(handle.result.token_ids) + len(quiet.result.token_ids)
+
+
+@pytest.mark.parametrize(
+    "size, tiles, whole",
+    [
+        ((224, 224), None, True),
+        ((224, 224), (1, 2), True),
+        ((224, 224), (2, 2), False),
+        ((900, 300), "auto", True),
+        ((224, 224), "auto", True),
+        ((224, 224), (1, 1), False),
+        ((1200, 1200), (8, 8), True),
+    ],
+)
+def test_view_count_is_what_split_request_makes(demo, size, tiles, whole):
+    from mlx_locate.tiles import split_request, view_count
+
+    request = Request(Image.new("RGB", size), "x", tiles=tiles, tile_whole=whole)
+    patch = demo.network.config.vision.patch_size
+    made = 1 if tiles is None else len(split_request(request, request.image, demo.in_token_limit, demo.patch_size))
+    assert view_count(request, size, demo.in_token_limit, patch) == made

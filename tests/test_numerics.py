@@ -300,30 +300,65 @@ def test_vision_block():
 
 
 def test_vision_attention_split_over_cpu_streams(monkeypatch):
-    """Heads split over CPU streams, and queries in chunks, give the single call's result to float32 rounding
-    (a BLAS may sum a product of fewer rows in another order), against float64 too; a masked call (a padded
-    batch) is not split."""
+    """Heads split over CPU streams, and queries in chunks within the score budget, give the single call's result
+    to float32 rounding (a BLAS may sum a product of fewer rows in another order), against float64 too."""
     rng = np.random.default_rng(31)
     q, k, v = (rng.normal(size=(1, 5, 37, 8)) for _ in range(3))
     qm, km, vm = (mx.array(t.astype(np.float32)) for t in (q, k, v))
     scale = 8**-0.5
     whole = mx.fast.scaled_dot_product_attention(qm, km, vm, scale=scale)
     sdpa, calls = mx.fast.scaled_dot_product_attention, []
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or sdpa(*a, **kw))
+    monkeypatch.setattr(
+        mx.fast, "scaled_dot_product_attention", lambda *a, **kw: calls.append((a, kw)) or sdpa(*a, **kw)
+    )
     monkeypatch.setattr(cpu, "cpu_streams", lambda: tuple(mx.new_stream(mx.cpu) for _ in range(3)))
-    split = attention.attention(qm, km, vm, scale)
-    assert len(calls) == 3 and all("stream" in kw for kw in calls)
+    split = attention.image_attention(qm, km, vm, scale)
+    assert len(calls) == 3 and all(kw["stream"] is not None for _, kw in calls)
     np.testing.assert_allclose(np.array(split), np.array(whole), rtol=1e-5, atol=1e-6)
     expected = np_attention(q[0], k[0], v[0], np.ones((37, 37), dtype=bool), 5)
     np.testing.assert_allclose(to_np(split[0]), expected, atol=ATOL)
     calls.clear()
-    attention.attention(qm, km, vm, scale, mx.ones((37, 37), dtype=mx.bool_))
-    assert len(calls) == 1 and "stream" not in calls[0]
-    calls.clear()
-    monkeypatch.setattr(attention, "CPU_SCORES", 2 * 37 * 10)  # 10 query rows for 2 heads, 20 for 1
-    chunked = attention.attention(qm, km, vm, scale)
+    budget = attention.SCORE_BYTES * 2 * 37 * 10 * 3  # 10 query rows for 2 heads, 20 for 1, on each of 3 streams
+    chunked = attention.image_attention(qm, km, vm, scale, score_budget=budget)
     assert len(calls) == 4 + 2 + 4  # heads 2, 1, 2 over 3 streams
+    held = [args[0].shape[1] * args[0].shape[2] * args[1].shape[2] * attention.SCORE_BYTES for args, _ in calls]
+    assert max(held) <= budget // 3
     np.testing.assert_allclose(np.array(chunked), np.array(whole), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "where, dtype, head_dim, version, expected",
+    [
+        ("metal", mx.bfloat16, 72, (0, 32, 4), (attention.Path.FUSED, 72)),  # sdpa_full takes 72 since 0.32.1
+        ("metal", mx.float32, 72, (0, 32, 4), (attention.Path.FUSED, 72)),
+        ("metal", mx.bfloat16, 72, (0, 30, 0), (attention.Path.PADDED, 80)),  # before: 64, 80 and 128 only
+        ("metal", mx.bfloat16, 128, (0, 30, 0), (attention.Path.FUSED, 128)),
+        ("metal", mx.bfloat16, 160, (0, 32, 4), (attention.Path.CHUNKED, 160)),
+        ("cuda", mx.bfloat16, 72, (0, 32, 4), (attention.Path.FUSED, 72)),  # cuDNN: half precision, 8 | D <= 128
+        ("cuda", mx.bfloat16, 70, (0, 32, 4), (attention.Path.PADDED, 72)),
+        ("cuda", mx.float32, 72, (0, 32, 4), (attention.Path.CHUNKED, 72)),
+        ("cpu", mx.float32, 72, (0, 32, 4), (attention.Path.CHUNKED, 72)),
+        ("cpu", mx.bfloat16, 64, (0, 32, 4), (attention.Path.CHUNKED, 64)),
+    ],
+)
+def test_attention_path_by_backend(where, dtype, head_dim, version, expected):
+    """Which path the tower's attention takes on each backend (a fused kernel, one of a padded size, or the
+    fallback in chunks); the tower's 72-wide heads, 26,000 queries."""
+    assert attention.attention_path(where, dtype, head_dim, 26_000, version) == expected
+    assert attention.attention_path(where, dtype, head_dim, 4, version)[0] is attention.Path.CHUNKED or where == "cuda"
+
+
+def test_padded_heads_equal_the_unpadded_attention(monkeypatch):
+    """Heads padded with zeros from 72 to 80 (q, k and v; the output sliced, the scale of 72 kept) give the same
+    attention to float32 rounding."""
+    rng = np.random.default_rng(32)
+    q, k, v = (mx.array(rng.normal(size=(2, 3, 50, 72)).astype(np.float32)) for _ in range(3))
+    scale = 72**-0.5
+    whole = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    monkeypatch.setattr(attention, "attention_path", lambda *a: (attention.Path.PADDED, 80))
+    padded = attention.image_attention(q, k, v, scale)
+    assert padded.shape == whole.shape
+    np.testing.assert_allclose(np.array(padded), np.array(whole), rtol=1e-5, atol=1e-6)
 
 
 def test_vision_block_padded_batch_equals_each_image_alone():
