@@ -168,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         warmup=not args.no_warmup,
     )
     app = create_app(load, settings)
-    # Our access log (one line per request, with its rows and steps) replaces uvicorn's.
+    # Our access log (one line per request, with its rows and steps) replaces uvicorn's, while the server runs.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("mlx_locate.server").addHandler(handler)
-    logging.getLogger("mlx_locate.server").setLevel(args.log_level.upper())
+    logger = logging.getLogger("mlx_locate.server")
+    level = logger.level
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
     failed = threading.Event()
 
@@ -184,9 +184,15 @@ def main(argv: list[str] | None = None) -> int:
             failed.set()
             server.should_exit = True
 
-    with sock:
-        threading.Thread(target=watch_load, name="watch-load", daemon=True).start()
-        server.run(sockets=[sock])
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
+    try:
+        with sock:
+            threading.Thread(target=watch_load, name="watch-load", daemon=True).start()
+            server.run(sockets=[sock])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     return 1 if failed.is_set() else 0
 
 
