@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from . import cli
 from .checkpoint import DTYPES, plan_shards, read_json, read_weights, resolve, shard_names, weight_files, write_index
 from .compiled import StepRunner
 from .config import ModelConfig
@@ -203,13 +204,13 @@ def compare_head(raw: dict[str, mx.array]) -> str:
     return f"WARNING: stored head copy differs from embed_tokens (max |diff| {diff:.3g}); using the tied head"
 
 
-def _write_weights(out: Path, params: dict[str, mx.array]) -> list[str]:
-    """Materialize and save the tensors shard by shard under a progress bar; returns the file names."""
+def _write_weights(out: Path, params: dict[str, mx.array], progress: bool = True) -> list[str]:
+    """Materialize and save the tensors shard by shard (under a progress bar); returns the file names."""
     keys = sorted(params)
     plan = [[keys[i] for i in shard] for shard in plan_shards([params[k].nbytes for k in keys])]
     names = shard_names(len(plan))
     total = sum(v.nbytes for v in params.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="converting") as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress) as bar:
         for name, keys in zip(names, plan, strict=True):
             shard = {}
             for key in keys:
@@ -335,6 +336,7 @@ def convert(
     quantize: str | None = None,
     force: bool = False,
     adapter: str | Path | None = None,
+    progress: bool = True,
 ) -> Path:
     """Convert `hf_path` (folder or hub id; HF or mlx-vlm layout) into the MLX checkpoint folder `mlx_path`.
 
@@ -388,7 +390,7 @@ def convert(
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        written = _write_weights(tmp, params)
+        written = _write_weights(tmp, params, progress)
         tokenizer.save_json(tmp / "tokenizer.json")
         for name in COPIED_FILES:
             if (src / name).is_file():
@@ -627,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="replace an existing --mlx-path")
     parser.add_argument("--adapter", help="LoRA adapter folder (mlx-locate-finetune's or PEFT's); needs --fuse")
     parser.add_argument("--fuse", action="store_true", help="merge --adapter into the written weights")
+    cli.add_progress(parser)
     return parser
 
 
@@ -636,7 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.adapter) != args.fuse:
         parser.error("--adapter and --fuse go together (to run an unmerged adapter: mlx-locate --adapter)")
     try:
-        dst = convert(args.hf_path, args.mlx_path, args.dtype, args.quantize, args.force, args.adapter)
+        dst = convert(
+            args.hf_path, args.mlx_path, args.dtype, args.quantize, args.force, args.adapter, not args.no_progress
+        )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -411,13 +411,13 @@ class Engine:
 
     def _prepare(self, handle: Handle) -> _Row | _Tiled:
         """A request's host work (runs on the model's host threads): checks, image, patches, prompt ids; for a
-        tiled request, its views."""
+        tiled request, its views (an image that needs no tiles is decoded as it is)."""
         r, model = handle.request, self.model
         t0 = time.perf_counter()
         check_request(r, model.token_ids.vocab_size)
         image = model.prepare(r.image, r.max_pixels)
-        if r.tiles is not None:
-            return _Tiled(image, split_request(r, image.rgb, model.in_token_limit, model.patch_size))
+        if r.tiles is not None and (views := split_request(r, image.rgb, model.in_token_limit, model.patch_size)):
+            return _Tiled(image, views)
         mode = parse_mode(r.mode)
         text = UserText(r.prompt) if r.prompt is not None else user_text(r.task, r.query)
         ids = model.prompt(text, image.pre.grid, r.rendering)
