@@ -376,6 +376,7 @@ def merge_stats(children: list[Request], results: list[Result], kept: list[int],
     stats["compilations"] = max(r.stats.get("compilations") or 0 for r in results)
     stats["max_tokens"] = results[0].stats.get("max_tokens")
     stats["max_tokens_clipped"] = any(r.stats.get("max_tokens_clipped") for r in results)
+    stats["peak_memory_gb"] = max(r.stats.get("peak_memory_gb") or 0.0 for r in results)
     tiles = [c.tag for c in children if not c.tag.whole]
     stats["tile_grid"] = [max(1, len({t.box[1] for t in tiles})), max(1, len({t.box[0] for t in tiles}))]
     stats["tiles"] = [
