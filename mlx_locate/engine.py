@@ -20,7 +20,7 @@ still raises, the engine puts back what the step changed (the rows' decoder posi
 `seen`) and runs the step again over halves of its rows, down to the row that raises: that row fails with a
 `RequestError` naming the error, the others go on with the tokens they would have had alone.
 
-How a step runs. Every sequence owns a row of the KV cache (`cache.SlotCache`) and a `decode.RowDecoder`.
+How a step runs. Every sequence owns a row of the KV cache (`cache.SlotCache`) and a `row_decoder.RowDecoder`.
 Joining requests are prepared on the host (image, patches, prompt ids), their vision runs batched per patch
 grid, each new image's prompt prefix (everything up to `</img>`) is prefilled once and kept (`prefix store`),
 copied into the rows that ask about that image, and the rows' own words are prefilled together. Then each step
@@ -49,10 +49,10 @@ import numpy as np
 from .cache import SlotCache, rows_bucket
 from .compiled import BLOCK_ROWS, Phase, padded_rows
 from .decide import Mode, Next
-from .decode import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .parse import LocatedObject, parse_tokens
 from .prompts import UserText, user_text
 from .request import PreparedImage, Request, RequestError, Result, parse_mode
+from .row_decoder import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .runtime import Runtime
 from .sampling import Features, RowSampling, Sampling, real_number
 from .tiles import Tile, check_tiling, merge_results, split_request, to_image
