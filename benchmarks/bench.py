@@ -38,13 +38,13 @@ from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
-from mlx_locate.row_decoder import summary_functions  # noqa: E402
 from mlx_locate.engine import Schedule  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 from mlx_locate.request import Request  # noqa: E402
+from mlx_locate.row_decoder import summary_functions  # noqa: E402
 from mlx_locate.sampling import Features, RowSampling, Sampling  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 

@@ -916,7 +916,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gui-task", choices=("point", "gui"), default="point", help="GUI prompt: a point or a box")
     p.add_argument("--limit", type=cli.positive_int, help="only the first N samples of each benchmark")
     p.add_argument("--out", help="folder for answer files and report.json, report.md, f1_vs_iou.png")
-    p.add_argument("--overwrite", action="store_true", help="replace existing report (or exported) files")
+    cli.add_overwrite(p, "existing report (or exported) files")
     p.add_argument("--n", type=cli.positive_int, default=100, help="--export: scenes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="--export: seed of the held-out stream (default: 0)")
     cli.add_progress(p)
