@@ -59,6 +59,17 @@ def task_text(task: str, query: str | list[str] | None = None) -> str:
     return template.format(CATEGORY_SEPARATOR.join(parts))
 
 
+def parse_task_text(text: str) -> tuple[str, list[str]] | None:
+    """The task and query of a user text that `task_text` builds (`detect`: its categories), or None for any
+    other text."""
+    for task, template in TASK_TEMPLATES.items():
+        head, mark, tail = template.partition("{}")
+        if mark and text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail):
+            query = text[len(head) : len(text) - len(tail)]
+            return task, query.split(CATEGORY_SEPARATOR) if task == "detect" else [query]
+    return None
+
+
 def chat_text(user_text: str, num_images: int = 1, rendering: str = "A") -> str:
     """One user turn holding `num_images` images then `user_text`, with the generation prompt (MODEL.md §8.1).
 

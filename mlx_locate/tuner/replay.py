@@ -1,0 +1,241 @@
+"""Replay: fine-tuning keeps what the base knew.
+
+Before training, the base model answers detection prompts of the categories it should keep on the training
+images. Its answers become samples in the model's own grammar, records encoded like the data's
+(`datasets.encode_record`), and a `replay` share of every batch is drawn from them.
+
+- **Kept categories**: the caller's list, else the checkpoint's (`cards.known_categories`: the demo's shapes,
+  COCO's 80 for LocateAnything-3B). A label of the data that is not kept is a new word. It is never asked in a
+  replay prompt, because the base's answer about it would be wrong.
+- **Prompts**: per image, the kept categories that none of the image's own records asks about (the data is the
+  truth there) are cut into a seeded random partition of prompts of 1..`per_prompt` categories. Only as many
+  prompts are labelled as the run will use.
+- **Answers**: the base's boxes (corners ordered, ascending x1 then y1) and its `<box>None</box>`s. A box on an
+  object that the data labels with a new word (IoU >= 0.5) is a confusion, not knowledge: it is dropped, and a
+  category left without boxes leaves the prompt, so every None in a replay answer is one the base wrote. A
+  category the base did not answer also leaves the prompt. An answer cut by the length cap, or a failed request,
+  gives no sample.
+- **Cache**: the answers go to `replay.jsonl` in the output folder, and a resumed run reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import jsonl
+from ..cards import KnownCategories
+from ..engine import Request, RequestError, Result
+from ..locate import LocateModel
+from ..metrics import iou
+from ..prompts import task_text
+from ..tokenizer import Tokenizer
+from ..tokens import TokenIds
+from .datasets import Record, Turn, norm_label, record_labels, truth_of
+
+LABEL_MODE = "slow"  # the base's most careful answers
+LABEL_MAX_TOKENS = 512
+CACHE_FILE = "replay.jsonl"
+NEW_WORD_IOU = 0.5  # a base box this close to a new word's box is that object, misnamed
+DEFAULT_PER_PROMPT = 10  # categories per prompt for a list given without a checkpoint's own
+REPLAY_STREAM = 7  # the seed stream of the prompt partitions, apart from the batches'
+
+Box = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True)
+class Keep:
+    categories: tuple[str, ...]  # asked in replay prompts (as written; compared by `norm_label`)
+    per_prompt: int
+    new: tuple[str, ...]  # the data's labels that are not kept (normalised): never asked
+    source: str  # where the list comes from, for messages
+
+    def keeps(self, label: str) -> bool:
+        return norm_label(label) in {norm_label(c) for c in self.categories}
+
+
+def resolve_keep(explicit: tuple[str, ...] | None, known: KnownCategories | None, records: list[Record]) -> Keep:
+    """The kept categories: `explicit`, else the checkpoint's; the data's other labels are its new words."""
+    if explicit is not None:
+        names = [n.strip() for n in explicit]
+        if not names or not all(names):
+            raise ValueError(f"--keep-categories needs non-empty category names; got {list(explicit)}")
+        source, per_prompt = "--keep-categories", known.per_prompt if known else DEFAULT_PER_PROMPT
+    elif known is not None:
+        names, source, per_prompt = list(known.names), "the model card", known.per_prompt
+    else:
+        names, source, per_prompt = [], "none: the checkpoint names none", DEFAULT_PER_PROMPT
+    unique = list({norm_label(n): n for n in reversed(names)}.values())[::-1]  # first spelling of each
+    kept = {norm_label(n) for n in unique}
+    labels = set().union(*(record_labels(r) for r in records)) if records else set()
+    return Keep(tuple(unique), per_prompt, tuple(sorted(labels - kept)), source)
+
+
+@dataclass(frozen=True)
+class Ask:
+    image: Path
+    categories: tuple[str, ...]
+
+    def prompt(self) -> str:
+        return task_text("detect", list(self.categories))
+
+
+def plan_asks(
+    records: list[Record], keep: Keep, per_image: int, seed: int, split: int, images: list[Path] | None = None
+) -> list[Ask]:
+    """Up to `per_image` prompts per image (of `images`, default every image of `records`, in order): a seeded
+    partition (stream `split`) of the kept categories that none of the image's records asks about."""
+    asked: dict[Path, set[str]] = {}
+    for r in records:
+        asked.setdefault(r.image, set()).update(record_labels(r))
+    asks = []
+    for k, image in enumerate(images if images is not None else list(asked)):
+        pool = [c for c in keep.categories if norm_label(c) not in asked.get(image, set())]
+        rng = np.random.default_rng([seed, REPLAY_STREAM, split, k])
+        order, start = rng.permutation(len(pool)), 0
+        for _ in range(per_image):
+            if start >= len(pool):
+                break
+            n = int(rng.integers(1, keep.per_prompt + 1))
+            asks.append(Ask(image, tuple(pool[j] for j in order[start : start + n])))
+            start += n
+    return asks
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the base said to one ask: its boxes (0..1000, as written) per asked category, the asked categories it
+    answered `<box>None</box>`, and whether it ended by itself."""
+
+    boxes: dict[str, list[Box]]
+    none: tuple[str, ...]
+    ended: bool
+
+    def to_json(self) -> dict:
+        return {"boxes": self.boxes, "none": list(self.none), "ended": self.ended}
+
+    @staticmethod
+    def from_json(d: dict) -> Answer:
+        return Answer({c: [tuple(b) for b in v] for c, v in d["boxes"].items()}, tuple(d["none"]), d["ended"])
+
+
+def answer_of(ask: Ask, result: Result | RequestError) -> Answer:
+    if isinstance(result, RequestError):
+        return Answer({}, (), False)
+    names = {norm_label(c): c for c in ask.categories}
+    boxes: dict[str, list[Box]] = {}
+    for o in result.objects:
+        if o.box_norm is not None and norm_label(o.label) in names:
+            boxes.setdefault(names[norm_label(o.label)], []).append(tuple(o.box_norm))
+    none = tuple(names[norm_label(e)] for e in result.empty_labels if norm_label(e) in names)
+    ended = result.stats.get("stop_reason") != "length_cap" and not result.truncated
+    return Answer(boxes, none, ended)
+
+
+def ordered(box: Box) -> Box:
+    x1, y1, x2, y2 = box
+    return min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A replay record, or why an ask gave none, with the boxes it dropped on new words."""
+
+    record: Record | None
+    reason: str | None
+    dropped: int
+
+
+def replay_sample(ask: Ask, answer: Answer, new_boxes: list[Box]) -> Sample:
+    """The record an answer gives (see the module docstring), or the reason it gives none."""
+    if not answer.ended:
+        return Sample(None, "cut by the length cap or failed", 0)
+    parts, kept, dropped = [], [], 0
+    for c in ask.categories:
+        boxes = sorted({ordered(b) for b in answer.boxes.get(c, [])})
+        boxes = [b for b in boxes if b[0] < b[2] and b[1] < b[3]]
+        mine = [b for b in boxes if not any(iou(b, n) >= NEW_WORD_IOU for n in new_boxes)]
+        dropped += len(boxes) - len(mine)
+        if mine:
+            parts.append("".join(f"<ref>{c}</ref><box>{''.join(f'<{v}>' for v in b)}</box>" for b in mine))
+        elif c in answer.none and not boxes:
+            parts.append(f"<ref>{c}</ref><box>None</box>")
+        else:
+            continue  # not answered, or only boxes on new words: the base said nothing we can keep
+        kept.append(c)
+    if not kept:
+        return Sample(None, "nothing kept", dropped)
+    turn = Turn(task_text("detect", kept), "".join(parts))
+    return Sample(Record(ask.image, (turn,), f"replay: {ask.image} ({', '.join(kept)})"), None, dropped)
+
+
+def new_word_boxes(records: list[Record], keep: Keep, tokenizer: Tokenizer, ids: TokenIds) -> dict[Path, list[Box]]:
+    """Per image, the boxes (0..1000) its records give a new word (a label that is not kept)."""
+    out: dict[Path, list[Box]] = {}
+    for r in records:
+        for turn in r.turns:
+            for o in truth_of(turn.answer, tokenizer, ids, (1000, 1000)):  # only box_norm is read
+                if o.box_norm is not None and not keep.keeps(o.label or ""):
+                    out.setdefault(r.image, []).append(ordered(tuple(o.box_norm)))
+    return out
+
+
+def cache_key(model_path: str) -> dict:
+    return {"model": model_path, "mode": LABEL_MODE, "max_tokens": LABEL_MAX_TOKENS}
+
+
+def read_cache(path: Path, key: dict) -> dict[tuple[str, tuple[str, ...]], Answer]:
+    """The cached answers, when `path` holds answers of the same base and settings."""
+    if not path.is_file():
+        return {}
+    lines = [v for _, v in jsonl.values(jsonl.whole_lines(path), path, jsonl.RESUME_HINT)]
+    if not lines or lines[0] != {"replay": key}:
+        return {}
+    return {(d["image"], tuple(d["categories"])): Answer.from_json(d) for d in lines[1:]}
+
+
+def label(
+    model: LocateModel,
+    asks: list[Ask],
+    cache: Path,
+    key: dict,
+    reuse: bool,
+    progress: bool,
+    say: Callable[[str], None],
+) -> list[Answer]:
+    """The base's answer to every ask: read from `cache` when `reuse` (a resumed run), the rest decoded in one
+    batch (`locate_many`, a progress bar); all of them written back to `cache`."""
+    known = read_cache(cache, key) if reuse else {}
+    todo = [a for a in asks if (str(a.image), a.categories) not in known]
+    if todo:
+        say(f"[INFO] replay: the base answers {len(todo)} prompts on {len({a.image for a in todo})} images")
+        requests = [Request(a.image, prompt=a.prompt(), mode=LABEL_MODE, max_tokens=LABEL_MAX_TOKENS) for a in todo]
+        results = model.locate_many(requests, progress=progress, desc="replay: the base labels")
+        for a, r in zip(todo, results, strict=True):
+            known[(str(a.image), a.categories)] = answer_of(a, r)
+    elif asks:
+        say(f"[INFO] replay: {len(asks)} answers of the base read from {cache}")
+    answers = [known[(str(a.image), a.categories)] for a in asks]
+    lines = [{"replay": key}] + [
+        {"image": str(a.image), "categories": list(a.categories), **ans.to_json()}
+        for a, ans in zip(asks, answers, strict=True)
+    ]
+    tmp = cache.with_name(cache.name + ".tmp")
+    tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    tmp.replace(cache)
+    return answers
+
+
+def replayed(steps: int, batch_size: int, replay: float) -> int:
+    """Replay samples in the first `steps` batches: the share `replay` of their samples, rounded down."""
+    return math.floor(steps * batch_size * replay)
+
+
+def prompts_per_image(steps: int, batch_size: int, replay: float, images: int) -> int:
+    """Prompts to label per image so that the run's replay samples come from different prompts."""
+    return max(1, math.ceil(replayed(steps, batch_size, replay) / max(images, 1)))
