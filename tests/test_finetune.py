@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -571,3 +572,160 @@ def test_row_cache_keeps_a_byte_budget_least_recent_out_first():
     assert made == ["a", "b", "c", "d"] and list(cache.rows) == ["c", "a", "d"] and cache.bytes == 120
     cache.get("e", make("e", 100))  # larger than the budget alone: it stays, everything else goes
     assert list(cache.rows) == ["e"] and cache.bytes == 400
+
+
+# --- Replay: fine-tuning keeps what the base knew -------------------------------------------------------------
+
+
+def _detect(image, categories, answer):
+    from mlx_locate.prompts import task_text
+
+    return Record(image, (Turn(task_text("detect", categories), answer),), str(image))
+
+
+def test_known_categories_of_the_demo_and_the_release():
+    """The demo's config.json names its shapes (as `tuner.train` writes it); NVIDIA's release architecture gets
+    COCO's 80; a malformed entry is an error naming the field."""
+    from mlx_locate.cards import COCO_CATEGORIES, CONFIG_KEY, KnownCategories, known_categories
+    from mlx_locate.config import ModelConfig
+    from mlx_locate.random_checkpoint import PRESETS, RELEASE_CONFIG
+    from mlx_locate.tuner.synthetic import DETECT_CATEGORY_COUNTS, SHAPES, build_tokenizer
+    from mlx_locate.tuner.train import demo_config, model_sizes
+
+    raw = json.loads((DEMO_DIR / "config.json").read_text())
+    assert known_categories(raw) == KnownCategories(SHAPES, max(DETECT_CATEGORY_COUNTS)) == _demo_network().known
+    assert demo_config(build_tokenizer(), model_sizes(ModelConfig.from_dict(raw)), "bfloat16") == raw
+    release = known_categories(RELEASE_CONFIG)
+    assert release.names == COCO_CATEGORIES and len(set(COCO_CATEGORIES)) == 80 and release.per_prompt == 10
+    assert known_categories(PRESETS["tiny"].config("bfloat16")) is None  # another architecture names nothing
+    with pytest.raises(ValueError, match='"known_categories" must be'):
+        known_categories({CONFIG_KEY: {"names": [], "per_prompt": 3}})
+
+
+def test_kept_categories_and_their_prompts_never_ask_new_words():
+    from mlx_locate.cards import KnownCategories
+    from mlx_locate.tuner import replay as rp
+
+    a, b = IMAGE.with_name("a.png"), IMAGE.with_name("b.png")
+    records = [
+        _detect(a, ["cross"], "<ref>cross</ref><box>None</box>"),
+        _detect(b, ["Circle", "cross"], "<ref>Circle</ref><box>None</box><ref>cross</ref><box>None</box>"),
+    ]
+    known = KnownCategories(("circle", "square", "triangle", "diamond", "star"), 3)
+    keep = rp.resolve_keep(None, known, records)
+    assert keep.categories == known.names and keep.new == ("cross",) and keep.per_prompt == 3
+    asks = rp.plan_asks(records, keep, 10, seed=0, split=0)
+    assert asks == rp.plan_asks(records, keep, 10, seed=0, split=0)  # seeded
+    for image, want in ((a, set(known.names)), (b, set(known.names) - {"circle"})):  # b's data asks for circles
+        mine = [x.categories for x in asks if x.image == image]
+        assert sorted(c for cats in mine for c in cats) == sorted(want) and all(1 <= len(c) <= 3 for c in mine)
+    assert [x.image for x in rp.plan_asks(records, keep, 1, seed=0, split=0)] == [a, b]
+    explicit = rp.resolve_keep(("square", " Square", "cross"), known, records)
+    assert explicit.categories == ("square", "cross") and explicit.new == ("circle",) and explicit.per_prompt == 3
+    assert rp.resolve_keep(None, None, records).categories == ()
+    with pytest.raises(ValueError, match="--keep-categories needs"):
+        rp.resolve_keep(("circle", " "), known, records)
+
+
+def test_replay_answer_is_the_base_answer_in_the_data_grammar():
+    """Boxes with ordered corners in ascending x1; the base's own None; a category it did not answer, or answered
+    only with boxes on a new word's object, leaves the prompt; a cut answer gives no sample."""
+    from mlx_locate.prompts import task_text
+    from mlx_locate.tuner import replay as rp
+
+    ask = rp.Ask(IMAGE, ("square", "circle", "star", "diamond"))
+    answer = rp.Answer(
+        {"square": [(600, 700, 500, 300), (100, 100, 200, 200)], "diamond": [(10, 10, 110, 110)]}, ("circle",), True
+    )
+    sample = rp.replay_sample(ask, answer, [(12, 8, 108, 112)])
+    assert sample.record.turns[0].user == task_text("detect", ["square", "circle"]) and sample.dropped == 1
+    assert sample.record.turns[0].answer == (
+        "<ref>square</ref><box><100><100><200><200></box><ref>square</ref><box><500><300><600><700></box>"
+        "<ref>circle</ref><box>None</box>"
+    )
+    assert rp.replay_sample(ask, rp.Answer(answer.boxes, (), False), []).record is None
+    assert rp.replay_sample(rp.Ask(IMAGE, ("star",)), rp.Answer({}, (), True), []).reason == "nothing kept"
+    # Only detection records name new words' objects: a referring phrase ("black shape") drops nothing.
+    from mlx_locate.tokenizer import Tokenizer
+
+    keep = rp.Keep(("triangle",), 3, ("black shape", "cross"), "test")
+    refer = Record(IMAGE, (Turn("Locate all the instances that match the following description: black shape.",
+                                "<ref>black shape</ref><box><1><2><3><4></box>"),), "r")  # fmt: skip
+    detect = _detect(IMAGE, ["cross"], "<ref>cross</ref><box><5><6><7><8></box>")
+    boxes = rp.new_word_boxes([refer, detect], keep, Tokenizer.from_folder(DEMO_DIR), load("demo").token_ids)
+    assert boxes == {IMAGE: [(5, 6, 7, 8)]}
+
+
+def test_batches_mix_the_replay_share_and_resume_alike():
+    from mlx_locate.tuner.finetune import Batches
+
+    batches = Batches(10, 4, seed=0, n_replay=7, replay=0.3)
+    steps = [batches.indices(s) for s in range(20)]
+    assert all(len(d) + len(r) == 4 for d, r in steps)
+    assert sum(len(r) for _, r in steps) == math.floor(20 * 4 * 0.3)
+    data = [i for d, _ in steps for i in d]
+    assert sorted(data[:10]) == list(range(10)) and sorted(data[10:20]) == list(range(10))  # epochs
+    assert Batches(10, 4, 0, 7, 0.3).indices(13) == steps[13]  # a resumed run draws the same batch
+    assert all(r == [] and len(d) == 4 for d, r in map(Batches(10, 4, 0, 0, 0.3).indices, range(5)))
+
+
+def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, monkeypatch):
+    """Default options: before training the base labels the training images for its known shapes, and the
+    batches hold those answers, encoded like the data (the base asked again gives the same boxes and Nones); no
+    replay prompt asks for the new word; the held-out report has the kept categories' F1, also on the console."""
+    from mlx_locate.finetune import build_parser
+    from mlx_locate.finetune import options as cli_options
+    from mlx_locate.metrics import iou
+    from mlx_locate.prompts import task_text
+    from mlx_locate.tokenizer import Tokenizer
+    from mlx_locate.tuner import finetune as ft
+    from mlx_locate.tuner.synthetic import SHAPES, write_word_only_data
+
+    assert cli_options(build_parser().parse_args(["--data", "x", "--out", "y"])).replay == ft.FinetuneOptions.replay
+    assert ft.FinetuneOptions.replay >= 0.2
+    folder = write_word_only_data(tmp_path / "data", "cross", train=8, held_out=2)
+    train, held = read_data(folder / "train.jsonl"), read_data(folder / "eval.jsonl")
+    held = [r for r in held if "cross" in r.turns[0].user]  # as a user's: the new word only
+    batches = []
+    make_batch = ft.make_batch
+    monkeypatch.setattr(ft, "make_batch", lambda examples, *a: batches.append(examples) or make_batch(examples, *a))
+    options = ft.FinetuneOptions(
+        steps=4, batch_size=4, lr=1e-3, warmup=1, eval_every=0, eval_samples=2, eval_modes=("fast",),
+        eval_max_tokens=32, log_every=2,
+    )  # fmt: skip
+    lines = []
+    spec = AdapterSpec(LoRASpec(rank=2, alpha=4, dropout=0.0), trainable=())
+    result = ft.finetune(_demo_network(), train, held, tmp_path / "out", spec, options, draw=False, progress=False,
+                         say=lines.append)  # fmt: skip
+    replayed = [e for b in batches for e in b if e.record.where.startswith("replay:")]
+    assert len(replayed) == math.floor(4 * 4 * options.replay) and result.replay_samples > 0
+    tok, ids = Tokenizer.from_folder(DEMO_DIR), load("demo").token_ids
+    asked = {
+        Path(d["image"]): d["categories"] for d in map(json.loads, (result.out / "replay.jsonl").open()) if "image" in d
+    }
+    model = ft.inference_model(ft.load_base("demo"))
+    crosses = {r.image: [o.box_norm for o in ft.truth_of(r.turns[0].answer, tok, ids, (1, 1))] for r in train}
+    for e in replayed:
+        categories = asked[e.record.image]
+        assert set(categories) <= set(SHAPES)  # never "cross"
+        base = model.locate(e.record.image, prompt=task_text("detect", categories), mode="slow", max_tokens=512)
+        want = ""
+        for c in categories:
+            boxes = sorted(
+                {
+                    (*map(min, b[:2], b[2:]), *map(max, b[:2], b[2:]))
+                    for b in (o.box_norm for o in base.objects if o.label == c)
+                }
+            )
+            mine = [b for b in boxes if not any(iou(b, x) >= 0.5 for x in crosses[e.record.image])]
+            want += "".join(f"<ref>{c}</ref><box>{''.join(f'<{v}>' for v in b)}</box>" for b in mine)
+            want += f"<ref>{c}</ref><box>None</box>" if not boxes and c in base.empty_labels else ""
+        assert e.record.turns[0].answer == want and want
+        rows = encode_record(e.record, e.grid, tok, ids)
+        assert rows.ids.tolist() == e.rows.ids.tolist() and rows.targets.tolist() == e.rows.targets.tolist()
+        supervised = [int(t) for t, k in zip(e.rows.targets, e.rows.kinds, strict=True) if k == 1]
+        assert tok.decode(supervised) == want + "<|im_end|>"
+    assert result.kept == SHAPES and result.kept_truth == "the base's answers"
+    assert set(result.before["kept"]) == set(result.after["kept"]) == {"fast"}
+    evals = [line for line in lines if line.startswith("[EVAL]")]
+    assert len(evals) == 2 and all("F1@0.5 fast" in line and "kept categories F1@0.5 fast" in line for line in evals)

@@ -11,10 +11,11 @@ images. Its answers become samples in the model's own grammar, records encoded l
   truth there) are cut into a seeded random partition of prompts of 1..`per_prompt` categories. Only as many
   prompts are labelled as the run will use.
 - **Answers**: the base's boxes (corners ordered, ascending x1 then y1) and its `<box>None</box>`s. A box on an
-  object that the data labels with a new word (IoU >= 0.5) is a confusion, not knowledge: it is dropped, and a
-  category left without boxes leaves the prompt, so every None in a replay answer is one the base wrote. A
-  category the base did not answer also leaves the prompt. An answer cut by the length cap, or a failed request,
-  gives no sample.
+  object that the data's detection records name with a new word (IoU >= 0.5) is a confusion, not knowledge (the
+  demo calls crosses diamonds): it is dropped, and a category left without boxes leaves the prompt, so every
+  None in a replay answer is one the base wrote. Referring phrases do not drop boxes ("black shape" is still a
+  triangle). A category the base did not answer also leaves the prompt. An answer cut by the length cap, or a
+  failed request, gives no sample.
 - **Cache**: the answers go to `replay.jsonl` in the output folder, and a resumed run reads them back.
 """
 
@@ -33,7 +34,7 @@ from ..cards import KnownCategories
 from ..engine import Request, RequestError, Result
 from ..locate import LocateModel
 from ..metrics import iou
-from ..prompts import task_text
+from ..prompts import parse_task_text, task_text
 from ..tokenizer import Tokenizer
 from ..tokens import TokenIds
 from .datasets import Record, Turn, norm_label, record_labels, truth_of
@@ -70,8 +71,11 @@ def resolve_keep(explicit: tuple[str, ...] | None, known: KnownCategories | None
         names, source, per_prompt = list(known.names), "the model card", known.per_prompt
     else:
         names, source, per_prompt = [], "none: the checkpoint names none", DEFAULT_PER_PROMPT
-    unique = list({norm_label(n): n for n in reversed(names)}.values())[::-1]  # first spelling of each
-    kept = {norm_label(n) for n in unique}
+    unique, kept = [], set()
+    for n in names:  # the first spelling of each
+        if norm_label(n) not in kept:
+            unique.append(n)
+            kept.add(norm_label(n))
     labels = set().union(*(record_labels(r) for r in records)) if records else set()
     return Keep(tuple(unique), per_prompt, tuple(sorted(labels - kept)), source)
 
@@ -175,10 +179,12 @@ def replay_sample(ask: Ask, answer: Answer, new_boxes: list[Box]) -> Sample:
 
 
 def new_word_boxes(records: list[Record], keep: Keep, tokenizer: Tokenizer, ids: TokenIds) -> dict[Path, list[Box]]:
-    """Per image, the boxes (0..1000) its records give a new word (a label that is not kept)."""
+    """Per image, the boxes (0..1000) its detection records give a new word (a category that is not kept)."""
     out: dict[Path, list[Box]] = {}
     for r in records:
         for turn in r.turns:
+            if (parse_task_text(turn.user) or ("",))[0] != "detect":
+                continue
             for o in truth_of(turn.answer, tokenizer, ids, (1000, 1000)):  # only box_norm is read
                 if o.box_norm is not None and not keep.keeps(o.label or ""):
                     out.setdefault(r.image, []).append(ordered(tuple(o.box_norm)))
