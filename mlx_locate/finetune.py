@@ -16,7 +16,7 @@ import sys
 from tqdm import tqdm
 
 from .loader import DTYPES
-from .tuner.datasets import read_data, split
+from .tuner.datasets import norm_label, read_data, split
 from .tuner.finetune import MODES, FinetuneOptions, finetune, fmt, load_base
 from .tuner.lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
 
@@ -132,9 +132,13 @@ def summary_table(result) -> str:
         lines.append(
             f"{mode:<8}" + "".join(f"{fmt(v):>{w}}" for v, w in zip(cells, (20, 7, 21, 7)[: len(cells)], strict=True))
         )
-    if kept:
-        names = ", ".join(result.kept[:6]) + (", ..." if len(result.kept) > 6 else "")
-        lines.append(f"kept categories: {names}; F1 against {result.kept_truth}")
+    if kept:  # the forgetting line, per kept category that the held-out set has (or the model answered)
+        mode = next(iter(result.after["kept"]))
+        before, after = (r["kept"][mode]["per_label"] for r in (result.before, result.after))
+        names = [c for c in result.kept if norm_label(c) in before or norm_label(c) in after]
+        cells = [f"{c} {fmt(before.get(norm_label(c)))} -> {fmt(after.get(norm_label(c)))}" for c in names[:8]]
+        more = f", ... ({len(names)})" if len(names) > 8 else ""
+        lines.append(f"kept categories, {mode}, F1 against {result.kept_truth}: {', '.join(cells)}{more}")
     return "\n".join(lines)
 
 

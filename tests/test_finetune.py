@@ -393,16 +393,26 @@ def _small_run(novel_data, out, spec, steps, base=None, resume=False, **options)
     return base, result
 
 
-def test_resume_continues_the_same_run(novel_data, tmp_path):
-    """Stopped after 2 of 4 steps and resumed (dropout on: the random state is restored), the run ends with the
-    same adapter as one that never stopped."""
+def test_resume_continues_the_same_run(novel_data, tmp_path, monkeypatch):
+    """Stopped after 2 of 4 steps and resumed (dropout on: the random state is restored; replay on), the run ends
+    with the same adapter as one that never stopped, and reads the base's answers back instead of labelling."""
     import shutil
 
+    from mlx_locate.locate import LocateModel
+    from mlx_locate.tuner.replay import CACHE_FILE
+
     spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.1))
-    _small_run(novel_data, tmp_path / "straight", spec, 4, save_every=2)
+    _, straight = _small_run(novel_data, tmp_path / "straight", spec, 4, save_every=2)
+    assert straight.replay_samples > 0
     stopped = tmp_path / "stopped"
     (stopped / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-0000002", stopped / "checkpoints" / "step-0000002")
+    shutil.copy(tmp_path / "straight" / CACHE_FILE, stopped / CACHE_FILE)
+
+    def no_labelling(*args, **kwargs):
+        raise AssertionError("a resumed run labels again")
+
+    monkeypatch.setattr(LocateModel, "locate_many", no_labelling)
     _, resumed = _small_run(novel_data, stopped, spec, 4, save_every=2, resume=True)
     a, b = mx.load(str(tmp_path / "straight" / ADAPTER_FILE)), mx.load(str(stopped / ADAPTER_FILE))
     assert a.keys() == b.keys()
@@ -478,8 +488,15 @@ def test_cli_runs_and_refuses_to_overwrite(novel_files, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert set(summary["before"]["f1"]) == {"fast"} and summary["trainable_parameters"] > 0
     assert (out / ADAPTER_FILE).is_file() and (out / "training.png").is_file()
+    assert summary["kept_categories"] == ["circle", "square", "triangle", "diamond", "star"]
     assert main([*argv, *small]) == 2
     assert "already exists; pass --resume" in capsys.readouterr().err
+    keep = ["--keep-categories", "star,Circle", "--replay", "0.5", "--force", "--json", "--no-progress"]
+    assert main([*argv, *small, *keep]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["kept_categories"] == ["star", "Circle"] and summary["replay_samples"] > 0
+    assert main([*argv, *small, "--replay", "1", "--force"]) == 2
+    assert "replay must be a share of the batch in [0, 1)" in capsys.readouterr().err
     assert main(["--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -614,12 +631,12 @@ def test_kept_categories_and_their_prompts_never_ask_new_words():
     known = KnownCategories(("circle", "square", "triangle", "diamond", "star"), 3)
     keep = rp.resolve_keep(None, known, records)
     assert keep.categories == known.names and keep.new == ("cross",) and keep.per_prompt == 3
-    asks = rp.plan_asks(records, keep, 10, seed=0, split=0)
-    assert asks == rp.plan_asks(records, keep, 10, seed=0, split=0)  # seeded
+    asks = rp.plan_asks(records, keep, seed=0, split=0)
+    assert asks == rp.plan_asks(records, keep, seed=0, split=0) != rp.plan_asks(records, keep, seed=0, split=1)
     for image, want in ((a, set(known.names)), (b, set(known.names) - {"circle"})):  # b's data asks for circles
         mine = [x.categories for x in asks if x.image == image]
-        assert sorted(c for cats in mine for c in cats) == sorted(want) and all(1 <= len(c) <= 3 for c in mine)
-    assert [x.image for x in rp.plan_asks(records, keep, 1, seed=0, split=0)] == [a, b]
+        assert sorted(c for cats in mine for c in cats) == sorted(want)  # each once, 3 to a prompt
+        assert [len(c) for c in mine] == [3, len(want) - 3]
     explicit = rp.resolve_keep(("square", " Square", "cross"), known, records)
     assert explicit.categories == ("square", "cross") and explicit.new == ("circle",) and explicit.per_prompt == 3
     assert rp.resolve_keep(None, None, records).categories == ()
@@ -627,27 +644,34 @@ def test_kept_categories_and_their_prompts_never_ask_new_words():
         rp.resolve_keep(("circle", " "), known, records)
 
 
-def test_replay_answer_is_the_base_answer_in_the_data_grammar():
-    """Boxes with ordered corners in ascending x1; the base's own None; a category it did not answer, or answered
-    only with boxes on a new word's object, leaves the prompt; a cut answer gives no sample."""
-    from mlx_locate.prompts import task_text
+def test_replay_samples_are_the_base_answers_in_the_data_grammar():
+    """Boxes with ordered corners in ascending x1; only the base's own Nones; a category it did not answer, or
+    answered only with boxes on a new word's object, is never asked; a cut answer gives nothing; the samples'
+    prompts are mostly about what it found, each answer its parts in the prompt's order."""
+    from mlx_locate.prompts import parse_task_text
+    from mlx_locate.tokenizer import Tokenizer
     from mlx_locate.tuner import replay as rp
 
-    ask = rp.Ask(IMAGE, ("square", "circle", "star", "diamond"))
-    answer = rp.Answer(
-        {"square": [(600, 700, 500, 300), (100, 100, 200, 200)], "diamond": [(10, 10, 110, 110)]}, ("circle",), True
-    )
-    sample = rp.replay_sample(ask, answer, [(12, 8, 108, 112)])
-    assert sample.record.turns[0].user == task_text("detect", ["square", "circle"]) and sample.dropped == 1
-    assert sample.record.turns[0].answer == (
-        "<ref>square</ref><box><100><100><200><200></box><ref>square</ref><box><500><300><600><700></box>"
-        "<ref>circle</ref><box>None</box>"
-    )
-    assert rp.replay_sample(ask, rp.Answer(answer.boxes, (), False), []).record is None
-    assert rp.replay_sample(rp.Ask(IMAGE, ("star",)), rp.Answer({}, (), True), []).reason == "nothing kept"
+    first, second = rp.Ask(IMAGE, ("square", "circle", "star")), rp.Ask(IMAGE, ("diamond", "triangle"))
+    answers = [
+        (first, rp.Answer({"square": [(600, 700, 500, 300), (100, 100, 200, 200)]}, ("circle",), True)),
+        (second, rp.Answer({"diamond": [(10, 10, 110, 110)]}, ("triangle", "diamond"), True)),
+    ]
+    know = rp.knowledge(answers, new_boxes=[(12, 8, 108, 112)])
+    squares = "<ref>square</ref><box><100><100><200><200></box><ref>square</ref><box><500><300><600><700></box>"
+    assert know.found == {"square": squares} and know.dropped == 1
+    assert know.absent == {
+        "circle": "<ref>circle</ref><box>None</box>",
+        "triangle": "<ref>triangle</ref><box>None</box>",
+    }
+    cut = rp.knowledge([(first, rp.Answer(answers[0][1].boxes, (), False))], [])
+    assert (cut.found, cut.absent, cut.cut) == ({}, {}, 1)
+    records = rp.replay_records(IMAGE, know, 3, np.random.default_rng(0))
+    prompts = [parse_task_text(r.turns[0].user)[1] for r in records]
+    assert "square" in prompts[0] and set(prompts[-1]) <= {"circle", "triangle"}  # found first, then Nones alone
+    parts = {**know.found, **know.absent}
+    assert [r.turns[0].answer for r in records] == ["".join(parts[c] for c in p) for p in prompts]
     # Only detection records name new words' objects: a referring phrase ("black shape") drops nothing.
-    from mlx_locate.tokenizer import Tokenizer
-
     keep = rp.Keep(("triangle",), 3, ("black shape", "cross"), "test")
     refer = Record(IMAGE, (Turn("Locate all the instances that match the following description: black shape.",
                                 "<ref>black shape</ref><box><1><2><3><4></box>"),), "r")  # fmt: skip
@@ -676,7 +700,7 @@ def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, mon
     from mlx_locate.finetune import build_parser
     from mlx_locate.finetune import options as cli_options
     from mlx_locate.metrics import iou
-    from mlx_locate.prompts import task_text
+    from mlx_locate.prompts import parse_task_text, task_text
     from mlx_locate.tokenizer import Tokenizer
     from mlx_locate.tuner import finetune as ft
     from mlx_locate.tuner.synthetic import SHAPES, write_word_only_data
@@ -700,27 +724,26 @@ def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, mon
     replayed = [e for b in batches for e in b if e.record.where.startswith("replay:")]
     assert len(replayed) == math.floor(4 * 4 * options.replay) and result.replay_samples > 0
     tok, ids = Tokenizer.from_folder(DEMO_DIR), load("demo").token_ids
-    asked = {
-        Path(d["image"]): d["categories"] for d in map(json.loads, (result.out / "replay.jsonl").open()) if "image" in d
-    }
+    cache = [json.loads(line) for line in (result.out / "replay.jsonl").read_text().splitlines()]
+    assert cache[0]["replay"]["mode"] == "slow"
     model = ft.inference_model(ft.load_base("demo"))
-    crosses = {r.image: [o.box_norm for o in ft.truth_of(r.turns[0].answer, tok, ids, (1, 1))] for r in train}
-    for e in replayed:
-        categories = asked[e.record.image]
+    crosses = {r.image: [o.box_norm for o in ft.truth_of(r.turns[0].answer, tok, ids, (1, 1))] for r in train + held}
+    said = {}  # (image, category) -> the base's answer about it, asked again
+    for d in cache[1:]:
+        image, categories = Path(d["image"]), d["categories"]
         assert set(categories) <= set(SHAPES)  # never "cross"
-        base = model.locate(e.record.image, prompt=task_text("detect", categories), mode="slow", max_tokens=512)
-        want = ""
+        base = model.locate(image, prompt=task_text("detect", categories), mode="slow", max_tokens=512)
         for c in categories:
-            boxes = sorted(
-                {
-                    (*map(min, b[:2], b[2:]), *map(max, b[:2], b[2:]))
-                    for b in (o.box_norm for o in base.objects if o.label == c)
-                }
+            boxes = {(min(b[0], b[2]), min(b[1], b[3]), max(b[0], b[2]), max(b[1], b[3]))
+                     for b in (o.box_norm for o in base.objects if o.label == c)}  # fmt: skip
+            mine = [b for b in sorted(boxes) if not any(iou(b, x) >= 0.5 for x in crosses[image])]
+            said[image, c] = "".join(f"<ref>{c}</ref><box>{''.join(f'<{v}>' for v in b)}</box>" for b in mine)
+            said[image, c] = said[image, c] or (
+                f"<ref>{c}</ref><box>None</box>" if not boxes and c in base.empty_labels else None
             )
-            mine = [b for b in boxes if not any(iou(b, x) >= 0.5 for x in crosses[e.record.image])]
-            want += "".join(f"<ref>{c}</ref><box>{''.join(f'<{v}>' for v in b)}</box>" for b in mine)
-            want += f"<ref>{c}</ref><box>None</box>" if not boxes and c in base.empty_labels else ""
-        assert e.record.turns[0].answer == want and want
+    for e in replayed:
+        want = "".join(said[e.record.image, c] for c in parse_task_text(e.record.turns[0].user)[1])
+        assert e.record.turns[0].answer == want
         rows = encode_record(e.record, e.grid, tok, ids)
         assert rows.ids.tolist() == e.rows.ids.tolist() and rows.targets.tolist() == e.rows.targets.tolist()
         supervised = [int(t) for t, k in zip(e.rows.targets, e.rows.kinds, strict=True) if k == 1]

@@ -41,7 +41,7 @@ from ..projector import merge_2x2
 from ..tokenizer import Tokenizer
 from ..vision import rope2d_tables
 from . import replay as rp
-from .datasets import Example, Record, box_counts, encode_record, record_labels, truth_of
+from .datasets import Example, Record, box_counts, encode_record, norm_label, record_labels, truth_of
 from .lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
 from .train import (
     KIND_NTP,
@@ -347,22 +347,32 @@ def make_batch(
 # --- Evaluation ------------------------------------------------------------------------------------------------
 
 
+def f1_of(counts) -> float | None:
+    matched, pred, gt = counts
+    return 2 * int(matched) / int(pred + gt) if pred + gt else None
+
+
 def mode_scores(pairs: list[tuple[Example, object]]) -> dict:
-    """F1@0.5 of the boxes matched within their labels (`f1@0.5`) and regardless of them (`box_f1@0.5`), the
-    counts, how often decoding ended by itself, and failed requests, over (example, result) pairs."""
+    """F1@0.5 of the boxes matched within their labels (`f1@0.5`, and per label: `per_label`, a label the model
+    wrote instead of the asked one included) and regardless of them (`box_f1@0.5`), the counts, how often decoding
+    ended by itself, and failed requests, over (example, result) pairs."""
     counts, boxes, ended, errors = np.zeros(3, int), np.zeros(3, int), 0, 0
+    per_label: dict[str, np.ndarray] = {}
     for e, r in pairs:
-        found = [] if isinstance(r, RequestError) else r.objects
+        found = [] if isinstance(r, RequestError) else [o for o in r.objects if o.box_norm is not None]
         counts += box_counts(e.truth, found)
         boxes += box_counts(e.truth, found, labels=False)
+        for label in {norm_label(o.label) for o in e.truth + found if o.box_norm is not None}:
+            mine = [[o for o in objects if norm_label(o.label) == label] for objects in (e.truth, found)]
+            per_label[label] = per_label.get(label, np.zeros(3, int)) + box_counts(*mine)
         errors += isinstance(r, RequestError)
         ended += not isinstance(r, RequestError) and r.stats["stop_reason"] != "length_cap"
-    matched, pred, gt = (int(v) for v in counts)
     return {
-        "f1@0.5": 2 * matched / (pred + gt) if pred + gt else None,
-        "box_f1@0.5": 2 * int(boxes[0]) / (pred + gt) if pred + gt else None,
-        "boxes_pred": pred,
-        "boxes_gt": gt,
+        "f1@0.5": f1_of(counts),
+        "box_f1@0.5": f1_of((boxes[0], counts[1], counts[2])),
+        "per_label": {label: f1_of(c) for label, c in sorted(per_label.items())},
+        "boxes_pred": int(counts[1]),
+        "boxes_gt": int(counts[2]),
         "ended_rate": ended / len(pairs) if pairs else None,
         "errors": errors,
     }
@@ -435,36 +445,40 @@ def base_answers(
     shown = ", ".join(keep.categories[:8]) + (f", ... ({len(keep.categories)})" if len(keep.categories) > 8 else "")
     say(f"[INFO] kept categories ({keep.source}): {shown}{new}")
     kept_held = [e for e in held if is_kept(e.record, keep)]
-    train_asks, held_asks = [], []
-    if options.replay:
-        images = len({r.image for r in train_records})
-        per_image = rp.prompts_per_image(options.steps, options.batch_size, options.replay, images)
-        train_asks = rp.plan_asks(train_records, keep, per_image, options.seed, 0)
+    train_asks = rp.plan_asks(train_records, keep, options.seed, 0) if options.replay else []
+    held_asks = []
     if not kept_held:
         images = list(dict.fromkeys(e.record.image for e in held))[: options.eval_samples]
-        held_asks = rp.plan_asks([e.record for e in held], keep, 1, options.seed, 1, images)
-    asks = train_asks + held_asks
-    if not asks:
+        held_asks = rp.plan_asks([e.record for e in held], keep, options.seed, 1, images)
+    if not train_asks + held_asks:
         return [], kept_held, "the held-out data" if kept_held else None
-    answers = rp.label(inference_model(base), asks, out / rp.CACHE_FILE, rp.cache_key(base.path), resume, progress, say)
-    records = train_records + [e.record for e in held]
-    new_boxes = rp.new_word_boxes(records, keep, base.tokenizer, base.network.token_ids)
-    samples = [rp.replay_sample(a, x, new_boxes.get(a.image, [])) for a, x in zip(asks, answers, strict=True)]
+    answers = rp.label(
+        inference_model(base),
+        train_asks + held_asks,
+        out / rp.CACHE_FILE,
+        rp.cache_key(base.path),
+        resume,
+        progress,
+        say,
+    )
+    new_boxes = rp.new_word_boxes(
+        train_records + [e.record for e in held], keep, base.tokenizer, base.network.token_ids
+    )
     max_length = base.max_length()
-    pool, _ = encode_examples(base, [s.record for s in samples[: len(train_asks)] if s.record], max_length)
+    pool = []
     if train_asks:
-        reasons: dict[str, int] = {}
-        for s in samples[: len(train_asks)]:
-            if s.reason:
-                reasons[s.reason] = reasons.get(s.reason, 0) + 1
-        left = "".join(f"; {n} {reason}" for reason, n in reasons.items())
-        dropped = sum(s.dropped for s in samples)
-        on_new = f"; {dropped} boxes on new words dropped" if dropped else ""
-        say(f"[INFO] replay: {len(pool)} samples of the base's answers{left}{on_new}")
-    if held_asks:
-        kept_held, _ = encode_examples(base, [s.record for s in samples[len(train_asks) :] if s.record], max_length)
-        return pool, kept_held, "the base's answers"
-    return pool, kept_held, "the held-out data"
+        records, n = rp.replay_set(train_asks, answers[: len(train_asks)], new_boxes, keep.per_prompt, options.seed, 0)
+        pool, _ = encode_examples(base, records, max_length)
+        say(
+            f"[INFO] replay: {len(pool)} samples from the base's answers ({n['found']} categories found, "
+            f"{n['absent']} answered None; {n['cut']} answers cut or failed, {n['dropped']} boxes on new words "
+            "dropped)"
+        )
+    if not held_asks:
+        return pool, kept_held, "the held-out data"
+    records, _ = rp.replay_set(held_asks, answers[len(train_asks) :], new_boxes, keep.per_prompt, options.seed, 1)
+    kept_held, _ = encode_examples(base, records, max_length)
+    return pool, kept_held, "the base's answers"
 
 
 def fmt(value: float | None) -> str:
@@ -657,7 +671,8 @@ def finetune(
                 f"held-out F1, step {step}",
             )
             entry["eval"].update(scores)
-        say(eval_line(entry))
+        if held or kept_held:
+            say(eval_line(entry))
         return entry
 
     def record(entry: dict) -> None:

@@ -7,15 +7,16 @@ images. Its answers become samples in the model's own grammar, records encoded l
 - **Kept categories**: the caller's list, else the checkpoint's (`cards.known_categories`: the demo's shapes,
   COCO's 80 for LocateAnything-3B). A label of the data that is not kept is a new word. It is never asked in a
   replay prompt, because the base's answer about it would be wrong.
-- **Prompts**: per image, the kept categories that none of the image's own records asks about (the data is the
-  truth there) are cut into a seeded random partition of prompts of 1..`per_prompt` categories. Only as many
-  prompts are labelled as the run will use.
+- **Asking**: per image, each kept category that none of the image's own records asks about (the data is the
+  truth there) is asked once, in prompts of `per_prompt` categories: a few requests per image.
 - **Answers**: the base's boxes (corners ordered, ascending x1 then y1) and its `<box>None</box>`s. A box on an
   object that the data's detection records name with a new word (IoU >= 0.5) is a confusion, not knowledge (the
   demo calls crosses diamonds): it is dropped, and a category left without boxes leaves the prompt, so every
   None in a replay answer is one the base wrote. Referring phrases do not drop boxes ("black shape" is still a
   triangle). A category the base did not answer also leaves the prompt. An answer cut by the length cap, or a
   failed request, gives no sample.
+- **Samples**: detection prompts composed of the base's answers per category (`replay_records`), mostly about
+  what it found, as detection training data is: each answer is the base's parts in the prompt's order.
 - **Cache**: the answers go to `replay.jsonl` in the output folder, and a resumed run reads them back.
 """
 
@@ -44,7 +45,8 @@ LABEL_MAX_TOKENS = 512
 CACHE_FILE = "replay.jsonl"
 NEW_WORD_IOU = 0.5  # a base box this close to a new word's box is that object, misnamed
 DEFAULT_PER_PROMPT = 10  # categories per prompt for a list given without a checkpoint's own
-REPLAY_STREAM = 7  # the seed stream of the prompt partitions, apart from the batches'
+REPLAY_STREAM = 7  # the seed stream of the prompts, apart from the batches'
+ABSENT_JOIN = 0.5  # chance that a prompt of found categories also asks one the base answered None
 
 Box = tuple[int, int, int, int]
 
@@ -89,25 +91,18 @@ class Ask:
         return task_text("detect", list(self.categories))
 
 
-def plan_asks(
-    records: list[Record], keep: Keep, per_image: int, seed: int, split: int, images: list[Path] | None = None
-) -> list[Ask]:
-    """Up to `per_image` prompts per image (of `images`, default every image of `records`, in order): a seeded
-    partition (stream `split`) of the kept categories that none of the image's records asks about."""
+def plan_asks(records: list[Record], keep: Keep, seed: int, split: int, images: list[Path] | None = None) -> list[Ask]:
+    """Every kept category that none of an image's records asks about, once per image (of `images`, default every
+    image of `records`, in order), in prompts of `per_prompt` categories over a seeded shuffle (stream `split`)."""
     asked: dict[Path, set[str]] = {}
     for r in records:
         asked.setdefault(r.image, set()).update(record_labels(r))
     asks = []
     for k, image in enumerate(images if images is not None else list(asked)):
         pool = [c for c in keep.categories if norm_label(c) not in asked.get(image, set())]
-        rng = np.random.default_rng([seed, REPLAY_STREAM, split, k])
-        order, start = rng.permutation(len(pool)), 0
-        for _ in range(per_image):
-            if start >= len(pool):
-                break
-            n = int(rng.integers(1, keep.per_prompt + 1))
-            asks.append(Ask(image, tuple(pool[j] for j in order[start : start + n])))
-            start += n
+        order = np.random.default_rng([seed, REPLAY_STREAM, split, k]).permutation(len(pool))
+        for start in range(0, len(pool), keep.per_prompt):
+            asks.append(Ask(image, tuple(pool[j] for j in order[start : start + keep.per_prompt])))
     return asks
 
 
@@ -146,36 +141,57 @@ def ordered(box: Box) -> Box:
     return min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
 
 
-@dataclass(frozen=True)
-class Sample:
-    """A replay record, or why an ask gave none, with the boxes it dropped on new words."""
+@dataclass
+class Knowledge:
+    """What the base said about one image's kept categories, as answer parts in the data's grammar."""
 
-    record: Record | None
-    reason: str | None
-    dropped: int
+    found: dict[str, str]  # category -> "<ref>c</ref><box>..</box>..." (its boxes, ascending x1 then y1)
+    absent: dict[str, str]  # category -> "<ref>c</ref><box>None</box>" (the base's own None)
+    cut: int = 0  # answers cut by the length cap, or failed requests
+    dropped: int = 0  # boxes on objects the data names with a new word
 
 
-def replay_sample(ask: Ask, answer: Answer, new_boxes: list[Box]) -> Sample:
-    """The record an answer gives (see the module docstring), or the reason it gives none."""
-    if not answer.ended:
-        return Sample(None, "cut by the length cap or failed", 0)
-    parts, kept, dropped = [], [], 0
-    for c in ask.categories:
-        boxes = sorted({ordered(b) for b in answer.boxes.get(c, [])})
-        boxes = [b for b in boxes if b[0] < b[2] and b[1] < b[3]]
-        mine = [b for b in boxes if not any(iou(b, n) >= NEW_WORD_IOU for n in new_boxes)]
-        dropped += len(boxes) - len(mine)
-        if mine:
-            parts.append("".join(f"<ref>{c}</ref><box>{''.join(f'<{v}>' for v in b)}</box>" for b in mine))
-        elif c in answer.none and not boxes:
-            parts.append(f"<ref>{c}</ref><box>None</box>")
-        else:
-            continue  # not answered, or only boxes on new words: the base said nothing we can keep
-        kept.append(c)
-    if not kept:
-        return Sample(None, "nothing kept", dropped)
-    turn = Turn(task_text("detect", kept), "".join(parts))
-    return Sample(Record(ask.image, (turn,), f"replay: {ask.image} ({', '.join(kept)})"), None, dropped)
+def knowledge(answers: list[tuple[Ask, Answer]], new_boxes: list[Box]) -> Knowledge:
+    """One image's answers as parts (see the module docstring: what is kept, dropped and left out)."""
+    know = Knowledge({}, {})
+    for ask, answer in answers:
+        if not answer.ended:
+            know.cut += 1
+            continue
+        for c in ask.categories:
+            boxes = [b for b in sorted({ordered(b) for b in answer.boxes.get(c, [])}) if b[0] < b[2] and b[1] < b[3]]
+            mine = [b for b in boxes if not any(iou(b, n) >= NEW_WORD_IOU for n in new_boxes)]
+            know.dropped += len(boxes) - len(mine)
+            if mine:
+                know.found[c] = "".join(f"<ref>{c}</ref><box>{''.join(f'<{v}>' for v in b)}</box>" for b in mine)
+            elif c in answer.none and not boxes:
+                know.absent[c] = f"<ref>{c}</ref><box>None</box>"
+    return know
+
+
+def replay_records(image: Path, know: Knowledge, per_prompt: int, rng: np.random.Generator) -> list[Record]:
+    """Detection samples of what the base found: its found categories in seeded groups of 1..`per_prompt`, each
+    joined by one category it answered None with probability `ABSENT_JOIN`, and one prompt of 1..`per_prompt`
+    such categories alone; each answer is the base's parts in the prompt's order."""
+    found, absent = list(know.found), list(know.absent)
+    prompts, order, start = [], rng.permutation(len(found)), 0
+    while start < len(found):
+        n = int(rng.integers(1, per_prompt + 1))
+        group = [found[j] for j in order[start : start + n]]
+        if absent and rng.random() < ABSENT_JOIN:
+            group.insert(int(rng.integers(len(group) + 1)), absent[int(rng.integers(len(absent)))])
+        prompts.append(group)
+        start += n
+    if absent:
+        n = int(rng.integers(1, min(per_prompt, len(absent)) + 1))
+        prompts.append([absent[j] for j in rng.permutation(len(absent))[:n]])
+    parts = {**know.found, **know.absent}
+    return [
+        Record(
+            image, (Turn(task_text("detect", p), "".join(parts[c] for c in p)),), f"replay: {image} ({', '.join(p)})"
+        )
+        for p in prompts
+    ]
 
 
 def new_word_boxes(records: list[Record], keep: Keep, tokenizer: Tokenizer, ids: TokenIds) -> dict[Path, list[Box]]:
@@ -189,6 +205,24 @@ def new_word_boxes(records: list[Record], keep: Keep, tokenizer: Tokenizer, ids:
                 if o.box_norm is not None and not keep.keeps(o.label or ""):
                     out.setdefault(r.image, []).append(ordered(tuple(o.box_norm)))
     return out
+
+
+def replay_set(
+    asks: list[Ask], answers: list[Answer], new_boxes: dict[Path, list[Box]], per_prompt: int, seed: int, split: int
+) -> tuple[list[Record], dict[str, int]]:
+    """The samples of every image's answers, and counts for messages: found and None categories, answers cut,
+    boxes dropped on new words."""
+    by_image: dict[Path, list[tuple[Ask, Answer]]] = {}
+    for a, x in zip(asks, answers, strict=True):
+        by_image.setdefault(a.image, []).append((a, x))
+    records, counts = [], {"found": 0, "absent": 0, "cut": 0, "dropped": 0}
+    for k, (image, pairs) in enumerate(by_image.items()):
+        know = knowledge(pairs, new_boxes.get(image, []))
+        records += replay_records(image, know, per_prompt, np.random.default_rng([seed, REPLAY_STREAM, split, k, 1]))
+        for key, n in (("found", len(know.found)), ("absent", len(know.absent)), ("cut", know.cut)):
+            counts[key] += n
+        counts["dropped"] += know.dropped
+    return records, counts
 
 
 def cache_key(model_path: str) -> dict:
@@ -240,8 +274,3 @@ def label(
 def replayed(steps: int, batch_size: int, replay: float) -> int:
     """Replay samples in the first `steps` batches: the share `replay` of their samples, rounded down."""
     return math.floor(steps * batch_size * replay)
-
-
-def prompts_per_image(steps: int, batch_size: int, replay: float, images: int) -> int:
-    """Prompts to label per image so that the run's replay samples come from different prompts."""
-    return max(1, math.ceil(replayed(steps, batch_size, replay) / max(images, 1)))
