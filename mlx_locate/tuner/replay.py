@@ -15,8 +15,8 @@ images. Its answers become samples in the model's own grammar, records encoded l
   None in a replay answer is one the base wrote. Referring phrases do not drop boxes ("black shape" is still a
   triangle). A category the base did not answer also leaves the prompt. An answer cut by the length cap, or a
   failed request, gives no sample.
-- **Samples**: detection prompts composed of the base's answers per category (`replay_records`), mostly about
-  what it found, as detection training data is: each answer is the base's parts in the prompt's order.
+- **Samples**: detection prompts composed of the base's answers per category (`replay_records`): as many about
+  what it found as about what it said is absent. Each answer is the base's parts in the prompt's order.
 - **Cache**: the answers go to `replay.jsonl` in the output folder, and a resumed run reads them back.
 """
 
@@ -169,22 +169,28 @@ def knowledge(answers: list[tuple[Ask, Answer]], new_boxes: list[Box]) -> Knowle
     return know
 
 
-def replay_records(image: Path, know: Knowledge, per_prompt: int, rng: np.random.Generator) -> list[Record]:
-    """Detection samples of what the base found: its found categories in seeded groups of 1..`per_prompt`, each
-    joined by one category it answered None with probability `ABSENT_JOIN`, and one prompt of 1..`per_prompt`
-    such categories alone; each answer is the base's parts in the prompt's order."""
-    found, absent = list(know.found), list(know.absent)
-    prompts, order, start = [], rng.permutation(len(found)), 0
-    while start < len(found):
+def groups(items: list[str], per_prompt: int, rng: np.random.Generator) -> list[list[str]]:
+    """`items` shuffled and cut into groups of 1..`per_prompt`."""
+    order, out, start = rng.permutation(len(items)), [], 0
+    while start < len(items):
         n = int(rng.integers(1, per_prompt + 1))
-        group = [found[j] for j in order[start : start + n]]
+        out.append([items[j] for j in order[start : start + n]])
+        start += n
+    return out
+
+
+def replay_records(image: Path, know: Knowledge, per_prompt: int, rng: np.random.Generator) -> list[Record]:
+    """Detection samples of what the base said: the categories it found in seeded groups of 1..`per_prompt`, each
+    joined by one it answered None with probability `ABSENT_JOIN`, and as many groups (at least one) of those it
+    answered None alone, so an image of new words is asked about known ones; each answer is the base's parts in
+    the prompt's order."""
+    found, absent = list(know.found), list(know.absent)
+    prompts = []
+    for group in groups(found, per_prompt, rng):
         if absent and rng.random() < ABSENT_JOIN:
             group.insert(int(rng.integers(len(group) + 1)), absent[int(rng.integers(len(absent)))])
         prompts.append(group)
-        start += n
-    if absent:
-        n = int(rng.integers(1, min(per_prompt, len(absent)) + 1))
-        prompts.append([absent[j] for j in rng.permutation(len(absent))[:n]])
+    prompts += groups(absent, per_prompt, rng)[: max(1, len(prompts))]
     parts = {**know.found, **know.absent}
     return [
         Record(
