@@ -8,8 +8,8 @@
   peak memory.
 - forgetting: the user's case of issue 26 (`synthetic.write_word_only_data`): 300 scenes of a new word, "cross",
   among circles and squares, only the crosses labelled; the walk-through's settings, with replay (the default share)
-  and without (`replay=0`). Held-out F1@0.5 per mode before and after, of the new word (24 scenes) and of the kept
-  words (each held-out scene asked for circles and for squares, answered from the scene).
+  and without (`replay=0`). Held-out F1@0.5 per mode before and after, of the new word (48 scenes) and of the kept
+  words (each held-out scene asked for circles and for squares, answered from the scene): the slow test's run.
 - inference: decode step costs (`bench.step_costs`: AR and block step at 512 cached tokens) of the 3B shapes
   without an adapter and with a rank-64 one on every projection: merged into the bf16 weights (what `load`
   does for a float base: the same cost by construction), and beside q8 / mixed_4_8 weights, fused
@@ -58,6 +58,8 @@ from mlx_locate.tuner.finetune import (  # noqa: E402
     DEMO_OPTIONS,
     DEMO_SPEC,
     DEMO_WORD,
+    WORD_ONLY,
+    WORD_ONLY_HELD_OUT,
     Base,
     FinetuneOptions,
     finetune,
@@ -125,7 +127,7 @@ def run_demo(work: Path, dtype: str) -> dict:
 def run_forgetting(work: Path, dtype: str) -> list[dict]:
     from mlx_locate.tuner.datasets import read_data
 
-    data = write_word_only_data(work / "cross", "cross", DISTRACTORS)
+    data = write_word_only_data(work / WORD_ONLY, WORD_ONLY, DISTRACTORS, held_out=WORD_ONLY_HELD_OUT)
     train, held = read_data(data / "train.jsonl"), read_data(data / "eval.jsonl")
     rows = []
     for replay in (DEMO_OPTIONS.replay, 0.0):
@@ -136,6 +138,7 @@ def run_forgetting(work: Path, dtype: str) -> list[dict]:
             progress=False, draw=False, say=quiet,
         )  # fmt: skip
         row = {"replay": replay, "wall_s": time.perf_counter() - t0, "replay_samples": result.replay_samples}
+        row["steps_per_s"] = result.steps_per_s
         for mode in options.eval_modes:
             for group, key in (("f1", "cross"), ("kept", "kept")):
                 row[f"{mode} {key}"] = [result.before[group][mode]["f1@0.5"], result.after[group][mode]["f1@0.5"]]

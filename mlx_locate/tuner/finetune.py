@@ -97,6 +97,10 @@ DEMO_SPEC = AdapterSpec(LoRASpec(rank=8, alpha=16, dropout=0.0), trainable=())
 DEMO_OPTIONS = FinetuneOptions(
     steps=150, batch_size=8, lr=1e-3, warmup=15, eval_every=0, eval_samples=24, eval_max_tokens=64, save_every=75
 )
+# The README's forgetting table, its test and the benchmark: data that labels only "cross" among circles and
+# squares (`synthetic.write_word_only_data`: 300 scenes, and held-out ones each also asked for every shape).
+WORD_ONLY = "cross"
+WORD_ONLY_HELD_OUT = 48
 
 
 @dataclass
