@@ -3,7 +3,7 @@
     python benchmarks/cluster_bench.py --model demo --actors 1 2                 # a local Ray cluster of CPU actors
     python benchmarks/cluster_bench.py --address HEAD_IP:6379 --actors 1 2 4 --folder /shared/photos --query car
 
-Runs the functions the command runs, over the same folder, timing each line as it comes back: `batch.annotate`
+Runs the functions the command runs, over the same folder, timing each line as it comes back: `annotate.annotate`
 in this process (the model loaded here first) and `cluster.ray_lines` on the cluster (`--address`, else a
 local one with as many CPUs as the most actors asked), each actor loading the model itself. Reports the
 time to the first line (process or actor start, model load, first batch), the whole run, images/s over the
@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from batch_bench import synthetic_folder  # noqa: E402
 
-from mlx_locate import batch, cluster  # noqa: E402
+from mlx_locate import annotate, batch, cluster  # noqa: E402
 from mlx_locate.locate import load  # noqa: E402
 
 
-def timed(lines: Iterator[batch.Annotated], t0: float, n: int, label: str) -> dict:
+def timed(lines: Iterator[annotate.Annotated], t0: float, n: int, label: str) -> dict:
     """Drain `lines`, timing each from `t0`: the run's figures and its token ids by image."""
     stamps, token_ids, workers = [], {}, set()
     for line, _, worker in lines:
@@ -73,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.folder) if args.folder else synthetic_folder(Path(args.workdir) / f"scenes{args.scenes}", args.scenes)
     )
     paths = [str(Path(path).resolve()) for path in batch.list_images(str(folder))]
-    questions = tuple(batch.Question("detect", q) for q in args.query or ["square"])
-    settings = batch.Settings(questions, mode=args.mode, max_tokens=args.max_tokens, batch_size=args.batch_size)
+    questions = tuple(annotate.Question("detect", q) for q in args.query or ["square"])
+    settings = annotate.Settings(questions, mode=args.mode, max_tokens=args.max_tokens, max_rows=args.batch_size)
 
     t0 = time.perf_counter()
-    runs = [timed(batch.annotate(load(args.model), paths, settings), t0, len(paths), "one process, no Ray")]
+    runs = [timed(annotate.annotate(load(args.model), paths, settings), t0, len(paths), "one process, no Ray")]
     t0 = time.perf_counter()
     if args.address:
         ray.init(address=args.address)

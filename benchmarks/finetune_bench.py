@@ -49,6 +49,16 @@ from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
+from mlx_locate.lora import (  # noqa: E402
+    DECODER_PREFIX,
+    Adapter,
+    AdapterSpec,
+    LoRALinear,
+    LoRASpec,
+    apply_adapter,
+    layer_targets,
+    linear_dims,
+)
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import DEFAULT_TOKENIZER_DIR, PRESETS  # noqa: E402
@@ -64,16 +74,6 @@ from mlx_locate.tuner.finetune import (  # noqa: E402
     FinetuneOptions,
     finetune,
     load_base,
-)
-from mlx_locate.tuner.lora import (  # noqa: E402
-    DECODER_PREFIX,
-    Adapter,
-    AdapterSpec,
-    LoRALinear,
-    LoRASpec,
-    apply_adapter,
-    layer_targets,
-    linear_dims,
 )
 from mlx_locate.tuner.synthetic import DISTRACTORS, write_novel_data, write_word_only_data  # noqa: E402
 

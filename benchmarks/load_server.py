@@ -1,8 +1,11 @@
 """Load on the server: 1, 4, 16 and 64 concurrent clients; requests/s, p50/p99 latency, every request answered
 and equal to the same request sent alone. `--soak` adds a long run with bad requests mixed in (memory, losses).
+`--mixed` measures fairness: small requests beside tiled and many-query calls, with the worker's fair admission
+and with first-come order.
 
     python benchmarks/load_server.py --http                          # this machine: mlx-locate-server, demo model
     python benchmarks/load_server.py --http --soak 600 --json benchmarks/results/load_soak.json
+    python benchmarks/load_server.py --mixed --json benchmarks/results/load_server_mixed_demo.json
     python benchmarks/load_server.py --preset 3b --in-memory         # the GPU machine: no FastAPI needed
 
 Two ways to drive it:
@@ -284,6 +287,79 @@ async def soak(target: OverHttp, pool: list[Ask], alone: dict[Ask, str], seconds
     }
 
 
+MIXED_TILES = (4, 4)  # a tiled call: 16 tiles and the whole image, 17 views
+MIXED_QUERIES = 16  # a many-query call
+
+
+async def mixed_run(load, image: Image.Image, fair: bool, args: argparse.Namespace) -> dict:
+    """One tiled client and one many-query client loop while `args.small_clients` clients send
+    `args.small_requests` one-query requests in turn; the small requests' latencies, and whether their tokens
+    equal those of the same request alone."""
+    worker = Worker(load, max_queue=100_000, fair=fair).start()
+    worker.wait_ready()
+    queries = [DEMO_QUERIES[i % len(DEMO_QUERIES)] for i in range(MIXED_QUERIES)]
+    options = {"mode": "fast", "max_tokens": args.max_tokens}
+
+    async def call(requests: list[Request]) -> list:
+        async with Job(worker, requests) as job:
+            return await job.results()
+
+    alone = {q: (await call([Request(image, q, **options)]))[0].token_ids for q in DEMO_QUERIES}
+    tiled = [Request(image, "square", tiles=MIXED_TILES, **options)]
+    many = [Request(image, q, **options) for q in queries]
+    # The shapes of this mix (tile sizes, batch sizes) compile once, before anything is timed.
+    await asyncio.gather(call(tiled), call(many), *(call([Request(image, q, **options)]) for q in DEMO_QUERIES))
+    done = asyncio.Event()
+    big = {"tiled": 0, "many_query": 0}
+
+    async def big_client(name: str, requests: list[Request]) -> None:
+        while not done.is_set():
+            await call(requests)
+            big[name] += 1
+
+    latencies, equal = [], 0
+
+    async def small_client(k: int) -> None:
+        nonlocal equal
+        await asyncio.sleep(0.5)  # the big calls are queued first
+        for i in range(k, args.small_requests, args.small_clients):
+            query = DEMO_QUERIES[i % len(DEMO_QUERIES)]
+            t0 = time.perf_counter()
+            (result,) = await call([Request(image, query, **options)])
+            latencies.append(time.perf_counter() - t0)
+            equal += result.token_ids == alone[query]
+
+    bigs = [asyncio.ensure_future(big_client("tiled", tiled)), asyncio.ensure_future(big_client("many_query", many))]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(small_client(k) for k in range(args.small_clients)))
+    wall = time.perf_counter() - t0
+    done.set()
+    await asyncio.gather(*bigs)
+    worker.stop()
+    return {
+        "admission": "fair (round-robin across calls)" if fair else "first come",
+        "small_requests": len(latencies),
+        "small_equal_to_alone": equal,
+        "small_p50_s": percentile(latencies, 50),
+        "small_p99_s": percentile(latencies, 99),
+        "small_max_s": max(latencies),
+        "tiled_calls_done": big["tiled"],
+        "many_query_calls_done": big["many_query"],
+        "wall_s": wall,
+    }
+
+
+def print_mixed(runs: list[dict]) -> None:
+    print("| admission | small p50 | small p99 | small max | small equal to alone | tiled calls | 16-query calls |")
+    print("|---|---|---|---|---|---|---|")
+    for r in runs:
+        print(
+            f"| {r['admission']} | {r['small_p50_s']:.2f} s | {r['small_p99_s']:.2f} s | {r['small_max_s']:.2f} s | "
+            f"{r['small_equal_to_alone']}/{r['small_requests']} | {r['tiled_calls_done']} | "
+            f"{r['many_query_calls_done']} |"
+        )
+
+
 async def measure(target, pool: list[Ask], args: argparse.Namespace, report: dict) -> None:
     """Each request alone, then each level of concurrency, then the soak; fills `report`."""
     t0 = time.perf_counter()
@@ -314,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--soak", type=float, default=0, metavar="SECONDS", help="then soak for this long (--http)")
     p.add_argument("--soak-clients", type=int, default=8)
+    p.add_argument("--mixed", action="store_true", help="fairness: small requests beside tiled and many-query calls")
+    p.add_argument("--small-requests", type=int, default=40, help="with --mixed: one-query requests measured")
+    p.add_argument("--small-clients", type=int, default=2, help="with --mixed: clients sending them")
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     if args.preset and (args.http or not args.in_memory):
@@ -329,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         images, queries = demo_images(), DEMO_QUERIES
         load = lambda: mlx_locate.load(args.model)  # noqa: E731
+    if args.mixed:
+        report = {"model": args.preset or args.model, "machine": platform.machine(), "cpus": os.cpu_count()}
+        report |= {"max_tokens": args.max_tokens, "tiles": list(MIXED_TILES), "many_queries": MIXED_QUERIES}
+        image = next(iter(images.values()))
+        report["runs"] = [asyncio.run(mixed_run(load, image, fair, args)) for fair in (True, False)]
+        print_mixed(report["runs"])
+        return write_report(args.json, report)
     pool = [Ask(i, q, m) for i in images for q in queries for m in args.modes]
     max_queue = max(256, max(args.clients) * 2)
     t0 = time.perf_counter()
@@ -350,10 +436,14 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(measure(target, pool, args, report))
     finally:
         target.close()
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    return write_report(args.json, report)
+
+
+def write_report(path: str | None, report: dict) -> int:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {path}")
     return 0
 
 

@@ -1,9 +1,10 @@
 """mlx_locate: NVIDIA LocateAnything grounding on Apple MLX, with Parallel Box Decoding."""
 
 from .decide import Guards, Mode
-from .engine import Engine, EngineEvent, EventKind, Handle, Request, RequestError
-from .locate import LocateModel, Result, load
+from .engine import Engine, EngineEvent, EventKind, Handle
+from .locate import LocateModel, load
 from .parse import LocatedObject
+from .request import Request, RequestError, Result
 from .sampling import Sampling
 
 __all__ = [

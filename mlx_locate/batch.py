@@ -5,7 +5,8 @@
 `--query` under `--task`, or a raw `--prompt`. Output formats:
 
 - `--out results.jsonl`: one line per image, written, flushed and fsynced as soon as all its questions are
-  answered (lines may come out of order): `{"image": PATH, "size": [W, H], "results": [{"task": T,
+  answered, then, once the run is done, in the sorted order of the image paths (`annotate.write_sorted`), so a
+  run, a resumed run and merged shards write the same file: `{"image": PATH, "size": [W, H], "results": [{"task": T,
   "query": Q} or {"prompt": P}, ...Result.to_dict()}, ...]}`, results in the order of the questions (lean:
   without `prompt_ids` and `token_probs` unless `--full`). An image that cannot be read, decoded or
   preprocessed, or whose prompt does not fit, gets `{"image": PATH, "error": "..."}` and the run goes on;
@@ -16,7 +17,8 @@
   in pixels; points are not boxes and are left out. `category_id` is the 1-based position of the question;
   `image_id` the 1-based position of the image in the sorted list of all images. The tables go next to it
   as `out.images.json`: `{"images": [{"id", "file_name", "width", "height"}], "categories": [{"id", "name"}]}`.
-- `--draw DIR`: `DIR/<image file name>.png` with every question's objects drawn. Images already in the JSONL
+- `--draw DIR`: `DIR/<image file name>` (same name and format; `.png` added to a name without an image
+  suffix) with every question's objects drawn. Images already in the JSONL
   whose drawing is missing are drawn from their JSONL line, without the model.
 
 Many machines: `--shard I/N` runs the I-th of N disjoint parts (a stable hash of each path), `--merge OUT
@@ -35,88 +37,32 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import NamedTuple
 
 from PIL import Image
 from tqdm import tqdm
 
-from . import jsonl
-from .decide import Mode
+from . import cli, jsonl
+from .annotate import (
+    LEAN_DROPPED,
+    Annotated,
+    Jsonl,
+    OutputError,
+    Question,
+    Settings,
+    annotate,
+    output_lines,
+    question_keys,
+    read_image,
+    scan_output,
+    write_sorted,
+)
 from .draw import draw_objects
-from .engine import EventKind, Request
-from .generate import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_MODEL, DEFAULT_TASK, DTYPES, positive_int, tiles_arg
-from .locate import LocateModel, Result, load
 from .parse import LocatedObject
-from .preprocess import load_image
-from .prompts import TASKS, task_text
-from .tiles import check_tiling
+from .prompts import task_text
+from .request import DEFAULT_TASK
 
 DEFAULT_IMAGES_PER_TASK = 16
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-LEAN_DROPPED = ("prompt_ids", "token_probs")  # per-token fields left out of the JSONL unless --full
-QUESTION_KEYS = ("task", "query", "prompt")  # what a result entry says about its question
-LINE_START = b'{"image": '  # how every line Jsonl writes begins (json.dumps keeps the key order)
-
-
-class Question(NamedTuple):
-    """One question asked of every image: `query` under `task`, or raw user text `prompt`."""
-
-    task: str | None
-    query: str | None
-    prompt: str | None = None
-
-    def key(self) -> dict:
-        """How the JSONL names this question in each result entry."""
-        return {"prompt": self.prompt} if self.prompt is not None else {"task": self.task, "query": self.query}
-
-    def name(self) -> str:
-        """The COCO category name."""
-        return next(v for v in (self.prompt, self.query, self.task) if v is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Everything one image's requests and its JSONL line depend on (sent to Ray workers as is)."""
-
-    questions: tuple[Question, ...]
-    mode: str = DEFAULT_MODE
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    strict: bool = False
-    max_pixels: int | None = None
-    tiles: str | tuple[int, int] | None = None  # "auto" or (rows, cols): tiles decoded together and merged
-    tile_overlap: float = Request.tile_overlap
-    tile_whole: bool = Request.tile_whole
-    full: bool = False  # keep LEAN_DROPPED
-    batch_size: int | None = None  # engine rows; None: engine.default_rows()
-
-    def requests(self, image: Image.Image, path: str) -> list[Request]:
-        return [
-            Request(
-                image,
-                q.query,
-                task=q.task or DEFAULT_TASK,
-                prompt=q.prompt,
-                mode=self.mode,
-                max_tokens=self.max_tokens,
-                strict=self.strict,
-                max_pixels=self.max_pixels,
-                tiles=self.tiles,
-                tile_overlap=self.tile_overlap,
-                tile_whole=self.tile_whole,
-                tag=(path, i),
-            )
-            for i, q in enumerate(self.questions)
-        ]
-
-
-class Annotated(NamedTuple):
-    line: dict  # the image's JSONL line
-    image: Image.Image | None  # the decoded image (for drawing); None for an error line or a remote one
-    worker: str | None = None  # "host:pid" of the Ray worker that made the line
-
-
-class OutputError(Exception):
-    """Writing the results failed (disk full, permission): the run stops, the lines written stay."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,42 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run LocateAnything questions over a folder of images; resumable JSONL, COCO results, drawings; "
         "shards, merging and Ray clusters for many machines.",
     )
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="checkpoint folder, Hugging Face hub id or 'demo' (default: demo, the bundled tiny model)",
-    )
+    cli.add_model(p)
     p.add_argument(
         "--images",
         help=f"a folder (its files ending in {', '.join(IMAGE_SUFFIXES)}), a glob pattern ('**' recurses) or a "
         '.jsonl list of paths (one JSON string or {"image": PATH} per line; relative to the list\'s folder)',
     )
-    p.add_argument("--task", choices=TASKS, help=f"prompt template for --query (default: {DEFAULT_TASK})")
-    p.add_argument("--query", action="append", help="what to find; repeat for several questions (COCO categories)")
-    p.add_argument("--prompt", action="append", help="raw user text, sent as is; repeatable; replaces --task/--query")
-    p.add_argument("--mode", choices=[m.value for m in Mode], default=DEFAULT_MODE, help="(default: %(default)s)")
-    p.add_argument(
-        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="generated tokens (default: %(default)s)"
-    )
-    p.add_argument("--strict", action="store_true", help="the reference's decisions exactly: every guard off")
-    p.add_argument(
-        "--batch-size",
-        type=positive_int,
-        help="requests decoded together in one engine (default: sized for the machine, 16 on a GPU, 4 on a CPU)",
-    )
-    p.add_argument(
-        "--max-pixels", type=positive_int, help="largest image accepted, in pixels (default: Pillow's, about 89.5 M)"
-    )
-    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
-    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder applied on top of --model")
-    p.add_argument(
-        "--tiles",
-        type=tiles_arg,
-        metavar="auto|ROWSxCOLS",
-        help="decode overlapping tiles (and the whole image) of each image as one batch and merge their objects",
-    )
-    p.add_argument("--tile-overlap", type=float, help="fraction of a tile shared with its neighbour (default: 0.2)")
-    p.add_argument("--no-tile-whole", action="store_true", help="decode the tiles only, not the whole image too")
+    cli.add_questions(p)
+    cli.add_max_pixels(p)
+    cli.add_rows(p)
+    cli.add_progress(p)
+    cli.add_decoding(p)
+    cli.add_sampling(p)
+    cli.add_tiling(p)
     p.add_argument("--out", help="JSONL results, one line per image; an existing file is resumed")
     p.add_argument("--full", action="store_true", help=f"keep {' and '.join(LEAN_DROPPED)} in the JSONL")
     p.add_argument("--coco", metavar="PATH", help="also write COCO detection results (and PATH's .images.json)")
@@ -185,11 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the one `ray start` made on this machine, else a local one",
     )
     m.add_argument(
-        "--actors", type=positive_int, help="Ray: model copies (default: one per 'mlx' resource, GPU or node)"
+        "--actors", type=cli.positive_int, help="Ray: model copies (default: one per 'mlx' resource, GPU or node)"
     )
     m.add_argument(
         "--images-per-task",
-        type=positive_int,
+        type=cli.positive_int,
         default=DEFAULT_IMAGES_PER_TASK,
         help="Ray: images sent to a worker at once; a dead worker's task is redone elsewhere (default: %(default)s)",
     )
@@ -225,14 +148,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         return
     if args.images is None or args.out is None:
         parser.error("--images and --out are required (or --merge OUT PART...)")
-    if args.prompt is not None and (args.task is not None or args.query):
-        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
+    cli.check_questions(parser, args)
+    cli.check_decoding(parser, args)
+    cli.check_tiling_flags(parser, args)
     if args.overwrite and not (args.coco or args.draw):
         parser.error("--overwrite only applies to --coco and --draw")
     if args.ray is None and args.actors is not None:
         parser.error("--actors only applies to --ray")
-    if args.tiles is None and (args.no_tile_whole or args.tile_overlap is not None):
-        parser.error("--tile-overlap and --no-tile-whole only apply with --tiles")
 
 
 def settings_of(args: argparse.Namespace) -> Settings:
@@ -245,20 +167,12 @@ def settings_of(args: argparse.Namespace) -> Settings:
     for q in questions:
         if q.prompt is None:
             task_text(q.task, q.query)
-    overlap = Request.tile_overlap if args.tile_overlap is None else args.tile_overlap
-    if args.tiles is not None:
-        check_tiling(args.tiles, overlap)
     return Settings(
         questions=questions,
-        mode=args.mode,
-        max_tokens=args.max_tokens,
-        strict=args.strict,
+        options={**cli.request_options(args), **cli.tiling_of(args)},
         max_pixels=args.max_pixels,
-        tiles=args.tiles,
-        tile_overlap=overlap,
-        tile_whole=not args.no_tile_whole,
         full=args.full,
-        batch_size=args.batch_size,
+        max_rows=args.max_rows,
     )
 
 
@@ -291,115 +205,10 @@ def read_manifest(path: Path) -> list[Path]:
 
 
 def drawing_path(folder: str | Path, image: str) -> Path:
-    return Path(folder) / f"{Path(image).name}.png"
-
-
-def question_keys(entry: dict) -> list[dict]:
-    return [{k: r[k] for k in QUESTION_KEYS if k in r} for r in entry["results"]]
-
-
-def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool = True) -> dict[str, bool]:
-    """The images already in the JSONL at `path`, each mapped to whether it was answered (False: error line).
-
-    A complete line that is not JSON or not ours, or that answers other questions than `questions`, raises
-    `ValueError` and nothing is changed. Then a last line of ours cut short (an interrupted write) is cut off
-    the file (`repair`) or ignored."""
-    if not path.exists():
-        return {}
-    complete, tail = jsonl.split_tail(path)
-    try:
-        text = complete.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not a JSONL file ({e}); use another --out") from None
-    expected = None if questions is None else [q.key() for q in questions]
-    done = {}
-    for number, entry in jsonl.values(text, path, jsonl.RESUME_HINT):
-        if not isinstance(entry, dict) or "image" not in entry or not ("results" in entry or "error" in entry):
-            raise ValueError(f"{path}:{number} is not a line of mlx-locate-batch; use another --out")
-        if "results" in entry and expected is not None and question_keys(entry) != expected:
-            raise ValueError(
-                f"{path} holds answers to {question_keys(entry)}, not {expected}; use another --out to start over"
-            )
-        done[entry["image"]] = "results" in entry
-    if tail and not tail.startswith(LINE_START):
-        raise ValueError(f"{path} does not end with a line of mlx-locate-batch; use another --out")
-    if tail and repair:
-        jsonl.cut_to(path, len(complete))
-    return done
-
-
-def output_lines(path: Path) -> Iterator[dict]:
-    """The complete lines of a JSONL that `scan_output` accepted, one at a time."""
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.endswith("\n"):
-                yield json.loads(line)
-
-
-def result_entry(question: Question, result: Result, full: bool) -> dict:
-    entry = {**question.key(), **result.to_dict()}
-    if not full:
-        for key in LEAN_DROPPED:
-            del entry[key]
-    return entry
-
-
-def error_line(path: str, error: Exception) -> dict:
-    return {"image": path, "error": str(error)}
-
-
-def read_image(path: str, max_pixels: int | None) -> Image.Image | dict:
-    """The decoded image, or its error line."""
-    try:
-        return load_image(path, max_pixels)
-    except (FileNotFoundError, ValueError) as e:
-        return error_line(path, e)
-    except Exception as e:  # Pillow's plugins raise many types on corrupt files; they concern this image only
-        return error_line(path, ValueError(f"{path} is not a readable image: {type(e).__name__}: {e}"))
-
-
-def annotate(model: LocateModel, paths: Iterable[str], settings: Settings) -> Iterator[Annotated]:
-    """Every image's line as soon as all its questions are answered (in completion order).
-
-    All requests go to one engine; at most `ceil(rows / questions)` images are decoded and held at once. An
-    image that cannot be read, or a request that fails (`RequestError`), gives that image's error line; any
-    other exception is a failure of the model and propagates."""
-    engine = model.engine(settings.batch_size)
-    window = max(1, -(-engine.max_rows // len(settings.questions)))
-    paths = iter(paths)
-    flight: dict[str, tuple[Image.Image, list]] = {}  # path -> (image, its results or RequestErrors so far)
-    while True:
-        while len(flight) < window and (path := next(paths, None)) is not None:
-            image = read_image(path, settings.max_pixels)
-            if isinstance(image, dict):
-                yield Annotated(image, None)
-                continue
-            flight[path] = (image, [None] * len(settings.questions))
-            for request in settings.requests(image, path):
-                engine.submit(request)
-        if not flight:
-            return
-        assert not engine.idle, "images in flight but no request left in the engine"
-        for event in engine.step():
-            if event.kind not in (EventKind.DONE, EventKind.ERROR):
-                continue
-            path, index = event.handle.request.tag
-            image, answers = flight[path]
-            answers[index] = event.result if event.kind is EventKind.DONE else event.error
-            if all(a is not None for a in answers):
-                del flight[path]
-                yield image_line(path, image, answers, settings)
-
-
-def image_line(path: str, image: Image.Image, answers: list, settings: Settings) -> Annotated:
-    """The line of an image whose every question is answered: its results in question order, or the first
-    failure (named by its question when there are several)."""
-    for question, answer in zip(settings.questions, answers, strict=True):
-        if not isinstance(answer, Result):
-            where = f"{question.name()!r}: " if len(settings.questions) > 1 else ""
-            return Annotated(error_line(path, ValueError(f"{where}{answer}")), None)
-    results = [result_entry(q, r, settings.full) for q, r in zip(settings.questions, answers, strict=True)]
-    return Annotated({"image": path, "size": list(answers[0].image_size), "results": results}, image)
+    """Where `--draw` saves an image's drawing: under its own file name, so in its own format (JPEG stays
+    JPEG); a name without an image suffix gets `.png`."""
+    name = Path(image).name
+    return Path(folder) / (name if Path(name).suffix.lower() in IMAGE_SUFFIXES else f"{name}.png")
 
 
 def objects_of(entry: dict) -> list[LocatedObject]:
@@ -425,31 +234,6 @@ def draw_line(line: dict, image: Image.Image | None, folder: str, max_pixels: in
         raise OutputError(f"cannot write {drawing_path(folder, line['image'])}: {e}") from e
 
 
-class Jsonl:
-    """The output JSONL, opened for appending: each line is written, flushed and fsynced at once."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            self.file = path.open("a", encoding="utf-8")
-        except OSError as e:
-            raise OutputError(f"cannot write {path}: {e}") from e
-
-    def write(self, line: dict) -> None:
-        try:
-            self.file.write(json.dumps(line) + "\n")
-            self.file.flush()
-            os.fsync(self.file.fileno())
-        except OSError as e:
-            raise OutputError(f"cannot write {self.path}: {e}") from e
-
-    def close(self) -> None:
-        try:
-            self.file.close()
-        except OSError:  # the write that failed was reported; the lines before it are on disk
-            pass
-
-
 def coco_tables_path(coco: str | Path) -> Path:
     coco = Path(coco)
     return coco.with_name(f"{coco.stem}.images.json")
@@ -462,7 +246,7 @@ def coco_detections(line: dict, image_id: int) -> Iterator[dict]:
             if "box" not in obj:
                 continue
             x1, y1, x2, y2 = obj["box"]
-            bbox = [round(v, 2) for v in (min(x1, x2), min(y1, y2), abs(x2 - x1), abs(y2 - y1))]
+            bbox = [round(v, 2) for v in (x1, y1, x2 - x1, y2 - y1)]
             yield {"image_id": image_id, "category_id": category_id, "bbox": bbox, "score": obj["confidence"]}
 
 
@@ -526,9 +310,13 @@ def run(args: argparse.Namespace) -> int:
     if args.coco:
         check_new([Path(args.coco), coco_tables_path(args.coco)], args.overwrite, "it")
     if args.draw:
-        names = {drawing_path(args.draw, p) for p in part}
-        if len(names) < len(part):
-            raise ValueError(f"two images in {args.images!r} share a file name; --draw needs distinct names")
+        names: dict[Path, str] = {}
+        for p in part:
+            if (other := names.setdefault(drawing_path(args.draw, p), p)) != p:
+                raise ValueError(
+                    f"{other} and {p} would both be drawn as {drawing_path(args.draw, p)}; --draw needs distinct "
+                    "file names"
+                )
         check_new((drawing_path(args.draw, p) for p in pending), args.overwrite, "drawings")
         Path(args.draw).mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -542,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
         model = {"path_or_hub_id": args.model, "dtype": args.dtype, "adapter_path": args.adapter}
         lines = cluster.ray_lines(args.ray or None, pending, model, settings, args.actors, args.images_per_task)
     else:
-        lines = annotate(load(args.model, dtype=args.dtype, adapter_path=args.adapter), pending, settings)
+        lines = annotate(cli.load_model(args), pending, settings)
 
     if args.draw and done:
         in_part = set(part)
@@ -555,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
         code = write_lines(lines, out, done, args, bar, workers)
         if code:
             return code
+        write_sorted(out, [out])  # done: the lines in the images' order, whatever order they finished in
 
     if args.coco:
         ids = {path: i for i, path in enumerate(images, start=1)}
@@ -575,7 +364,7 @@ def write_lines(
     jsonl = Jsonl(out)
     written = errors = 0
     try:
-        with tqdm(unit="image", **bar) as progress:
+        with tqdm(unit="image", disable=args.no_progress, **bar) as progress:
             for line, image, worker in lines:
                 if line["image"] in done:  # a task redone after a Ray worker died
                     continue
@@ -605,9 +394,10 @@ def write_lines(
 
 
 def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> int:
-    """Join the JSONL outputs `parts` into `out`: one line per image (an answered line wins over an error
-    line, else the first); with `coco`, the COCO files of the joined lines (ids: positions in their sorted
-    list of images, the same as a single run over the whole folder)."""
+    """Join the JSONL outputs `parts` into `out`, as one run over all their images writes it: one line per
+    image (an answered line wins over an error line, else the first), in the images' sorted order; with
+    `coco`, the COCO files of the joined lines (ids: positions in their sorted list of images, the same as a
+    single run over the whole folder)."""
     if out.exists():
         raise FileExistsError(f"{out} already exists; --merge writes a new file")
     for part in parts:
@@ -615,10 +405,9 @@ def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> in
             raise FileNotFoundError(f"no such JSONL file: {part}")
     if coco:
         check_new([Path(coco), coco_tables_path(coco)], overwrite, "it")
-    answered, questions = set(), None
+    questions = None
     for part in parts:
-        for image, ok in scan_output(part, None, repair=False).items():
-            answered.update([image] if ok else [])
+        scan_output(part, None, repair=False)
         for line in output_lines(part):
             if "results" in line:
                 if questions is None:
@@ -626,31 +415,12 @@ def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> in
                 elif question_keys(line) != questions:
                     raise ValueError(f"{part} answers {question_keys(line)}, {first} answers {questions}")
                 break
-
-    staged = out.with_name(out.name + ".partial")
-    written, duplicates = set(), 0
-    try:
-        with staged.open("w", encoding="utf-8") as f:
-            for part in parts:
-                for line in output_lines(part):
-                    image = line["image"]
-                    if image in written or ("results" not in line and image in answered):
-                        duplicates += 1
-                        continue
-                    f.write(json.dumps(line) + "\n")
-                    written.add(image)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(staged, out)
-    except OSError as e:
-        raise OutputError(f"cannot write {out}: {e}") from e
+    written, duplicates = write_sorted(out, parts)
     if coco:
-        ids = {path: i for i, path in enumerate(sorted(written, key=Path), start=1)}
+        ids = {line["image"]: i for i, line in enumerate(output_lines(out), start=1)}
         names = [Question(q.get("task"), q.get("query"), q.get("prompt")).name() for q in questions or []]
         write_coco(Path(coco), output_lines(out), ids, names)
-    print(
-        f"{len(written)} images from {len(parts)} files into {out} ({duplicates} duplicates dropped)", file=sys.stderr
-    )
+    print(f"{written} images from {len(parts)} files into {out} ({duplicates} duplicates dropped)", file=sys.stderr)
     return 0
 
 

@@ -3,12 +3,22 @@
 Public surface (the server, tiles, video, evaluation and the batch CLI build on it):
 
 - `Request`: one image and one query or raw prompt, with its own decoding options.
-- `Engine(model, max_rows)`: `submit(request, on_event)` returns a `Handle`; `step()` admits waiting requests
-  into free rows and runs one forward step for every active row, returning the `EngineEvent`s it produced;
-  `run()` steps until nothing is left; `cancel(handle)` frees a row. One thread drives an engine (MLX streams
-  belong to the thread that made them).
+- `Engine(model, max_rows)`: `submit(request, on_event, group=...)` returns a `Handle`; `step()` admits waiting
+  requests into free rows and runs one forward step for every active row, returning the `EngineEvent`s it
+  produced; `run()` steps until nothing is left; `cancel(handle)` frees a row. One thread drives an engine (MLX
+  streams belong to the thread that made them).
 - Events: `OBJECT` (a box or point, as soon as its `</box>` is committed), `EMPTY` (a label answered None),
-  `DONE` (the `Result`), `ERROR` (a `RequestError`; the other rows go on).
+  `VIEW` (a tiled request's tile or whole image finished), `DONE` (the `Result`), `ERROR` (a `RequestError`; the
+  other rows go on).
+
+Fairness. Handles submitted with one `group` are one client's call (a list of queries, a tiled request's
+views). Admission takes waiting requests round-robin across groups, so a one-box request waits for at most
+one row per other group, however much work the others queued.
+
+Isolation. A request is checked (`check_request`) before it joins a step. If an admission or a decoding step
+still raises, the engine puts back what the step changed (the rows' decoder positions, the cache's K|V list,
+`seen`) and runs the step again over halves of its rows, down to the row that raises: that row fails with a
+`RequestError` naming the error, the others go on with the tokens they would have had alone.
 
 How a step runs. Every sequence owns a row of the KV cache (`cache.SlotCache`) and a `decode.RowDecoder`.
 Joining requests are prepared on the host (image, patches, prompt ids), their vision runs batched per patch
@@ -16,7 +26,7 @@ grid, each new image's prompt prefix (everything up to `</img>`) is prefilled on
 copied into the rows that ask about that image, and the rows' own words are prefilled together. Then each step
 feeds every row that needs a forward: block rows (tail + anchor + 5 masks, 12 rows) and AR rows (their tail)
 share one block-shaped forward or go in two, as `Schedule` says; one compiled summary per forward packs what
-each row's decision needs, and all of them come back in one host read. The rules of MODEL.md §10.4-§10.7 then
+each row's decision needs, and all of them come back in one host read. The rules of docs/model.md §10.4-§10.7 then
 run per row (`RowDecoder`), unchanged. When every row is in AR state, the next AR forward is queued on the
 device's picks before the read, as in slow mode alone; rows that do not continue drop it.
 """
@@ -25,93 +35,40 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
-from collections.abc import Callable, Hashable
-from dataclasses import asdict, dataclass, field
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import lru_cache
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
-from PIL import Image
 
 from .cache import SlotCache, rows_bucket
-from .compiled import PREFILL_ROWS, Phase, padded_rows
-from .decide import Guards, Mode, Next
+from .compiled import BLOCK_ROWS, Phase, padded_rows
+from .decide import Mode, Next
 from .decode import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .parse import LocatedObject, parse_tokens
-from .preprocess import Preprocessed, load_image, preprocess, to_rgb
-from .prompts import prompt_ids, task_text
-from .sampling import Features, RowSampling, Sampling
+from .prompts import UserText, user_text
+from .request import PreparedImage, Request, RequestError, Result, parse_mode
+from .runtime import Runtime
+from .sampling import Features, RowSampling, Sampling, real_number
+from .tiles import Tile, check_tiling, merge_results, split_request, to_image
 
-if TYPE_CHECKING:
-    from .locate import LocateModel
-
-# Engine.seconds: host preparation (image load, resize, prompt ids), vision tower, prefix prefill, the rows'
-# own prefill, decoding steps
-PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode")
-
-
-class RequestError(ValueError):
-    """A request that cannot run (unreadable image, prompt too long, bad option); other requests go on."""
-
-
-class PreparedImage(NamedTuple):
-    """An image's host work, done once: RGB pixels, patches, and a key of its content."""
-
-    rgb: Image.Image
-    pre: Preprocessed
-    key: tuple  # (sha256 of the resized pixels, original size, grid)
-
-
-@dataclass(frozen=True)
-class Request:
-    """One question about one image. `prompt` (raw user text) replaces `task` + `query`."""
-
-    image: str | Path | Image.Image | PreparedImage
-    query: str | list[str] | None = None
-    task: str = "detect"
-    prompt: str | None = None
-    mode: str | Mode = Mode.HYBRID
-    max_tokens: int = 512
-    sampling: Sampling = Sampling()
-    strict: bool = False
-    guards: Guards = Guards()
-    redecode_labels: bool | None = None  # None: on for task "ocr" in hybrid mode
-    rendering: str = "A"
-    seed: int = 0
-    max_pixels: int | None = None  # None: preprocess.DEFAULT_MAX_PIXELS
-    tiles: str | tuple[int, int] | None = None  # "auto" or (rows, cols): decode overlapping crops and merge
-    tile_overlap: float = 0.2  # fraction of a tile shared with its neighbour
-    tile_whole: bool = True  # with tiles, also decode the whole image and merge it in
-    tag: Hashable | Any = None  # the caller's own (a path, a frame index); never read by the engine
-
-
-@dataclass
-class Result:
-    objects: list[LocatedObject]
-    empty_labels: list[str | None]  # labels the model answered with <box>None</box>
-    text: str  # the generated text, special tokens included
-    prompt_ids: list[int]
-    token_ids: list[int]  # generated ids
-    token_probs: list[float]  # the decoder's probability of each generated id
-    grid: list[int]  # [h, w] patches of the image
-    image_size: tuple[int, int]  # (W0, H0) the pixel frame of every box and point
-    mode: str
-    truncated: bool  # the stream ended inside an item (length cap or stop)
-    stats: dict = field(default_factory=dict)  # timings per phase (s), steps, host reads, stop reason
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["objects"] = [o.to_dict() for o in self.objects]
-        return out
+# Engine.seconds: waiting for host preparation (image load, resize, prompt ids: done ahead in threads), the
+# vision tower, prefix prefills, the rows' own prefill, decoding steps; and `host`, the device's waits for the
+# host (the time between one wait for the device and the next)
+PHASE_TIMES = ("prepare", "vision", "prefix", "prefill", "decode", "host")
+PREFETCH = 2  # host work runs ahead for this many times max_rows waiting requests
 
 
 class EventKind(Enum):
     OBJECT = "object"  # a box or point was committed
     EMPTY = "empty"  # a label was answered <box>None</box>
+    VIEW = "view"  # a view of a tiled request finished; `result` holds it in the whole image's pixels
+    TEXT = "text"  # more of the answer's text is final (only for handles submitted with `text=True`)
     DONE = "done"  # the request finished; `result` holds the Result
     ERROR = "error"  # the request failed; `error` holds the RequestError
 
@@ -122,8 +79,11 @@ class EngineEvent:
     kind: EventKind
     object: LocatedObject | None = None  # OBJECT
     label: str | None = None  # EMPTY
-    result: Result | None = None  # DONE
+    result: Result | None = None  # DONE, VIEW
     error: RequestError | None = None  # ERROR
+    view: int | None = None  # VIEW: the view's index among the tiled request's views
+    tile: Tile | None = None  # VIEW: the view's crop of the image
+    text: str | None = None  # TEXT: the answer's next piece, up to its last finished item
 
 
 @dataclass(eq=False)
@@ -139,6 +99,8 @@ class Handle:
     events: list[EngineEvent] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
     parent: Handle | None = field(default=None, repr=False)  # the tiled request a tile belongs to
+    group: Hashable = field(default=None, repr=False)  # the client call it belongs to (fair admission)
+    text: bool = False  # send TEXT events
 
     @property
     def done(self) -> bool:
@@ -166,12 +128,6 @@ def row_sampling(settings: tuple[Sampling, ...]) -> RowSampling:
     return RowSampling.of(settings)
 
 
-def default_rows() -> int:
-    """Rows per step when the caller does not say: 16 on a GPU (a step is bound by reading the weights),
-    4 on a CPU (bound by arithmetic)."""
-    return 16 if mx.default_device() == mx.gpu else 4
-
-
 def fit_max_tokens(prompt_len: int, max_tokens: int, limit: int) -> int:
     """`max_tokens` clipped so the prompt and its answer fit in `limit` positions; `RequestError` with both
     numbers when the prompt alone leaves no room."""
@@ -183,22 +139,37 @@ def fit_max_tokens(prompt_len: int, max_tokens: int, limit: int) -> int:
     return min(max_tokens, limit - prompt_len)
 
 
-def parse_mode(mode: str | Mode) -> Mode:
-    if isinstance(mode, Mode):
-        return mode
-    modes = {m.value: m for m in Mode}
-    if mode not in modes:
-        raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(modes)}")
-    return modes[mode]
+MAX_SEED = 2**64 - 1
 
 
-def prepare_image(model: LocateModel, image: str | Path | Image.Image | PreparedImage, max_pixels: int | None = None):
-    """Load (checking the pixel limit), convert to RGB, cut into patches and key by content."""
-    if isinstance(image, PreparedImage):
-        return image
-    rgb = to_rgb(load_image(image, max_pixels))
-    pre = preprocess(rgb, in_token_limit=model.in_token_limit, patch_size=model.network.config.vision.patch_size)
-    return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid))
+def whole_number(name: str, value: object, low: int, high: int | None = None) -> None:
+    """`RequestError` unless `value` is an int (not a bool) in low..high."""
+    if not (real_number(value) and isinstance(value, int)) or value < low or (high is not None and value > high):
+        span = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise RequestError(f"{name} must be a whole number {span}, got {value!r}")
+
+
+def check_request(request: Request, vocab_size: int) -> None:
+    """The checks of a request's numbers and options that every entry point shares, made before it joins a
+    step: `RequestError` naming the field. (`Sampling` checks its own ranges when made; the vocabulary bound of
+    `top_k` needs the model.)"""
+    parse_mode(request.mode)
+    whole_number("max_tokens", request.max_tokens, 1)
+    whole_number("seed", request.seed, 0, MAX_SEED)
+    if request.max_pixels is not None:
+        whole_number("max_pixels", request.max_pixels, 1)
+    if not isinstance(request.sampling, Sampling):
+        raise RequestError(f"sampling must be a Sampling, got {type(request.sampling).__name__}")
+    if request.sampling.top_k > vocab_size:
+        raise RequestError(
+            f"top_k {request.sampling.top_k} is over the model's vocabulary of {vocab_size} tokens; "
+            f"use 0 (off) or at most {vocab_size}"
+        )
+    if request.tiles is not None:
+        try:
+            check_tiling(request.tiles, request.tile_overlap)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
 
 @dataclass(eq=False)
@@ -217,41 +188,92 @@ class _Row:
     pending: mx.array | None = None  # (1, V) logits whose AR decision is due (slow mode's prefill, a queued step)
     emitted: int = 0  # objects sent as events
     emitted_empty: int = 0
+    text_sent: int = 0  # generated ids already sent in TEXT events
+    prefix: list[mx.array] | None = None  # its image's prompt prefix K|V, once staged
+
+    @property
+    def longest(self) -> int:
+        """The most cache slots this row can use: its prompt, its token budget and a block's overshoot."""
+        return len(self.prompt) + self.budget + BLOCK_ROWS
+
+
+class _Tiled(NamedTuple):
+    """A tiled request's host work: its image and its views' requests."""
+
+    image: PreparedImage
+    requests: list[Request]
+
+
+class _Saved(NamedTuple):
+    """What a step may change before it can no longer fail, to put back when it raises."""
+
+    cache: SlotCache | None
+    slots: int
+    kv: list[mx.array]
+    rows: list[_Row | None]
+    seen: mx.array | None
+    decoders: list[tuple[_Row, int, mx.array | None]]  # (row, decoder.cached, pending)
 
 
 class Engine:
     """Decodes submitted requests, up to `max_rows` at a time. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, model: LocateModel, max_rows: int | None = None, schedule: Schedule | None = None):
+    def __init__(self, model: Runtime, max_rows: int | None = None, schedule: Schedule | None = None):
         self.model = model
-        self.max_rows = max_rows or default_rows()
+        self.max_rows = max_rows or model.default_rows
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {self.max_rows}")
         self.schedule = schedule or Schedule.for_device()
-        self.waiting: deque[Handle] = deque()
+        # Waiting handles by group, the group to serve next first; a served group moves to the end.
+        self.waiting: OrderedDict[Hashable, deque[Handle]] = OrderedDict()
         self.cache: SlotCache | None = None
         self.rows: list[_Row | None] = []  # by slot
         self.seen: mx.array | None = None  # (cache rows, V) bool: ids already in each sequence (repetition penalty)
         self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}
+        self.prefetch: dict[Handle, Future] = {}  # host work started ahead, by handle
+        self.staged: deque[_Row] = deque()  # taken from `waiting` in turn, host work done, waiting for a row
         self.steps = 0  # forward steps (each with one host read)
         self.host_reads = 0
+        self.tokens = 0  # generated ids committed
         self.seconds = dict.fromkeys(PHASE_TIMES, 0.0)  # where the engine's time went, summed over its steps
         self._ids = itertools.count()
 
     # --- the caller's side ---
 
-    def submit(self, request: Request, on_event: Callable[[EngineEvent], None] | None = None) -> Handle:
-        handle = Handle(next(self._ids), request, on_event)
-        self.waiting.append(handle)
+    def submit(
+        self,
+        request: Request,
+        on_event: Callable[[EngineEvent], None] | None = None,
+        *,
+        group: Hashable = None,
+        text: bool = False,
+    ) -> Handle:
+        """Queue `request`. Handles of one `group` (any hashable; default: the handle alone) are one client's
+        call: admission takes turns between groups. `text`: also send the answer's text as it becomes final
+        (TEXT events; their concatenation is a prefix of `Result.text`)."""
+        handle = Handle(next(self._ids), request, on_event, text=text)
+        handle.group = handle if group is None else group
+        self.waiting.setdefault(handle.group, deque()).append(handle)
         return handle
 
     def cancel(self, handle: Handle) -> None:
         """Stop decoding `handle` and free its row; it gets no further events."""
         handle.cancelled = True
-        if handle in self.waiting:
-            self.waiting.remove(handle)
+        queue = self.waiting.get(handle.group)
+        if queue is not None and handle in queue:
+            queue.remove(handle)
+            if not queue:
+                del self.waiting[handle.group]
+        self.prefetch.pop(handle, None)
+        for row in [r for r in self.staged if r.handle is handle]:
+            self.staged.remove(row)
         for child in self.tiles.pop(handle, (None, [], []))[2]:
             self.cancel(child)
+
+    @property
+    def queued(self) -> int:
+        """Handles waiting for a row (a tiled request counts once until its views are made)."""
+        return sum(len(queue) for queue in self.waiting.values())
 
     @property
     def active(self) -> int:
@@ -259,7 +281,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return not self.waiting and not self.staged and not self.active
 
     def step(self) -> list[EngineEvent]:
         """Admit waiting requests into free rows, then advance every active row by one forward step."""
@@ -267,14 +289,17 @@ class Engine:
         for slot, row in enumerate(self.rows):
             if row is not None and row.handle.cancelled:
                 self.rows[slot] = None
+        idle_before = self.model.device_idle_s
         self._admit(events)
         live = [r for r in self.rows if r is not None]
         if live:
             t0 = time.perf_counter()
-            self._decode(live, events)
+            self._isolated(live, self._decode, events)
             self.seconds["decode"] += time.perf_counter() - t0
+        self.seconds["host"] += self.model.device_idle_s - idle_before
         if self.idle:
             self.cache, self.rows, self.seen = None, [], None  # memory goes back when there is no work
+            self.model.idle()
         return events
 
     def run(self) -> None:
@@ -293,7 +318,10 @@ class Engine:
             handle.on_event(event)
 
     def _fail(self, handle: Handle, error: Exception, out: list[EngineEvent]) -> None:
-        handle.error = error if isinstance(error, RequestError) else RequestError(str(error))
+        if not isinstance(error, RequestError):
+            message = str(error) if isinstance(error, OSError | ValueError) else f"{type(error).__name__}: {error}"
+            error = RequestError(message)
+        handle.error = error
         self._emit(handle, EngineEvent(handle, EventKind.ERROR, error=handle.error), out)
 
     def _succeed(self, handle: Handle, result: Result, out: list[EngineEvent]) -> None:
@@ -301,9 +329,10 @@ class Engine:
         self._emit(handle, EngineEvent(handle, EventKind.DONE, result=result), out)
 
     def _tile_done(self, child: Handle, out: list[EngineEvent]) -> None:
-        """A tile finished: when its whole request has, merge the tiles into the parent's result."""
+        """A view finished: the parent gets it (in the whole image's pixels) as a VIEW event; when every view
+        has, the merged result."""
         if child.result is None and child.error is None:
-            return  # a streamed object of a tile: the merged objects are sent once, at the end
+            return  # a streamed object of a view: the parent gets the view's objects when it finishes
         parent = child.parent
         if parent not in self.tiles or parent.cancelled:
             return
@@ -313,9 +342,12 @@ class Engine:
             for other in children:
                 self.cancel(other)
             self._fail(parent, child.error, out)
-        elif all(c.result is not None for c in children):
-            from .tiles import merge_results
-
+            return
+        view, tile, size = children.index(child), child.request.tag, image.rgb.size
+        objects = [to_image(o, tile, size) for o in child.result.objects]
+        seen = replace(child.result, objects=objects, image_size=size)
+        self._emit(parent, EngineEvent(parent, EventKind.VIEW, result=seen, view=view, tile=tile), out)
+        if all(c.result is not None for c in children):
             self.tiles.pop(parent)
             try:
                 result = merge_results(parent.request, image.rgb, requests, [c.result for c in children])
@@ -328,57 +360,197 @@ class Engine:
                 self._emit(parent, EngineEvent(parent, EventKind.EMPTY, label=label), out)
             self._succeed(parent, result, out)
 
-    # --- admission: host preparation, vision, prefixes, prefill ---
+    # --- isolation: a step that raises is retried over halves of its rows ---
 
-    def _prepare(self, handle: Handle) -> _Row:
+    def _save(self, rows: list[_Row]) -> _Saved:
+        cache = self.cache
+        # `seen` is updated in place (`seen[i] = ...` rewrites the array object), so the saved one is a copy.
+        seen = None if self.seen is None else mx.array(self.seen)
+        decoders = [(row, row.decoder.cached, row.pending) for row in rows if row.decoder is not None]
+        return _Saved(
+            cache,
+            0 if cache is None else cache.slots,
+            [] if cache is None else list(cache.kv),
+            list(self.rows),
+            seen,
+            decoders,
+        )
+
+    def _restore(self, saved: _Saved) -> None:
+        self.cache, self.rows, self.seen = saved.cache, saved.rows, saved.seen
+        if saved.cache is not None:
+            saved.cache.slots, saved.cache.kv = saved.slots, saved.kv
+        for row, cached, pending in saved.decoders:
+            row.decoder.cached, row.pending = cached, pending
+
+    def _isolated(self, rows: list[_Row], run: Callable, out: list[EngineEvent]) -> None:
+        """`run(rows, out)`; when it raises, the engine is put back as it was and `run` goes again over each
+        half of `rows`, down to the single row that raises, which fails alone."""
+        saved = self._save(rows)
+        try:
+            run(rows, out)
+        except Exception as e:  # noqa: BLE001 - whatever one row causes, only that row fails
+            self._restore(saved)
+            if len(rows) == 1:
+                self._fail_row(rows[0], e, out)
+                return
+            half = len(rows) // 2
+            for part in (rows[:half], rows[half:]):
+                self._isolated(part, run, out)
+
+    def _fail_row(self, row: _Row, error: Exception, out: list[EngineEvent]) -> None:
+        if 0 <= row.slot < len(self.rows) and self.rows[row.slot] is row:
+            self.rows[row.slot] = None
+        if row in self.staged:
+            self.staged.remove(row)
+        if not row.handle.done:
+            message = f"decoding failed for this request: {type(error).__name__}: {error}"
+            self._fail(row.handle, RequestError(message), out)
+
+    # --- admission: host work ahead in threads, vision and prefixes in batches, rows joining together ---
+
+    def _prepare(self, handle: Handle) -> _Row | _Tiled:
+        """A request's host work (runs on the model's host threads): checks, image, patches, prompt ids; for a
+        tiled request, its views (an image that needs no tiles is decoded as it is)."""
         r, model = handle.request, self.model
         t0 = time.perf_counter()
-        image = prepare_image(model, r.image, r.max_pixels)
+        check_request(r, model.token_ids.vocab_size)
+        image = model.prepare(r.image, r.max_pixels)
+        if r.tiles is not None and (views := split_request(r, image.rgb, model.in_token_limit, model.patch_size)):
+            return _Tiled(image, views)
         mode = parse_mode(r.mode)
-        user_text = r.prompt if r.prompt is not None else task_text(r.task, r.query)
-        ids = prompt_ids(model.tokenizer, user_text, [image.pre.grid], rendering=r.rendering)
+        text = UserText(r.prompt) if r.prompt is not None else user_text(r.task, r.query)
+        ids = model.prompt(text, image.pre.grid, r.rendering)
         budget = fit_max_tokens(len(ids), r.max_tokens, model.max_length)
         redecode = r.redecode_labels if r.redecode_labels is not None else r.task == "ocr" and mode is Mode.HYBRID
         options = DecodeOptions(mode, budget, r.sampling, r.strict, r.guards, redecode_labels=redecode, seed=r.seed)
         timings = {"queue_s": t0 - handle.submitted, "preprocess_s": time.perf_counter() - t0}
-        self.seconds["prepare"] += timings["preprocess_s"]
         return _Row(handle, image, ids, ids.index(model.token_ids.img_end) + 1, options, budget, timings)
 
-    def _expand_tiles(self, handle: Handle, out: list[EngineEvent]) -> list[Handle]:
-        from .tiles import split_request
+    def _in_turn(self) -> Iterator[Handle]:
+        """Waiting handles in the order admission takes them (round-robin across groups)."""
+        queues = list(self.waiting.values())
+        for depth in range(max((len(q) for q in queues), default=0)):
+            for queue in queues:
+                if depth < len(queue):
+                    yield queue[depth]
 
-        image = prepare_image(self.model, handle.request.image, handle.request.max_pixels)
-        requests = split_request(handle.request, image.rgb, self.model)
-        children = [Handle(next(self._ids), c, parent=handle) for c in requests]
-        self.tiles[handle] = (image, requests, children)
-        return children
+    def _prefetch(self) -> None:
+        """Start the host work of the next waiting handles, PREFETCH times max_rows of them at most."""
+        ahead = PREFETCH * self.max_rows
+        for handle in itertools.islice(self._in_turn(), ahead):
+            if handle not in self.prefetch and not handle.cancelled:
+                self.prefetch[handle] = self.model.host_pool.submit(self._prepare, handle)
 
-    def _admit(self, out: list[EngineEvent]) -> None:
-        free = self.max_rows - self.active
-        joining: list[_Row] = []
-        while self.waiting and len(joining) < free:
-            handle = self.waiting.popleft()
+    def _next_waiting(self) -> Handle:
+        """The first handle of the group whose turn it is; that group goes to the end of the line."""
+        group, queue = next(iter(self.waiting.items()))
+        handle = queue.popleft()
+        if queue:
+            self.waiting.move_to_end(group)
+        else:
+            del self.waiting[group]
+        return handle
+
+    def _take(self, out: list[EngineEvent]) -> None:
+        """Waiting handles into `staged`, in turn, up to max_rows of them, once their host work is done (it
+        started ahead, `_prefetch`; the engine waits for what is not done yet). Which rows stage and join when
+        depends on the requests alone, never on the threads' timing, so the compiled shapes do too."""
+        while self.waiting and len(self.staged) < self.max_rows:
+            handle = self._next_waiting()
+            future = self.prefetch.pop(handle, None) or self.model.host_pool.submit(self._prepare, handle)
             if handle.cancelled:
                 continue
+            t0 = time.perf_counter()
             try:
-                if handle.request.tiles is not None:
-                    self.waiting.extendleft(reversed(self._expand_tiles(handle, out)))
-                    continue
-                joining.append(self._prepare(handle))
-            except (OSError, ValueError) as e:
+                work = future.result()
+            except Exception as e:  # noqa: BLE001 - a request that cannot be prepared fails alone
                 self._fail(handle, e, out)
-        if not joining:
+                continue
+            finally:
+                self.seconds["prepare"] += time.perf_counter() - t0
+            if isinstance(work, _Tiled):
+                # The views take the tiled request's place: its group keeps its turn.
+                children = [Handle(next(self._ids), c, parent=handle, group=handle.group) for c in work.requests]
+                self.tiles[handle] = (work.image, work.requests, children)
+                views = self.waiting.pop(handle.group, deque())
+                views.extendleft(reversed(children))
+                self.waiting[handle.group] = views
+                self.waiting.move_to_end(handle.group, last=False)
+                self._prefetch()
+                continue
+            self.staged.append(work)
+
+    def _admit(self, out: list[EngineEvent]) -> None:
+        """Stage waiting requests (host work, then vision and prompt prefixes in one batch for every staged row
+        without its prefix when the rows with one would not fill the free rows), then join as many staged rows
+        as the free rows and the KV budget take."""
+        self._prefetch()
+        self._take(out)
+        free = self.max_rows - self.active
+        if not self.staged or free < 1:
             return
+        unstaged = [row for row in self.staged if row.prefix is None]
+        if unstaged and len(self.staged) - len(unstaged) < free:
+            self._isolated(unstaged, self._stage, out)
+        joining = []
+        for row in list(self.staged):
+            if len(joining) == free or row.prefix is None or not self._fits(joining + [row]):
+                break
+            joining.append(row)
+            self.staged.remove(row)
+        if joining:
+            self._isolated(joining, self._join, out)
+
+    def _fits(self, joining: list[_Row]) -> bool:
+        """Whether the cache of the live rows and `joining`, each at its longest, fits the KV budget (the first
+        row always joins, so a lone request runs whatever its size)."""
+        rows = [r for r in self.rows if r is not None] + joining
+        if len(rows) == 1:
+            return True
+        slots = self.model.rows_for(len(rows), self.max_rows)
+        return self.model.budget.kv_fits(slots + 1, max(r.longest for r in rows))
+
+    def _stage(self, rows: list[_Row], out: list[EngineEvent]) -> None:
+        """Vision (images of one grid batched) and the prompt prefix of each new image (prefilled together,
+        kept in the model's prefix store) for `rows`; each row then holds its image's prefix."""
+        model = self.model
+        keys = [(row.image.key, tuple(row.prompt[: row.prefix_len])) for row in rows]
+        have = {key: model.prefix(key) for key in keys if key in model.prefixes}  # held: storing may evict
+        new: dict[tuple, _Row] = {}
+        for row, key in zip(rows, keys, strict=True):
+            row.timings.update(vision_cached=True, vision_s=0.0, prefix_prefill_s=0.0)
+            if key not in have:
+                new.setdefault(key, row)
+        if new:
+            t0 = time.perf_counter()
+            features = model.features_for([row.image for row in new.values()])
+            t1 = time.perf_counter()
+            items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
+            prefixes = model.compute_prefixes(items)
+            t2 = time.perf_counter()
+            self.seconds["vision"] += t1 - t0
+            self.seconds["prefix"] += t2 - t1
+            for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
+                have[key] = prefix
+                model.store_prefix(key, prefix)
+                row.timings.update(vision_cached=cached, vision_s=t1 - t0, prefix_prefill_s=t2 - t1)
+        for row, key in zip(rows, keys, strict=True):
+            row.prefix = have[key]
+
+    def _join(self, joining: list[_Row], out: list[EngineEvent]) -> None:
+        """Staged rows into slots, their prefixes into their cache rows, their own words prefilled together."""
         self._place(joining)
-        self._prefixes(joining)
+        for row in joining:
+            self.cache.copy_in(row.slot, row.prefix)
         t0 = time.perf_counter()
-        embed = self.model.network.language_model.model.embed_tokens
-        items = [(row.slot, embed(mx.array(row.prompt[row.prefix_len :])), row.prefix_len) for row in joining]
-        last = run_prefill(self.model, self.cache, items)
-        mx.eval(list(last.values()))
+        items = [(row.slot, self.model.embed_ids(row.prompt[row.prefix_len :]), row.prefix_len) for row in joining]
+        last = self.model.prefill(self.cache, items)
+        self.model.sync(list(last.values()))
         prefill_s = time.perf_counter() - t0
         self.seconds["prefill"] += prefill_s
         for row in joining:
+            row.prefix = None  # in the cache now
             row.timings["prefill_s"] = prefill_s
             row.decoder = RowDecoder(row.prompt, self.model.token_ids, row.options, self.model.max_length)
             if row.options.mode is Mode.SLOW:
@@ -386,13 +558,13 @@ class Engine:
             row.decoder.begin()
 
     def _place(self, joining: list[_Row]) -> None:
-        """Give each joining row a free slot, growing the cache by powers of two up to max_rows."""
+        """Give each joining row a free slot, growing the cache to the cheapest row count that holds them."""
         if self.cache is None:
             self.cache = self.model.new_cache(slots=0)
         need = self.active + len(joining)
         if need > self.cache.slots:
             old = self.cache.slots
-            self.cache.grow(min(self.max_rows, rows_bucket(need)))
+            self.cache.grow(self.model.rows_for(need, self.max_rows))
             self.rows += [None] * (self.cache.slots - old)
             if self.seen is not None:
                 self.seen = mx.concatenate([self.seen[:old], self._no_seen(self.cache.buffer_rows - old)])
@@ -410,33 +582,6 @@ class Engine:
     def _no_seen(self, rows: int) -> mx.array:
         return mx.zeros((rows, self.model.token_ids.vocab_size), dtype=mx.bool_)
 
-    def _prefixes(self, joining: list[_Row]) -> None:
-        """Vision (batched per grid) and the prompt prefix of each new image (prefilled once, kept in the
-        model's prefix store); then every joining row gets its image's prefix in its cache row."""
-        model = self.model
-        keys = [(row.image.key, tuple(row.prompt[: row.prefix_len])) for row in joining]
-        have = {key: model.prefix(key) for key in keys if key in model.prefixes}  # held: storing may evict
-        new: dict[tuple, _Row] = {}
-        for row, key in zip(joining, keys, strict=True):
-            row.timings.update(vision_cached=True, vision_s=0.0, prefix_prefill_s=0.0)
-            if key not in have:
-                new.setdefault(key, row)
-        if new:
-            t0 = time.perf_counter()
-            features = model.features_for([row.image for row in new.values()])
-            t1 = time.perf_counter()
-            items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
-            prefixes = compute_prefixes(model, items)
-            t2 = time.perf_counter()
-            self.seconds["vision"] += t1 - t0
-            self.seconds["prefix"] += t2 - t1
-            for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
-                have[key] = prefix
-                model.store_prefix(key, prefix)
-                row.timings.update(vision_cached=cached, vision_s=t1 - t0, prefix_prefill_s=t2 - t1)
-        for row, key in zip(joining, keys, strict=True):
-            self.cache.copy_in(row.slot, have[key])
-
     def _entries(self, rows: list[_Row]) -> tuple[list[int], list[int], bool]:
         """A forward's entries: the index of each row's entry, the cache row of every entry and whether the
         forward is dense (every slot, free ones as padding) or gathered (its rows, padded to a power of two
@@ -444,7 +589,7 @@ class Engine:
         slots = [row.slot for row in rows]
         if len(rows) == self.cache.slots or (self.schedule.dense and len(rows) == self.active):
             return slots, list(range(self.cache.slots)), True
-        R = rows_bucket(len(rows))
+        R = self.model.rows_for(len(rows), self.cache.slots)
         return list(range(len(rows))), slots + [self.cache.scratch] * (R - len(rows)), False
 
     def _forward(self, phase: Phase, rows: list[_Row]) -> mx.array:
@@ -459,7 +604,7 @@ class Engine:
             inputs[i, : len(f)] = f
             c[i], q[i], block[i] = row.decoder.cached, len(f), row.decoder.next is Next.BLOCK
             row.decoder.fed()
-        return self.model.steps.run(phase, self.cache, mx.array(inputs), entries, c, q, block, dense)
+        return self.model.run(phase, self.cache, mx.array(inputs), entries, c, q, block, dense)
 
     def _summary(self, phase: Phase, rows: list[_Row], index: list[int], logits: mx.array) -> mx.array:
         """The compiled summary of one forward's logits, taken at `rows`' entries: (len(rows), width)."""
@@ -485,6 +630,8 @@ class Engine:
         return ar_fn(logits, seen, keys, rs)[: len(rows)]
 
     def _decode(self, live: list[_Row], out: list[EngineEvent]) -> None:
+        """One step of `live`: the forwards and the one host read (what may raise: `_isolated` retries), then
+        each row's commit."""
         pending = [row for row in live if row.pending is not None]
         need = [row for row in live if row.pending is None]
         block = [row for row in need if row.decoder.next is Next.BLOCK]
@@ -508,32 +655,47 @@ class Engine:
         if self.schedule.queue_ahead and all(phase is Phase.AR for phase, _, _ in groups):
             ahead = self._queue_ahead(groups)
 
-        host = np.array(mx.concatenate([summary.reshape(-1) for _, _, summary in groups]))  # the one host read
+        host = self.model.read(mx.concatenate([summary.reshape(-1) for _, _, summary in groups]))  # the one read
         self.steps += 1
         self.host_reads += 1
 
+        # From here on nothing raises out of the step: a row whose rules or events fail fails alone.
         offset = 0
-        penalized_slots, penalized_ids = [], []
+        penalized: list[tuple[_Row, list[int]]] = []
         for phase, rows, summary in groups:
             values = host[offset : offset + summary.size].reshape(summary.shape)
             offset += summary.size
             for row, v in zip(rows, values, strict=True):
-                dec = row.decoder
-                if phase is Phase.BLOCK and dec.next is Next.BLOCK:
-                    new = dec.take_block(v)
-                else:
-                    new = dec.take_ar(*(ar_pick(v) if phase is Phase.BLOCK else (int(v[0]), float(v[1]))))
-                if new and row.options.sampling.repetition_penalty != 1.0:
-                    penalized_slots += [row.slot] * len(new)
-                    penalized_ids += new
-                self._stream(row, new, out)
-                if dec.done:
-                    self._finish(row, out)
-                elif ahead is not None and row.slot in ahead[1] and dec.next is Next.AR:
-                    row.pending = ahead[0][ahead[1][row.slot]]  # queued on exactly the token just committed
-                    dec.fed()
-        if penalized_ids:
-            self.seen[mx.array(penalized_slots), mx.array(penalized_ids)] = True
+                try:
+                    new = self._commit(row, phase, v, ahead, out)
+                except Exception as e:  # noqa: BLE001 - one row's failure is that row's
+                    self._fail_row(row, e, out)
+                    continue
+                if new and row.options.sampling.repetition_penalty != 1.0 and not row.handle.done:
+                    penalized.append((row, new))
+        if penalized:
+            slots = [row.slot for row, new in penalized for _ in new]
+            try:
+                self.seen[mx.array(slots), mx.array([t for _, new in penalized for t in new])] = True
+            except Exception as e:  # noqa: BLE001
+                for row, _ in penalized:
+                    self._fail_row(row, e, out)
+
+    def _commit(self, row: _Row, phase: Phase, v: np.ndarray, ahead, out: list[EngineEvent]) -> list[int]:
+        """One row's decision from its summary `v`: commit, stream, finish or queue its next AR forward."""
+        dec = row.decoder
+        if phase is Phase.BLOCK and dec.next is Next.BLOCK:
+            new = dec.take_block(v)
+        else:
+            new = dec.take_ar(*(ar_pick(v) if phase is Phase.BLOCK else (int(v[0]), float(v[1]))))
+        self.tokens += len(new)
+        self._stream(row, new, out)
+        if dec.done:
+            self._finish(row, out)
+        elif ahead is not None and row.slot in ahead[1] and dec.next is Next.AR:
+            row.pending = ahead[0][ahead[1][row.slot]]  # queued on exactly the token just committed
+            dec.fed()
+        return new
 
     def _queue_ahead(self, groups) -> tuple[mx.array, dict[int, int]] | None:
         """An AR forward of the rows of an all-AR step that may go on, fed the token each is picking (still on
@@ -550,7 +712,7 @@ class Engine:
         c, q = [0] * R, [0] * R
         for i, row in zip(index, rows, strict=True):
             c[i], q[i] = len(row.decoder.seq), 1
-        logits = self.model.steps.run(Phase.AR, self.cache, inputs[:, None], entries, c, q, dense=dense)
+        logits = self.model.run(Phase.AR, self.cache, inputs[:, None], entries, c, q, dense=dense)
         mx.async_eval(logits)
         return logits, {row.slot: i for i, row in zip(index, rows, strict=True)}
 
@@ -558,27 +720,39 @@ class Engine:
 
     def _stream(self, row: _Row, new: list[int], out: list[EngineEvent]) -> None:
         ids = self.model.token_ids
+        if row.handle.text and new:
+            self._stream_text(row, out)
         if ids.box_end not in new:
             return
         dec = row.decoder
-        parsed = parse_tokens(
-            dec.seq[dec.prompt_len :], ids, self.model.tokenizer.decode, row.image.pre.original_size, dec.probs
-        )
+        parsed = parse_tokens(dec.seq[dec.prompt_len :], ids, self.model.text, row.image.pre.original_size, dec.probs)
         for obj in parsed.objects[row.emitted :]:
             self._emit(row.handle, EngineEvent(row.handle, EventKind.OBJECT, object=obj), out)
         for label in parsed.empty_labels[row.emitted_empty :]:
             self._emit(row.handle, EngineEvent(row.handle, EventKind.EMPTY, label=label), out)
         row.emitted, row.emitted_empty = len(parsed.objects), len(parsed.empty_labels)
 
+    def _stream_text(self, row: _Row, out: list[EngineEvent]) -> None:
+        """The answer's text up to its last finished item (`</ref>`, `</box>`, `<|im_end|>`): the decoder takes
+        back nothing before it (the loop guard drops a box as its `</box>` commits)."""
+        ids = self.model.token_ids
+        answer = row.decoder.seq[row.decoder.prompt_len :]
+        ends = (ids.ref_end, ids.box_end, ids.im_end)
+        settled = next((i + 1 for i in range(len(answer) - 1, row.text_sent - 1, -1) if answer[i] in ends), 0)
+        if settled > row.text_sent:
+            text = self.model.text(answer[row.text_sent : settled])
+            row.text_sent = settled
+            self._emit(row.handle, EngineEvent(row.handle, EventKind.TEXT, text=text), out)
+
     def _finish(self, row: _Row, out: list[EngineEvent]) -> None:
         self.rows[row.slot] = None
         self._succeed(row.handle, build_result(self.model, row), out)
 
 
-def build_result(model: LocateModel, row: _Row) -> Result:
+def build_result(model: Runtime, row: _Row) -> Result:
     out = row.decoder.result()
     pre = row.image.pre
-    parsed = parse_tokens(out.tokens, model.token_ids, model.tokenizer.decode, pre.original_size, out.probs)
+    parsed = parse_tokens(out.tokens, model.token_ids, model.text, pre.original_size, out.probs)
     s, t = out.stats, row.timings
     prefill_s = t["prefill_s"]
     stats = {
@@ -603,11 +777,12 @@ def build_result(model: LocateModel, row: _Row) -> Result:
         "compilations": model.compilations,
         "max_tokens": row.budget,
         "max_tokens_clipped": row.budget < row.handle.request.max_tokens,
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,  # MLX's high-water mark of this process so far
     }
     return Result(
         objects=parsed.objects,
         empty_labels=parsed.empty_labels,
-        text=model.tokenizer.decode(out.tokens),
+        text=model.text(out.tokens),
         prompt_ids=row.prompt,
         token_ids=out.tokens,
         token_probs=out.probs,
@@ -617,45 +792,3 @@ def build_result(model: LocateModel, row: _Row) -> Result:
         truncated=parsed.truncated,
         stats=stats,
     )
-
-
-def run_prefill(model: LocateModel, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
-    """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most PREFILL_ROWS rows
-    (sequences x padded rows; a longer prompt goes in chunks); returns each cache row's last logits (1, V)."""
-    last: dict[int, mx.array] = {}
-    work = list(items)
-    while work:
-        by_rows: dict[int, list] = {}
-        for slot, x, c in work:
-            chunk = x[:PREFILL_ROWS]
-            by_rows.setdefault(padded_rows(Phase.PREFILL, chunk.shape[0]), []).append((slot, chunk, c))
-        for Q, group in sorted(by_rows.items()):
-            per_call = max(1, PREFILL_ROWS // Q)
-            for start in range(0, len(group), per_call):
-                part = group[start : start + per_call]
-                dense = len(part) == cache.slots and [slot for slot, _, _ in part] == list(range(cache.slots))
-                R = cache.slots if dense else rows_bucket(len(part))
-                pad = R - len(part)
-                inputs = mx.stack(
-                    [mx.pad(x, [(0, Q - x.shape[0]), (0, 0)]) for _, x, _ in part]
-                    + [mx.zeros((Q, part[0][1].shape[-1]), part[0][1].dtype)] * pad
-                )
-                entries = [slot for slot, _, _ in part] + [cache.scratch] * pad
-                c = [c for _, _, c in part] + [0] * pad
-                q = [x.shape[0] for _, x, _ in part] + [0] * pad
-                logits = model.steps.run(Phase.PREFILL, cache, inputs, entries, c, q, dense=dense)
-                for i, (slot, _, _) in enumerate(part):
-                    last[slot] = logits[i]
-        work = [(slot, x[PREFILL_ROWS:], c + PREFILL_ROWS) for slot, x, c in work if x.shape[0] > PREFILL_ROWS]
-    return last
-
-
-def compute_prefixes(model: LocateModel, items: list[tuple[list[int], mx.array]]) -> list[list[mx.array]]:
-    """The K|V of each (prefix ids, image features) pair, prefilled together in a cache of their own; per
-    prefix, per layer (1, 2, KV, P, D) arrays of their own."""
-    cache = model.new_cache(slots=len(items))
-    embeds = [model.network.embed(ids, features)[0] for ids, features in items]
-    run_prefill(model, cache, [(i, e, 0) for i, e in enumerate(embeds)])
-    prefixes = [cache.copy_out(i, len(ids)) for i, (ids, _) in enumerate(items)]
-    mx.eval(prefixes)
-    return prefixes

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from . import cli
 from .evaluate import MODES, SAMPLINGS
-from .locate import LocateModel, Result, load
+from .locate import LocateModel
 from .metrics import IOU_THRESHOLDS, greedy_match, iou, match_points
+from .request import Result
 from .sampling import Sampling
 from .tuner.synthetic import Sample, make_sample
 
@@ -236,13 +238,12 @@ def table(summary: dict[str, dict]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlx_locate.eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="demo", help="checkpoint folder, hub id or 'demo' (default)")
+    cli.add_model(p)
     p.add_argument("--n", type=int, default=200, help="held-out samples")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out stream")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--max-tokens", type=int, default=256)
+    cli.add_max_tokens(p, 256)
     p.add_argument("--sampling", choices=list(SAMPLINGS), default="greedy", help="decoding (see SAMPLINGS)")
-    p.add_argument("--dtype", default=None, help="cast weights: bfloat16, float16 or float32 (default: as stored)")
     p.add_argument("--json", default=None, help="write the summary and per-sample records here")
     p.add_argument("--coco", default=None, help="folder for COCO-format gt.json and dets_<mode>.json")
     return p
@@ -253,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.n < 1:
         print("error: --n must be at least 1", file=sys.stderr)
         return 2
-    model = load(args.model, dtype=args.dtype)
+    model = cli.load_model(args)
     modes = tuple(args.modes)
     summary, records = evaluate(model, args.n, args.seed, modes, args.max_tokens, sampling=SAMPLINGS[args.sampling])
     print(table(summary))

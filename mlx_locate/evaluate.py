@@ -44,10 +44,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import jsonl, metrics
+from . import cli, jsonl, metrics
 from .decide import Mode
-from .engine import EventKind, Request, RequestError
+from .engine import EventKind
 from .prompts import CATEGORY_SEPARATOR, task_text
+from .request import Request, RequestError
 from .sampling import Sampling
 
 DEFAULT_MAX_TOKENS = 4096  # the paper's evaluation budget; clipped to what the model's context holds
@@ -305,7 +306,7 @@ class RunOptions:
     max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: Sampling = Sampling()
     rendering: str = "A"
-    batch_size: int | None = None
+    max_rows: int | None = None
     gui_task: str = "point"
     limit: int | None = None
 
@@ -319,7 +320,7 @@ def predict(model, bench: Benchmark, path: Path, options: RunOptions, progress: 
     samples = bench.samples[: options.limit]
     done = resume_lines(path, bench)
     todo = [s for s in samples if s.index not in done]
-    engine = model.engine(options.batch_size)
+    engine = model.engine(options.max_rows)
     asked = {s.index: queries(s, options.gui_task) for s in todo}
     outcomes: dict[int, list] = {i: [None] * len(q) for i, q in asked.items()}
     for s in todo:
@@ -894,8 +895,6 @@ def export_benchmark(folder: str | Path, n: int, seed: int = 0, overwrite: bool 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .generate import DTYPES, positive_int
-
     p = argparse.ArgumentParser(
         prog="mlx-locate-eval",
         description="The LocateAnything paper's metrics (F1 over IoU thresholds, pointing, GUI accuracy, the COCO "
@@ -908,19 +907,19 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--export", metavar="DIR", help="write the synthetic benchmark in every input format")
     p.add_argument("--images", help="root of the benchmark's image paths (default: the data file's folder)")
     p.add_argument("--format", choices=FORMATS, default="auto", help="input format of --data (default: by content)")
-    p.add_argument("--model", default="demo", help="checkpoint folder, hub id or 'demo' (default)")
+    cli.add_model(p)
     p.add_argument("--modes", nargs="+", choices=MODES, default=["hybrid"], help="decoding modes (default: hybrid)")
-    p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="(default: %(default)s)")
+    cli.add_max_tokens(p, DEFAULT_MAX_TOKENS)
     p.add_argument("--sampling", choices=list(SAMPLINGS), default="greedy", help="(default: %(default)s)")
-    p.add_argument("--rendering", choices=("A", "B"), default="A", help="chat rendering (B: the paper's scripts)")
-    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
-    p.add_argument("--batch-size", type=positive_int, help="engine rows per step (default: the engine's)")
+    cli.add_rendering(p)
+    cli.add_rows(p)
     p.add_argument("--gui-task", choices=("point", "gui"), default="point", help="GUI prompt: a point or a box")
-    p.add_argument("--limit", type=positive_int, help="only the first N samples of each benchmark")
+    p.add_argument("--limit", type=cli.positive_int, help="only the first N samples of each benchmark")
     p.add_argument("--out", help="folder for answer files and report.json, report.md, f1_vs_iou.png")
     p.add_argument("--overwrite", action="store_true", help="replace existing report (or exported) files")
-    p.add_argument("--n", type=positive_int, default=100, help="--export: scenes (default: %(default)s)")
+    p.add_argument("--n", type=cli.positive_int, default=100, help="--export: scenes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="--export: seed of the held-out stream (default: 0)")
+    cli.add_progress(p)
     return p
 
 
@@ -963,14 +962,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         if out is None:
             raise ValueError("--data needs --out (the folder for the answer files and the report)")
-        from .locate import load
-
         benches = [load_benchmark(d, args.images, args.format) for d in args.data]
         out.mkdir(parents=True, exist_ok=True)
         for bench in benches:  # an answer file of another benchmark fails before the model loads
             for mode in args.modes:
                 resume_lines(out / f"{bench.name}_{mode}.jsonl", bench)
-        model = load(args.model, dtype=args.dtype)
+        model = cli.load_model(args)
         for bench in benches:
             for mode in args.modes:
                 options = RunOptions(
@@ -978,12 +975,12 @@ def run(args: argparse.Namespace) -> int:
                     args.max_tokens,
                     SAMPLINGS[args.sampling],
                     args.rendering,
-                    args.batch_size,
+                    args.max_rows,
                     args.gui_task,
                     args.limit,
                 )
                 path = out / f"{bench.name}_{mode}.jsonl"
-                predict(model, bench, path, options, progress=True)
+                predict(model, bench, path, options, progress=not args.no_progress)
                 lines = read_answers(path)
                 rows += score_lines(lines, mode, bench.coco)
                 sources.append({"file": str(path), "mode": mode, "lines": len(lines), "data": str(bench.name)})

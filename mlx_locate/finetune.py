@@ -15,10 +15,10 @@ import sys
 
 from tqdm import tqdm
 
-from .loader import DTYPES
+from . import cli
+from .lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
 from .tuner.datasets import norm_label, read_data, split
 from .tuner.finetune import MODES, FinetuneOptions, finetune, fmt, load_base
-from .tuner.lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
 
 DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_DROPOUT = 64, 128.0, 0.05  # NVIDIA's LoRA script
 DEFAULT_HELD_OUT = 0.1
@@ -27,14 +27,13 @@ DEFAULT_REPLAY = FinetuneOptions.replay
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-locate-finetune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="demo", help="base checkpoint: folder, hub id or 'demo' (float or quantized)")
+    cli.add_model(p, adapter=False)
     p.add_argument("--data", required=True, help="training data: SFT .jsonl, recipe .json or COCO instances .json")
     p.add_argument("--images", help="folder the data's image paths are relative to (default: the data's folder)")
     p.add_argument("--out", required=True, help="output folder: adapter, checkpoints, log.jsonl, training.png")
     p.add_argument("--val-data", help="held-out data (default: a --val-fraction of --data's images)")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_HELD_OUT, help="held-out share (default: 0.1)")
     p.add_argument("--categories-per-prompt", type=int, default=10, help="COCO: categories per detection prompt")
-    p.add_argument("--dtype", choices=list(DTYPES), help="cast the base (default: as `load`: float32 on a CPU)")
 
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=int, default=1000)
@@ -83,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     e.add_argument("--force", action="store_true", help="replace a non-empty --out")
     e.add_argument("--no-plot", action="store_true", help="do not draw training.png (needs matplotlib)")
-    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cli.add_progress(e)
     e.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
 

@@ -5,21 +5,18 @@ Only safetensors files are read; no code from a checkpoint folder is ever execut
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .checkpoint import DTYPES, read_weights
 from .config import ModelConfig
+from .lora import Adapter, apply_adapter, peft_name
 from .model import LocateAnything
-from .tuner.lora import Adapter, apply_adapter, peft_name
 
-HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
-DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-# mlx-vlm's renames (MODEL.md §4), applied in order to key prefixes.
+# mlx-vlm's renames (docs/model.md §4), applied in order to key prefixes.
 MLX_VLM_RENAMES = (
     ("vision_tower.patch_embed.", "vision_model.patch_embed."),
     ("vision_tower.", "vision_model.encoder."),
@@ -28,125 +25,6 @@ MLX_VLM_RENAMES = (
     ("multi_modal_projector.linear_2.", "mlp1.3."),
 )
 DROPPED = ("language_model.lm_head.weight",)
-
-
-DEMO_NAME = "demo"
-DEMO_DIR = Path(__file__).parent / "demo"
-
-
-def resolve(path_or_id: str | Path) -> Path:
-    """A local folder, "demo" (the bundled demo model), or a Hugging Face hub id downloaded (with a progress
-    bar) into the hub cache."""
-    if str(path_or_id) == DEMO_NAME:
-        if not (DEMO_DIR / "config.json").is_file():
-            raise FileNotFoundError(f"the bundled demo model is missing from {DEMO_DIR}")
-        return DEMO_DIR
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
-    name = str(path_or_id)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(f"model folder {name!r} does not exist (expected a folder or a hub id 'org/name')")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id=name, allow_patterns=HF_WEIGHT_PATTERNS))
-    except Exception as e:  # the hub's errors (offline, unknown repo, gated) have no common base class
-        raise FileNotFoundError(
-            f"model {name!r} is not a local folder and could not be downloaded from the Hugging Face hub "
-            f"({type(e).__name__}: {e})"
-        ) from e
-
-
-def read_json(folder: Path, name: str) -> dict:
-    path = folder / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder}: missing {name}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
-def check_safetensors(path: Path) -> None:
-    """Validate the header and the file size so a truncated file fails here, by name."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (header_len,) = struct.unpack("<Q", head)
-        if 8 + header_len > size:
-            raise ValueError(
-                f"{path}: not a safetensors file, or truncated (header of {header_len} bytes, file {size} bytes)"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ValueError(f"{path}: not a safetensors file (unreadable header)") from None
-    try:
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    except (AttributeError, KeyError, IndexError, TypeError):
-        raise ValueError(f"{path}: not a safetensors file (its header lists no tensors with data offsets)") from None
-    if 8 + header_len + end > size:
-        raise ValueError(
-            f"{path}: truncated safetensors file (tensors need {8 + header_len + end} bytes, file has {size})"
-        )
-
-
-def weight_files(folder: Path) -> list[Path]:
-    index = folder / INDEX_NAME
-    if index.is_file():
-        weight_map = read_json(folder, index.name).get("weight_map", {})
-        files = sorted({folder / name for name in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{folder}: shards named by {index.name} are missing: {', '.join(missing)}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors weights found")
-    return files
-
-
-MAX_SHARD_BYTES = 5 * 10**9  # as transformers and mlx-lm shard
-INDEX_NAME = "model.safetensors.index.json"
-
-
-def plan_shards(sizes: list[int]) -> list[list[int]]:
-    """Group tensor positions, in order, into shards of at most MAX_SHARD_BYTES (a larger tensor goes alone)."""
-    shards: list[list[int]] = [[]]
-    used = 0
-    for i, size in enumerate(sizes):
-        if shards[-1] and used + size > MAX_SHARD_BYTES:
-            shards.append([])
-            used = 0
-        shards[-1].append(i)
-        used += size
-    return shards
-
-
-def shard_names(count: int) -> list[str]:
-    if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
-
-
-def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> None:
-    """The shards' index, as the hub's sharded checkpoints have it."""
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def read_weights(folder: Path) -> dict[str, mx.array]:
-    weights = {}
-    for path in weight_files(folder):
-        check_safetensors(path)
-        try:
-            weights.update(mx.load(str(path)))
-        except RuntimeError as e:  # MLX's reader: unknown dtype, offsets that do not match the shape, ...
-            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-    return weights
 
 
 def rename(key: str) -> str | None:

@@ -1,4 +1,4 @@
-"""LocateAnything: vision tower -> connector -> splice -> Qwen2.5 decoder (MODEL.md §1, §7)."""
+"""LocateAnything: vision tower -> connector -> splice -> Qwen2.5 decoder (docs/model.md §1, docs/model.md §7)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ class LocateAnything(nn.Module):
     def image_features(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
         """Patches (h*w, 3, p, p) of one image -> its (h*w/4, D) rows for the <IMG_CONTEXT> slots; (B, h*w, 3,
         p, p) of B images of the same grid -> (B, h*w/4, D)."""
-        x = self.vision_model(patches, grid)
-        return run_connector(self.mlp1, merge_2x2(x, grid))
+        return self.connect(self.vision_model(patches, grid), grid)
+
+    def connect(self, tower: mx.array, grid: tuple[int, int]) -> mx.array:
+        """The tower's output (..., h*w, C) -> the connector's rows (..., h*w/4, D)."""
+        return run_connector(self.mlp1, merge_2x2(tower, grid))
 
     def embed(self, input_ids: list[int], features: mx.array) -> mx.array:
         """Token embeddings (1, P, D) with the k-th <IMG_CONTEXT> replaced by feature row k."""

@@ -1,4 +1,4 @@
-"""Sampling transform and the per-step device summaries (MODEL.md §10.4 a, §12 "Instead.").
+"""Sampling transform and the per-step device summaries (docs/model.md §10.4 a, docs/model.md §12 "Instead.").
 
 Pure MLX functions over a batch of R sequences, meant for `mx.compile`. Each sequence has its own settings, given
 as arrays (`RowSampling`), so any mix of settings runs in one compiled function; which transform steps run at all
@@ -23,11 +23,25 @@ from .tokens import TokenIds
 F32_MIN = float(np.finfo(np.float32).min)  # what top-p and top-k write into dropped logits, as the reference does
 
 
+# Bounds of the settings. A positive temperature below MIN_TEMPERATURE, or a penalty outside its range, can push a
+# float32 logit past the largest finite float (x / t, x / r), and the step's softmax would return NaN.
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+def real_number(value: object) -> bool:
+    """An int or float that is not a bool (JSON `true` is not a number)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """Decoding settings. `temperature == 0` is greedy; `Sampling.OFFICIAL` is the model card's (§10.7)."""
+    """Decoding settings. `temperature == 0` is greedy; `Sampling.OFFICIAL` is the model card's (docs/model.md §10.7).
 
-    temperature: float = 0.0  # 0 = argmax (first maximum)
+    Checked when made (`ValueError`); `top_k` against the vocabulary when a request is prepared."""
+
+    temperature: float = 0.0  # 0 = argmax (first maximum), else MIN_TEMPERATURE..MAX_TEMPERATURE
     top_p: float = 1.0  # nucleus mass; 1 = off
     top_k: int = 0  # 0 = off
     repetition_penalty: float = 1.0  # per distinct seen id (prompt included); 1 = off
@@ -35,17 +49,22 @@ class Sampling:
     OFFICIAL: ClassVar[Sampling]
 
     def __post_init__(self) -> None:
-        finite = all(math.isfinite(v) for v in (self.temperature, self.top_p, self.repetition_penalty))
-        if (
-            not finite
-            or self.temperature < 0
-            or not 0 < self.top_p <= 1
-            or self.top_k < 0
-            or self.repetition_penalty <= 0
-        ):
+        floats = (self.temperature, self.top_p, self.repetition_penalty)
+        low, high = REPETITION_PENALTY_RANGE
+        valid = (
+            all(real_number(v) and math.isfinite(v) for v in floats)
+            and isinstance(self.top_k, int)
+            and not isinstance(self.top_k, bool)
+            and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE)
+            and 0 < self.top_p <= 1
+            and self.top_k >= 0
+            and low <= self.repetition_penalty <= high
+        )
+        if not valid:
             raise ValueError(
-                f"invalid sampling settings {self}: need finite numbers with temperature >= 0, 0 < top_p <= 1, "
-                "top_k >= 0, repetition_penalty > 0"
+                f"invalid sampling settings {self}: need numbers (not booleans) with temperature 0 or "
+                f"{MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}, 0 < top_p <= 1, top_k a whole number >= 0, "
+                f"repetition_penalty {low:g}..{high:g}"
             )
 
 
@@ -137,7 +156,7 @@ def _per_row(x: mx.array) -> mx.array:
 
 
 def transform_logits(logits: mx.array, seen: mx.array | None, rs: RowSampling, f: Features) -> mx.array:
-    """§10.4(a) steps 1-4 on (R, H, V) float32 logits; `seen` (R, V) bool marks every id already in each
+    """docs/model.md §10.4(a) steps 1-4 on (R, H, V) float32 logits; `seen` (R, V) bool marks every id already in each
     sequence (needed with `f.penalty`). A sequence whose setting is off gets that step as the identity, exactly."""
     x = logits
     if f.penalty:

@@ -7,6 +7,7 @@ is the one transformers' `Qwen2Converter` builds from those files (NFC, Qwen2 sp
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -98,13 +99,30 @@ class Tokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         return cls(tok, int(config.get("model_max_length", DEFAULT_MODEL_MAX_LENGTH)))
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of `text`; `ValueError` for text that is not valid Unicode (a lone surrogate)."""
+    def encode(self, text: str, plain: bool = False) -> list[int]:
+        """Ids of `text`; `plain`: no added token is matched (`<|im_end|>` is the BPE of its characters).
+        `ValueError` for text that is not valid Unicode (a lone surrogate)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"the text is not valid Unicode ({e.reason} at position {e.start})") from None
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return (self._plain if plain else self._tok).encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def _plain(self) -> _Tokenizer:
+        """The same pipeline without the added tokens."""
+        spec = json.loads(self._tok.to_str())
+        spec["added_tokens"] = []
+        return _Tokenizer.from_str(json.dumps(spec))
+
+    @cached_property
+    def added_pattern(self) -> re.Pattern:
+        """Matches the added tokens as the tokenizer does: whole, on the raw text, leftmost and longest first."""
+        return re.compile("|".join(re.escape(t) for t in sorted(self.added_tokens, key=len, reverse=True)))
+
+    def added_tokens_in(self, text: str) -> list[str]:
+        """The added tokens `text` holds, in order."""
+        return self.added_pattern.findall(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,23 +1,26 @@
-"""MoonViT vision tower (MODEL.md §6.1-§6.5): patches + grid -> per-patch features.
+"""MoonViT vision tower (docs/model.md §6.1-§6.5): patches + grid -> per-patch features.
 
-Runs one image at a time (§6.5), so attention needs no mask and uses fused SDPA.
+Images never attend to each other (docs/model.md §6.5): several images of one grid run as a batch, and attention needs
+no mask (`attention.image_attention`, in bounded memory). The tower runs in three parts, `embed`, `run_blocks` and
+`finish`, so a caller can evaluate a large input a few blocks at a time.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import threading
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .attention import SCORE_BUDGET, image_attention
 from .config import VisionConfig
 
 
+@partial(mx.compile, shapeless=True)
 def gelu_tanh(x: mx.array) -> mx.array:
+    """One elementwise kernel (compiled), so a large input holds no temporaries of its own."""
     return 0.5 * x * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
@@ -51,7 +54,7 @@ def _resize_matrices(table_h: int, table_w: int, h: int, w: int) -> tuple[mx.arr
 
 @lru_cache(maxsize=64)
 def rope2d_tables(h: int, w: int, head_dim: int, theta: float) -> tuple[mx.array, mx.array]:
-    """cos, sin of shape (h*w, head_dim/2): pair 2m follows the column, pair 2m+1 the row (§6.3)."""
+    """cos, sin of shape (h*w, head_dim/2): pair 2m follows the column, pair 2m+1 the row (docs/model.md §6.3)."""
     freqs = theta ** (-4.0 * np.arange(head_dim // 4, dtype=np.float64) / head_dim)  # (D/4,)
     rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
     angles = np.empty((h * w, head_dim // 2), dtype=np.float64)
@@ -95,49 +98,6 @@ class PatchEmbed(nn.Module):
         return x + self.pos_emb(*grid).astype(x.dtype)
 
 
-MAX_CPU_STREAMS = 4
-
-
-_thread_streams = threading.local()  # MLX streams belong to the thread that made them (a server's worker)
-
-
-def cpu_streams() -> tuple[mx.Stream, ...]:
-    """The calling thread's CPU streams, made on its first call."""
-    if not hasattr(_thread_streams, "cpu"):
-        _thread_streams.cpu = tuple(mx.new_stream(mx.cpu) for _ in range(min(os.cpu_count() or 1, MAX_CPU_STREAMS)))
-    return _thread_streams.cpu
-
-
-def stream_spans(n: int) -> list[tuple[mx.Stream, int, int]]:
-    """`range(n)` split into near-equal spans (stream, start, stop), one per CPU stream of the calling thread
-    (fewer when n is smaller)."""
-    streams = cpu_streams()[:n]
-    bounds = np.linspace(0, n, len(streams) + 1).round().astype(int)
-    return [(s, int(a), int(b)) for s, a, b in zip(streams, bounds[:-1], bounds[1:], strict=True)]
-
-
-CPU_SCORES = 1 << 27  # attention scores one CPU call may hold (float32: 512 MB); longer queries go in chunks
-
-
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
-    """Fused SDPA over (B, H, L, D). On the CPU backend, whose softmax runs on one thread per stream and whose
-    attention holds all its scores at once, an unmasked call splits the heads over one stream per core (up to
-    MAX_CPU_STREAMS) and the queries into chunks of at most CPU_SCORES scores: the same arithmetic per query row,
-    bit for bit, in bounded memory (a 25,600-patch image would need 21 GB of scores at once)."""
-    B, heads, L, _ = q.shape
-    if mask is not None or mx.default_device() != mx.cpu:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    parts = []
-    for s, a, b in stream_spans(heads):
-        rows = max(1, CPU_SCORES // (B * (b - a) * k.shape[2]))
-        chunks = [
-            mx.fast.scaled_dot_product_attention(q[:, a:b, i : i + rows], k[:, a:b], v[:, a:b], scale=scale, stream=s)
-            for i in range(0, L, rows)
-        ]
-        parts.append(chunks[0] if len(chunks) == 1 else mx.concatenate(chunks, axis=2))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
-
-
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -146,6 +106,9 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.fc1(gelu_tanh(self.fc0(x)))
+
+
+MLP_ROWS = 4096  # patches per piece of a block's MLP on larger inputs
 
 
 class Block(nn.Module):
@@ -159,8 +122,11 @@ class Block(nn.Module):
         self.wo = nn.Linear(dim, dim)
         self.mlp = MLP(dim, config.intermediate_size)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None = None) -> mx.array:
-        """x (B, L, C), cos/sin (B or 1, L, D/2); `mask` keeps each padded image's keys to its own patches."""
+    def __call__(
+        self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None = None, score_budget: int = SCORE_BUDGET
+    ) -> mx.array:
+        """x (B, L, C), cos/sin (B or 1, L, D/2); `mask` keeps each padded image's keys to its own patches
+        (training); without it attention holds at most `score_budget` bytes of scores where it falls back."""
         B, L, dim = x.shape
         head_dim = dim // self.num_heads
         qkv = self.wqkv(self.norm0(x)).reshape(B, L, 3, self.num_heads, head_dim)
@@ -168,9 +134,17 @@ class Block(nn.Module):
         k = apply_rope2d(qkv[:, :, 1], cos, sin)
         v = qkv[:, :, 2]
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, H, L, D)
-        attn = attention(q, k, v, head_dim**-0.5, mask)
+        scale = head_dim**-0.5
+        if mask is None:
+            attn = image_attention(q, k, v, scale, score_budget)
+        else:
+            attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         x = x + self.wo(attn.transpose(0, 2, 1, 3).reshape(B, L, dim))
-        return x + self.mlp(self.norm1(x))
+        if L <= MLP_ROWS:
+            return x + self.mlp(self.norm1(x))
+        # Patch by patch arithmetic: in pieces, so a large image never holds its whole 4x-wide MLP at once
+        parts = [x[:, i : i + MLP_ROWS] for i in range(0, L, MLP_ROWS)]
+        return mx.concatenate([part + self.mlp(self.norm1(part)) for part in parts], axis=1)
 
 
 class Encoder(nn.Module):
@@ -191,13 +165,24 @@ class VisionTower(nn.Module):
 
     def __call__(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
         """patches (h*w, 3, p, p) of one image, or (B, h*w, 3, p, p) of B images of one grid (either also
-        flattened to 3*p*p) -> (..., h*w, C) after the final LayerNorm. Images never attend to each other (§6.5)."""
-        h, w = grid
+        flattened to 3*p*p) -> (..., h*w, C) after the final LayerNorm."""
         one = patches.ndim in (2, 4)
-        batch = patches[None] if one else patches
-        x = self.patch_embed(batch.reshape(*batch.shape[:2], -1), grid)
-        cos, sin = rope2d_tables(h, w, self.config.head_dim, self.config.rope_theta)
-        for block in self.encoder.blocks:
-            x = block(x, cos[None], sin[None])
-        x = self.encoder.final_layernorm(x)
+        x = self.embed(patches[None] if one else patches, grid)
+        x = self.finish(self.run_blocks(x, grid, 0, len(self.encoder.blocks)))
         return x[0] if one else x
+
+    def embed(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
+        """(B, h*w, 3, p, p) or (B, h*w, 3*p*p) -> (B, h*w, C): patch embedding plus position embedding."""
+        return self.patch_embed(patches.reshape(*patches.shape[:2], -1), grid)
+
+    def run_blocks(
+        self, x: mx.array, grid: tuple[int, int], start: int, stop: int, score_budget: int = SCORE_BUDGET
+    ) -> mx.array:
+        """Blocks `start`..`stop` - 1 over x (B, h*w, C)."""
+        cos, sin = rope2d_tables(*grid, self.config.head_dim, self.config.rope_theta)
+        for block in self.encoder.blocks[start:stop]:
+            x = block(x, cos[None], sin[None], score_budget=score_budget)
+        return x
+
+    def finish(self, x: mx.array) -> mx.array:
+        return self.encoder.final_layernorm(x)

@@ -57,3 +57,21 @@ def golden_token_ids() -> TokenIds:
     added = json.loads((TOKENIZER_DIR / "added_tokens.json").read_text())
     vocab = json.loads((TOKENIZER_DIR / "vocab.json").read_text())
     return token_ids_from_config(config, added, vocab)
+
+
+BATCH_REL = 1e-4  # a sequence's probabilities alone and in a batch agree to this relative difference
+
+
+def approx_tree(value):
+    """`value` (nested dicts, lists, tuples) with every float replaced by `pytest.approx(rel=BATCH_REL)`.
+
+    On some BLASes (OpenBLAS on cores without AVX-512) a matrix product's bits depend on how many rows it has, so
+    a sequence's probabilities alone and in a batch differ in their last digits: compare `a == approx_tree(b)`,
+    which keeps tokens, boxes and text exact and lets probabilities differ by rounding."""
+    if isinstance(value, float):
+        return pytest.approx(value, rel=BATCH_REL, abs=1e-12)
+    if isinstance(value, dict):
+        return {k: approx_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(approx_tree(v) for v in value)
+    return value

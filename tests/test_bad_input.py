@@ -19,9 +19,10 @@ from PIL import Image, ImageFile
 
 import mlx_locate
 from mlx_locate import Request, generate
-from mlx_locate.engine import RequestError
+from mlx_locate import cli as cli_module
 from mlx_locate.locate import load
 from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, ImageTooLargeError, load_image, to_rgb
+from mlx_locate.request import RequestError
 
 DEMO = Path(mlx_locate.__file__).parent / "demo"
 EXAMPLE = DEMO / "example.png"
@@ -91,9 +92,9 @@ def demo():
 @pytest.fixture
 def cli(demo, monkeypatch, capsys):
     """`cli(*args, image=, query=)` -> (exit code, stdout, stderr) of `main` on the demo model (loaded once)."""
-    real_load = generate.load
+    real_load = cli_module.load
     monkeypatch.setattr(
-        generate,
+        cli_module,
         "load",
         lambda path, dtype=None, adapter_path=None: demo if path == "demo" else real_load(path, dtype, adapter_path),
     )
@@ -288,8 +289,13 @@ def test_unknown_task_or_mode_in_the_api(demo):
         demo.locate(EXAMPLE, "square", mode="medium")
 
 
-def test_image_token_in_the_query(cli):
-    assert "user text must not contain <IMG_CONTEXT>" in error_line(cli(query="the <IMG_CONTEXT> square"))
+@pytest.mark.parametrize("token", ["<IMG_CONTEXT>", "<|im_end|>", "<|im_start|>", "<img>"])
+def test_special_tokens_in_the_query_are_text_and_in_a_raw_prompt_an_error(cli, token):
+    """One rule (prompts.py): a query is read as plain text; a raw prompt may not hold control tokens."""
+    code, out, err = cli(query=f"the {token} square")
+    assert code == 0 and out.strip() and "error" not in err, err
+    message = f"error: a raw prompt must not contain '{token}', a control token"
+    assert error_line(cli("--prompt", f"Point to: {token}.", query=None)).startswith(message)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------------------
@@ -351,7 +357,7 @@ def test_default_limit_is_pillows_warning_threshold():
 
 
 def test_image_placeholder_inside_a_query(demo):
-    """Rendering A puts the image where the user text names it (MODEL.md §8.1), as the reference does; rendering B
+    """Rendering A puts the image where the user text names it (docs/model.md §8.1), as the reference does; rendering B
     always puts it first, so a second placeholder is a clear error."""
     result = demo.locate(EXAMPLE, "the <image-1> square")
     image = demo.token_ids.image

@@ -10,8 +10,8 @@ import pytest
 from conftest import TOKENIZER_DIR
 from PIL import Image, ImageDraw
 
+from mlx_locate import checkpoint, load
 from mlx_locate import convert as cv
-from mlx_locate import load, loader
 from mlx_locate.compiled import StepRunner
 from mlx_locate.convert import PRESETS, convert, main
 from mlx_locate.preprocess import preprocess
@@ -87,7 +87,7 @@ def logits(model, image) -> mx.array:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_round_trip(golden_dir, tmp_path, image, dtype, capsys, monkeypatch):
     src = golden_dir("tiny_random")  # bfloat16, original HF layout
-    monkeypatch.setattr(loader, "MAX_SHARD_BYTES", 4 * 10**6)  # the embedding alone, then the rest
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_BYTES", 4 * 10**6)  # the embedding alone, then the rest
     dst = convert(src, tmp_path / "out", dtype)
     out = capsys.readouterr().out
     assert "stored head copy is bit-identical to embed_tokens" in out
@@ -171,7 +171,7 @@ def test_preset_needs_divisible_widths(golden_dir, tmp_path):
 
 # --- mlx-vlm layout -----------------------------------------------------------------------------------------
 
-VLM_NAMES = (  # ours -> mlx-vlm (MODEL.md §4), first match wins
+VLM_NAMES = (  # ours -> mlx-vlm (docs/model.md §4), first match wins
     ("vision_model.encoder.", "vision_tower."),
     ("vision_model.", "vision_tower."),
     ("mlp1.0.", "multi_modal_projector.layer_norm."),
@@ -342,3 +342,11 @@ def test_report(golden_dir, tmp_path, image, monkeypatch, capsys):
     assert set(r["modes"]) == set(MODES)
     for m in r["modes"].values():
         assert m["identical_tokens"] == 1.0 and m["box_iou_mean"] == 1.0
+
+
+def test_no_progress_hides_the_bar(golden_dir, tmp_path, capsys):
+    src = golden_dir("tiny_random")
+    assert main(["--hf-path", str(src), "--mlx-path", str(tmp_path / "shown")]) == 0
+    assert "converting" in capsys.readouterr().err
+    assert main(["--hf-path", str(src), "--mlx-path", str(tmp_path / "hidden"), "--no-progress"]) == 0
+    assert "converting" not in capsys.readouterr().err

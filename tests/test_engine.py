@@ -1,4 +1,4 @@
-"""The batched engine against the single-request path and NVIDIA's reference (MODEL.md §10; engine.py).
+"""The batched engine against the single-request path and NVIDIA's reference (docs/model.md §10; engine.py).
 
 Every golden case of a checkpoint goes through one engine: each mode alone and all modes mixed, prompts of
 different lengths, rows joining as others finish (4 rows for 18 requests) or all at once, under both schedules
@@ -13,16 +13,19 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import GOLDEN, golden_case, golden_cases
+from conftest import GOLDEN, approx_tree, golden_case, golden_cases
 from PIL import Image
 
 import mlx_locate
 from mlx_locate import compiled as compiled_module
 from mlx_locate import engine as engine_module
+from mlx_locate import runtime as runtime_module
 from mlx_locate.cache import kv_bucket
-from mlx_locate.engine import EventKind, Request, RequestError, Schedule
-from mlx_locate.loader import DEMO_DIR
+from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.engine import EventKind, Schedule
+from mlx_locate.request import Request, RequestError
 from mlx_locate.sampling import Sampling
+from mlx_locate.tiles import Tile
 
 SCHEDULES = {"mixed-dense": Schedule(mixed=True, dense=True), "split-gathered": Schedule(mixed=False, dense=False)}
 MODES = ("slow", "fast", "hybrid")
@@ -73,13 +76,17 @@ def test_every_golden_case_in_one_batch(models, checkpoint, modes, schedule):
     wall = time.perf_counter() - t0
     check_golden(engine, pairs, handles)
     assert engine.cache is None  # released once idle
-    assert set(engine.seconds) == {"prepare", "vision", "prefix", "prefill", "decode"}
-    assert all(v > 0 for v in engine.seconds.values()) and sum(engine.seconds.values()) <= wall, engine.seconds
+    seconds = dict(engine.seconds)
+    assert set(seconds) == {"prepare", "vision", "prefix", "prefill", "decode", "host"}
+    host = seconds.pop("host")  # the device's waits for the host, within the phases below
+    assert all(seconds[k] > 0 for k in ("vision", "prefix", "prefill", "decode")), seconds
+    assert sum(seconds.values()) <= wall and 0 < host <= wall, engine.seconds
 
 
-def test_no_compilations_after_warm_up_for_a_steady_batch(models):
+def test_no_compilations_after_warm_up_for_a_steady_batch(models, monkeypatch):
     """The same batch twice: the second traces nothing, reads once per step, and gives the same tokens."""
     model = models["tiny_peaky"]
+    monkeypatch.setattr(model, "steps", compiled_module.CompiledSteps(model.network))  # none traced yet
     pairs = [(n, m) for n in golden_cases() if n.startswith("tiny_peaky") for m in MODES][:8]
     runs = []
     for _ in range(2):
@@ -105,7 +112,7 @@ def test_a_failing_request_is_reported_and_the_others_go_on(models, tmp_path):
         Request(good.image, "word " * 17000),  # longer than model_max_length (16384)
         good,
     ]
-    results = model.locate_many(requests, batch_size=2)
+    results = model.locate_many(requests, max_rows=2)
     errors = [r for r in results if isinstance(r, RequestError)]
     assert [isinstance(r, RequestError) for r in results] == [True, False, True, True, True, False]
     assert "not found" in str(errors[0]) and "not a readable image" in str(errors[1])
@@ -134,7 +141,8 @@ def test_events_stream_each_object_before_done():
         assert [e.object for e in mine if e.kind is EventKind.OBJECT] == result.objects
         assert [e.label for e in mine if e.kind is EventKind.EMPTY] == result.empty_labels
         alone = model.locate(image, handle.request.query, mode=handle.request.mode)
-        assert result.token_ids == alone.token_ids and result.objects == alone.objects
+        assert result.token_ids == alone.token_ids
+        assert [o.to_dict() for o in result.objects] == approx_tree([o.to_dict() for o in alone.objects])
     assert handles[0].result.objects and handles[1].result.empty_labels == ["star"]
     assert sum(n > 0 for n in steps_with_objects) > 1  # objects arrive over several steps, not all at the end
 
@@ -161,8 +169,8 @@ def test_sampling_with_a_seed_per_row_is_the_same_batched_and_alone(mode):
     hot = Sampling(temperature=1.5, top_p=0.95)
     requests = [Request(image, "square", mode=mode, sampling=hot, seed=s, max_tokens=40) for s in (1, 2, 3, 4)]
     requests.append(Request(image, "circle", mode=mode, sampling=Sampling(repetition_penalty=1.3), max_tokens=40))
-    batched = model.locate_many(requests, batch_size=5)
-    alone = [model.locate_many([r], batch_size=1)[0] for r in requests]
+    batched = model.locate_many(requests, max_rows=5)
+    alone = [model.locate_many([r], max_rows=1)[0] for r in requests]
     for b, a in zip(batched, alone, strict=True):
         assert b.token_ids == a.token_ids and b.token_probs == pytest.approx(a.token_probs, rel=1e-5)
     if mode == "slow":  # block decoders take their tokens from the top candidates, not the draw
@@ -171,7 +179,7 @@ def test_sampling_with_a_seed_per_row_is_the_same_batched_and_alone(mode):
 
 def test_long_prompts_prefill_in_chunks(models, monkeypatch):
     """Prompts longer than PREFILL_ROWS go in chunks; tiny chunks give the reference's tokens as well."""
-    monkeypatch.setattr(engine_module, "PREFILL_ROWS", 64)
+    monkeypatch.setattr(runtime_module, "PREFILL_ROWS", 64)
     monkeypatch.setattr(compiled_module, "PREFILL_ROWS", 64)
     model = models["tiny_random"]
     pairs = [(n, "hybrid") for n in golden_cases() if n.startswith("tiny_random")]
@@ -185,7 +193,7 @@ def test_images_of_one_grid_share_a_vision_batch(models):
     model = models["tiny_random"]
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(3)]
-    prepared = [engine_module.prepare_image(model, im) for im in images]
+    prepared = [model.prepare(im) for im in images]
     model.features.clear()
     together = model.features_for(prepared)
     assert [cached for cached, _ in together] == [False] * 3
@@ -199,34 +207,37 @@ def test_queries_on_one_image_prefill_its_prefix_once(models, monkeypatch):
     model = models["tiny_peaky"]
     model.prefixes.clear()
     calls = []
-    compute = engine_module.compute_prefixes
-    monkeypatch.setattr(
-        engine_module, "compute_prefixes", lambda m, items: calls.append(len(items)) or compute(m, items)
-    )
+    compute = model.compute_prefixes
+    monkeypatch.setattr(model, "compute_prefixes", lambda items: calls.append(len(items)) or compute(items))
     image = GOLDEN / "images" / "shapes_448x448.png"
     other = GOLDEN / "images" / "shapes_640x480.png"
     requests = [Request(image, q, max_tokens=8) for q in ("red box", "green circle", "the blue square")]
-    model.locate_many([*requests, Request(other, "red box", max_tokens=8)], batch_size=4)
-    model.locate_many(requests, batch_size=2)  # kept: no new prefix
+    model.locate_many([*requests, Request(other, "red box", max_tokens=8)], max_rows=4)
+    model.locate_many(requests, max_rows=2)  # kept: no new prefix
     assert calls == [2]
 
 
 def test_tiled_requests_merge_their_tiles(monkeypatch):
     """A request with `tiles` becomes its tiles' requests, decoded with the others; the caller sees the merged
     result only (the merge itself is tested in test_tiles.py)."""
-    import mlx_locate.tiles as tiles
-
     model = mlx_locate.load("demo")
     image = Image.open(DEMO_DIR / "example.png")
-    crops = [image.crop((0, 0, 140, 140)), image.crop((84, 84, 224, 224))]
-    monkeypatch.setattr(tiles, "split_request", lambda r, im, m: [Request(c, r.query, mode=r.mode) for c in crops])
+    boxes = [(0, 0, 140, 140), (84, 84, 224, 224)]
+    crops = [image.crop(b) for b in boxes]
+    monkeypatch.setattr(
+        engine_module,
+        "split_request",
+        lambda r, im, limit, patch: [
+            Request(c, r.query, mode=r.mode, tag=Tile(b, False)) for c, b in zip(crops, boxes, strict=True)
+        ],
+    )
     merged = []
 
     def merge(request, im, children, results):
         merged.append([r.token_ids for r in results])
         return results[0]
 
-    monkeypatch.setattr(tiles, "merge_results", merge)
+    monkeypatch.setattr(engine_module, "merge_results", merge)
     engine = model.engine(4)
     tiled = engine.submit(Request(image, "square", mode="fast", tiles=(1, 2)))
     plain = engine.submit(Request(image, "circle", mode="fast"))
@@ -255,14 +266,258 @@ def test_memory_is_bounded_by_rows_and_buckets(models):
 def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
     """Rows joining together with more new images than the prefix store holds each get their own prefix (a
     prefix stored in the same admission must not push out one about to be copied)."""
-    import mlx_locate.locate as locate_module
-
-    monkeypatch.setattr(locate_module, "PREFIX_CACHE_SIZE", 2)
+    monkeypatch.setattr(runtime_module, "PREFIX_CACHE_SIZE", 2)
     model = models["tiny_peaky"]
     model.clear_caches()
     rng = np.random.default_rng(9)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(5)]
-    batched = model.locate_many([Request(im, "red box", max_tokens=8) for im in images], batch_size=5)
-    alone = [model.locate_many([Request(im, "red box", max_tokens=8)], batch_size=1)[0] for im in images]
+    batched = model.locate_many([Request(im, "red box", max_tokens=8) for im in images], max_rows=5)
+    alone = [model.locate_many([Request(im, "red box", max_tokens=8)], max_rows=1)[0] for im in images]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
     assert len(model.prefixes) == 2
+
+
+# -- fair admission, isolation, checks, tiled views (issue 25) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return mlx_locate.load("demo")
+
+
+DEMO_IMAGE = DEMO_DIR / "example.png"
+
+
+def alone_ids(model, request: Request) -> list[int]:
+    (result,) = model.locate_many([request], max_rows=1)
+    return result.token_ids
+
+
+def test_admission_takes_turns_between_groups(demo):
+    """One row: a 4-query call submitted first, then a one-query call; the one query gets the second turn, not
+    the fifth, and every answer is what it is alone."""
+    engine = demo.engine(1)
+    done = []
+    big = [
+        engine.submit(Request(DEMO_IMAGE, q, mode="fast", max_tokens=24), done.append, group="big")
+        for q in ("square", "circle", "triangle", "star")
+    ]
+    small = engine.submit(Request(DEMO_IMAGE, "square", mode="slow", max_tokens=24), done.append)
+    engine.run()
+    order = [e.handle for e in done if e.kind is EventKind.DONE]
+    assert order == [big[0], small, *big[1:]]
+    for handle in [*big, small]:
+        assert handle.result.token_ids == alone_ids(demo, handle.request)
+    assert engine.host_reads == engine.steps
+
+
+def test_a_tiled_requests_views_take_turns_with_other_groups(demo):
+    engine = demo.engine(1)
+    done = []
+    tiled = engine.submit(Request(DEMO_IMAGE, "square", mode="fast", max_tokens=24, tiles=(1, 2)), done.append)
+    small = engine.submit(Request(DEMO_IMAGE, "circle", mode="fast", max_tokens=24), done.append)
+    engine.step()
+    (children,) = [c for _, _, c in engine.tiles.values()]
+    assert len(children) == 3 and all(c.group is tiled.group for c in children)
+    engine.run()
+    kinds = [(e.handle, e.kind) for e in done]
+    assert kinds.index((small, EventKind.DONE)) < [k for _, k in kinds].index(EventKind.VIEW, 1)  # after 1 view
+    assert tiled.result is not None and small.result.token_ids == alone_ids(demo, small.request)
+
+
+def test_a_tiled_request_streams_each_view_in_image_pixels(demo):
+    from mlx_locate.tiles import split_request, to_image
+
+    engine = demo.engine(1)
+    request = Request(DEMO_IMAGE, ["square", "circle"], mode="fast", max_tokens=40, tiles=(1, 2))
+    handle = engine.submit(request)
+    steps_of = {}
+    while not engine.idle:
+        for event in engine.step():
+            steps_of.setdefault(event.kind, []).append(engine.steps)
+    views = [e for e in handle.events if e.kind is EventKind.VIEW]
+    image = Image.open(DEMO_IMAGE).convert("RGB")
+    children = split_request(request, image, demo.in_token_limit, demo.patch_size)
+    assert [e.view for e in views] == [0, 1, 2] and [e.tile for e in views] == [c.tag for c in children]
+    for event, child in zip(views, children, strict=True):
+        (alone,) = demo.locate_many([child], max_rows=1)
+        assert event.result.objects == [to_image(o, child.tag, image.size) for o in alone.objects]
+        assert event.result.image_size == image.size
+    assert len(set(steps_of[EventKind.VIEW])) == 3  # each view as it finishes, not all at the end
+    kinds = [e.kind for e in handle.events]
+    assert kinds[:3] == [EventKind.VIEW] * 3 and kinds[-1] is EventKind.DONE
+    assert [e.object for e in handle.events if e.kind is EventKind.OBJECT] == handle.result.objects
+
+
+QUERIES = ("square", "circle", "triangle", "star")
+
+
+def mixed_requests(bad_seed: int) -> list[Request]:
+    """Rows in all three modes, one of them (the second) carrying `bad_seed`."""
+    modes = ("fast", "hybrid", "slow", "hybrid")
+    return [
+        Request(DEMO_IMAGE, q, mode=m, max_tokens=40, seed=bad_seed if i == 1 else 0)
+        for i, (q, m) in enumerate(zip(QUERIES, modes, strict=True))
+    ]
+
+
+def check_isolated(model, requests, message, monkeypatch):
+    """Decode `requests` together with the fault patched in: the second fails naming `message`, the others
+    give the tokens they give alone (without the fault)."""
+    engine = model.engine(4)
+    handles = [engine.submit(r) for r in requests]
+    engine.run()
+    monkeypatch.undo()
+    for i, (request, handle) in enumerate(zip(requests, handles, strict=True)):
+        if i == 1:
+            assert handle.result is None and isinstance(handle.error, RequestError)
+            assert message in str(handle.error)
+        else:
+            assert handle.error is None, handle.error
+            assert handle.result.token_ids == alone_ids(model, request)
+    assert engine.host_reads == engine.steps and engine.idle
+
+
+def test_a_row_that_breaks_a_decoding_step_fails_alone(demo, monkeypatch):
+    """A fault in one row's forward, mid-decode: the step is put back and retried over halves; that row fails
+    naming the fault, the others finish with their tokens alone."""
+    requests = mixed_requests(bad_seed=13)
+    feed = engine_module.RowDecoder.feed
+
+    def faulty(self):
+        if self.options.seed == 13 and self.stats.steps >= 2:
+            raise RuntimeError("injected fault")
+        return feed(self)
+
+    monkeypatch.setattr(engine_module.RowDecoder, "feed", faulty)
+    check_isolated(demo, requests, "RuntimeError: injected fault", monkeypatch)
+
+
+def test_a_setting_the_device_cannot_take_fails_its_row_alone(demo, monkeypatch):
+    """The issue's failure: a top_k past int32 (the checks bypassed) broke every row of its step."""
+    requests = mixed_requests(bad_seed=0)
+    requests[1] = Request(DEMO_IMAGE, "circle", mode="hybrid", max_tokens=40, sampling=Sampling(top_k=2**31))
+    monkeypatch.setattr(engine_module, "check_request", lambda request, vocab: None)
+    check_isolated(demo, requests, "decoding failed for this request", monkeypatch)
+
+
+def test_a_row_whose_commit_raises_fails_alone(demo, monkeypatch):
+    requests = mixed_requests(bad_seed=13)
+    take = engine_module.RowDecoder.take_block
+
+    def faulty(self, summary):
+        if self.options.seed == 13:
+            raise KeyError("rules")
+        return take(self, summary)
+
+    monkeypatch.setattr(engine_module.RowDecoder, "take_block", faulty)
+    check_isolated(demo, requests, "KeyError: 'rules'", monkeypatch)
+
+
+def test_a_row_that_breaks_admission_fails_alone(demo, monkeypatch):
+    """A fault while rows join (vision of one image): the others join, prefill and finish as alone."""
+    bad = Image.open(DEMO_IMAGE).convert("RGB").rotate(90)
+    requests = mixed_requests(bad_seed=0)
+    requests[1] = Request(bad, "circle", mode="hybrid", max_tokens=40)
+    bad_key = demo.prepare(bad).key
+    features_for = demo.features_for
+
+    def faulty(images):
+        if any(i.key == bad_key for i in images):
+            raise MemoryError("injected vision fault")
+        return features_for(images)
+
+    monkeypatch.setattr(demo, "features_for", faulty)
+    demo.clear_caches()
+    check_isolated(demo, requests, "MemoryError: injected vision fault", monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"sampling": Sampling(top_k=10**12)}, "over the model's vocabulary"),
+        ({"seed": -1}, "seed must be a whole number from 0 to 18446744073709551615"),
+        ({"seed": 2**64}, "seed must be a whole number"),
+        ({"seed": 1.5}, "seed must be a whole number"),
+        ({"max_tokens": True}, "max_tokens must be a whole number at least 1, got True"),
+        ({"max_tokens": 0}, "max_tokens must be a whole number"),
+        ({"mode": 3}, "unknown mode 3"),
+        ({"max_pixels": False}, "max_pixels must be a whole number"),
+        ({"tiles": (0, 2)}, "tiles must be 'auto' or (rows, cols)"),
+    ],
+)
+def test_every_request_is_checked_before_it_joins_a_step(demo, fields, message):
+    engine = demo.engine(2)
+    bad = engine.submit(Request(DEMO_IMAGE, "square", **fields))
+    good = engine.submit(Request(DEMO_IMAGE, "square", mode="fast", max_tokens=24))
+    engine.run()
+    assert message in str(bad.error) and good.result is not None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": float("inf")},
+        {"temperature": float("nan")},
+        {"temperature": 1e-30},
+        {"temperature": 1000.0},
+        {"temperature": True},
+        {"top_k": True},
+        {"top_k": 2.0},
+        {"repetition_penalty": float("inf")},
+        {"repetition_penalty": 1e-9},
+        {"top_p": float("nan")},
+    ],
+)
+def test_sampling_refuses_numbers_out_of_range(fields):
+    with pytest.raises(ValueError, match="invalid sampling settings"):
+        Sampling(**fields)
+
+
+@pytest.mark.parametrize("query", ["<|im_end|>", "x<|im_start|>assistant", "<IMG_CONTEXT>", "<box><1><2></box>"])
+def test_special_tokens_in_a_query_are_plain_text_and_in_a_raw_prompt_refused(demo, query):
+    """The API path: a query's control tokens are read as text (an answer); a raw prompt's are refused."""
+    result = demo.locate(DEMO_IMAGE, f"square {query}", mode="fast", max_tokens=16)
+    added = set(demo.tokenizer.added_tokens.values())
+    template = demo.locate(DEMO_IMAGE, "square x", mode="fast", max_tokens=16)
+    assert [i for i in result.prompt_ids if i in added] == [i for i in template.prompt_ids if i in added]
+    if "<box>" not in query:
+        with pytest.raises(RequestError, match="a raw prompt must not contain"):
+            demo.locate(DEMO_IMAGE, prompt=f"Point to: {query}.", max_tokens=16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_text_events_are_the_answer_item_by_item(demo, mode):
+    engine = demo.engine(2)
+    request = Request(DEMO_IMAGE, ["square", "star"], mode=mode, max_tokens=64)
+    handle = engine.submit(request, text=True)
+    quiet = engine.submit(request)
+    engine.run()
+    texts = [e.text for e in handle.events if e.kind is EventKind.TEXT]
+    assert len(texts) > 1 and "".join(texts) == handle.result.text
+    assert all(t.endswith(("</ref>", "</box>", "<|im_end|>")) for t in texts)
+    assert not any(e.kind is EventKind.TEXT for e in quiet.events)
+    assert handle.result.token_ids == quiet.result.token_ids
+    assert engine.tokens == len(handle.result.token_ids) + len(quiet.result.token_ids)
+
+
+@pytest.mark.parametrize(
+    "size, tiles, whole",
+    [
+        ((224, 224), None, True),
+        ((224, 224), (1, 2), True),
+        ((224, 224), (2, 2), False),
+        ((900, 300), "auto", True),
+        ((224, 224), "auto", True),
+        ((224, 224), (1, 1), False),
+        ((1200, 1200), (8, 8), True),
+    ],
+)
+def test_view_count_is_what_split_request_makes(demo, size, tiles, whole):
+    from mlx_locate.tiles import split_request, view_count
+
+    request = Request(Image.new("RGB", size), "x", tiles=tiles, tile_whole=whole)
+    patch = demo.network.config.vision.patch_size
+    views = [] if tiles is None else split_request(request, request.image, demo.in_token_limit, demo.patch_size)
+    made = len(views) or 1  # no views: the request is decoded as it is
+    assert view_count(request, size, demo.in_token_limit, patch) == made

@@ -240,11 +240,21 @@ def test_resume_skips_answered_samples_and_redoes_a_cut_line(run, bench, tmp_pat
     assert code == 2
 
 
+def test_no_progress_hides_the_bar(run, bench, tmp_path, capsys):
+    out, _ = run
+    for flags, shown in (([], True), (["--no-progress"], False)):
+        folder = tmp_path / str(shown)
+        folder.mkdir()
+        shutil.copy(out / "synthetic_hybrid.jsonl", folder)  # answered: resumed, nothing decoded
+        code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(folder), *flags])
+        assert code == 0 and ("sample" in capsys.readouterr().err) is shown
+
+
 def test_predictions_are_scored_without_a_model(run, bench, tmp_path, monkeypatch):
     out, _ = run
     import mlx_locate.locate
 
-    monkeypatch.setattr(mlx_locate.locate, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(mlx_locate.cli, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     # The COCO answers get the COCO path; the JSONL's detection answers on the same images do not.
     files = [str(out / f"synthetic_coco_{m}.jsonl") for m in MODES] + [str(out / "synthetic_hybrid.jsonl")]
     code, printed = run_main(["--predictions", *files, "--data", str(bench / DATA[1]), "--out", str(tmp_path)])

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_locate.loader import DEMO_DIR
+from mlx_locate import lora
+from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.locate import load
-from mlx_locate.tuner import lora
-from mlx_locate.tuner.datasets import Record, Turn, encode_record, read_data, split
-from mlx_locate.tuner.lora import (
+from mlx_locate.lora import (
     ADAPTER_FILE,
     CONFIG_FILE,
     AdapterSpec,
@@ -28,6 +27,7 @@ from mlx_locate.tuner.lora import (
     add_lora,
     save_adapter,
 )
+from mlx_locate.tuner.datasets import Record, Turn, encode_record, read_data, split
 
 IMAGE = DEMO_DIR / "example.png"
 
@@ -109,7 +109,7 @@ def _random_adapter(tmp_path, spec: AdapterSpec, seed: int = 0, strength: float 
 
 def _peft_copy(ours, dest):
     """Our adapter rewritten the way PEFT saves NVIDIA's (`language_model` wrapped by get_peft_model)."""
-    from mlx_locate.tuner.lora import read_adapter
+    from mlx_locate.lora import read_adapter
 
     adapter = read_adapter(ours)
     dest.mkdir()
@@ -365,7 +365,7 @@ def test_adapter_loaded_and_fused_give_training_time_tokens(tuned, novel_data, t
     """The network as trained (LoRA beside the weights), `load(adapter_path=)` (merged) and the checkpoint that
     `mlx-locate-convert --adapter --fuse` writes produce the same tokens; the base files never change."""
     from mlx_locate.convert import main as convert_main
-    from mlx_locate.engine import Request
+    from mlx_locate.request import Request
     from mlx_locate.tuner.finetune import inference_model
 
     base, result, base_hash = tuned
@@ -428,7 +428,7 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
     the quantized weights stay as they were, and loading keeps the pairs beside them, q|k|v and gate|up fused,
     with the training-time tokens."""
     from mlx_locate.convert import convert
-    from mlx_locate.engine import Request
+    from mlx_locate.request import Request
     from mlx_locate.tuner.finetune import inference_model, load_base
 
     q = convert("demo", tmp_path / "q", dtype="float32", quantize="mixed_4_8+vision8")
@@ -536,7 +536,7 @@ def test_nvidia_lora_checkpoint_loads_merged(tmp_path):
     import shutil
 
     from mlx_locate.convert import convert
-    from mlx_locate.tuner.lora import read_adapter
+    from mlx_locate.lora import read_adapter
 
     spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.0, keys=lora.DECODER_KEYS[:4]), trainable=())
     _, folder = _random_adapter(tmp_path, spec, strength=0.3)

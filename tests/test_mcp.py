@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import approx_tree
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
@@ -64,7 +65,7 @@ def test_locate_and_ground_over_stdio(alone):
         assert not r.is_error, r.content
         out = r.structured_content
         got = [{k: v for k, v in o.items() if v is not None or k == "label"} for o in out["objects"]]
-        assert json.loads(json.dumps(got)) == json.loads(json.dumps(expected))
+        assert json.loads(json.dumps(got)) == approx_tree(json.loads(json.dumps(expected)))
         assert out["image"] == {"width": 224, "height": 224} and out["text"] == alone["square"].text
 
     found, missing = results[2].structured_content, results[3].structured_content

@@ -1,8 +1,8 @@
 """Every numeric piece of the forward pass against an independent float64 numpy version written here.
 
-The numpy code follows MODEL.md §6, §7, §10.2-§10.3 and TRAINING.md §2.2 directly (loops over pixels, pairs, heads
-and mask entries) and calls none of the helpers under test. MLX runs in float32, so the tolerances are float32
-rounding with headroom: 1e-5 absolute on O(1) values unless a test says otherwise.
+The numpy code follows docs/model.md §6, docs/model.md §7, docs/model.md §10.2-§10.3 and docs/training.md §2.2 directly
+(loops over pixels, pairs, heads and mask entries) and calls none of the helpers under test. MLX runs in float32, so the
+tolerances are float32 rounding with headroom: 1e-5 absolute on O(1) values unless a test says otherwise.
 """
 
 from __future__ import annotations
@@ -16,25 +16,20 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_locate import language, vision
+from mlx_locate import attention, cpu
 from mlx_locate.cache import Where
 from mlx_locate.config import TextConfig, VisionConfig
+from mlx_locate.cpu import InputMajorEmbedding, PanelEmbedding, cpu_head, openblas_core, store_input_major, transposed
 from mlx_locate.language import (
     Attention,
     DecoderLayer,
-    InputMajorEmbedding,
     LanguageModel,
-    PanelEmbedding,
     additive_mask,
     apply_rope,
-    cpu_head,
     fuse_linears,
     fuse_projections,
-    openblas_core,
     qkv_tables,
     rope_tables,
-    store_input_major,
-    transposed,
 )
 from mlx_locate.masks import BLOCK, step_mask, step_positions, training_mask
 from mlx_locate.projector import make_connector, merge_2x2, run_connector
@@ -230,7 +225,7 @@ TEXT = TextConfig(
 )
 
 
-# ---------------------------------------------------------------- §6.2 position table
+# ---------------------------------------------------------------- docs/model.md §6.2 position table
 
 
 def test_bicubic_known_weights():
@@ -258,7 +253,7 @@ def test_position_table_resize(h, w):
         np.testing.assert_allclose(expected, table, atol=1e-12)  # the identity at the native size
 
 
-# ---------------------------------------------------------------- §6.3 2D RoPE
+# ---------------------------------------------------------------- docs/model.md §6.3 2D RoPE
 
 
 def test_rope2d_column_on_even_pairs():
@@ -279,7 +274,7 @@ def test_rope2d(h, w, D):
     np.testing.assert_allclose(to_np(got), np_rope2d(x, h, w), atol=ATOL)
 
 
-# ---------------------------------------------------------------- §6.4-§6.7 vision
+# ---------------------------------------------------------------- docs/model.md §6.4-§6.7 vision
 
 
 def test_gelu_tanh_vs_erf():
@@ -305,29 +300,65 @@ def test_vision_block():
 
 
 def test_vision_attention_split_over_cpu_streams(monkeypatch):
-    """Heads split over CPU streams, and queries in chunks, give the single call's result bit for bit, against
-    float64 too; a masked call (a padded batch) is not split."""
+    """Heads split over CPU streams, and queries in chunks within the score budget, give the single call's result
+    to float32 rounding (a BLAS may sum a product of fewer rows in another order), against float64 too."""
     rng = np.random.default_rng(31)
     q, k, v = (rng.normal(size=(1, 5, 37, 8)) for _ in range(3))
     qm, km, vm = (mx.array(t.astype(np.float32)) for t in (q, k, v))
     scale = 8**-0.5
     whole = mx.fast.scaled_dot_product_attention(qm, km, vm, scale=scale)
     sdpa, calls = mx.fast.scaled_dot_product_attention, []
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or sdpa(*a, **kw))
-    monkeypatch.setattr(vision, "cpu_streams", lambda: tuple(mx.new_stream(mx.cpu) for _ in range(3)))
-    split = vision.attention(qm, km, vm, scale)
-    assert len(calls) == 3 and all("stream" in kw for kw in calls)
-    np.testing.assert_array_equal(np.array(split), np.array(whole))
+    monkeypatch.setattr(
+        mx.fast, "scaled_dot_product_attention", lambda *a, **kw: calls.append((a, kw)) or sdpa(*a, **kw)
+    )
+    monkeypatch.setattr(cpu, "cpu_streams", lambda: tuple(mx.new_stream(mx.cpu) for _ in range(3)))
+    split = attention.image_attention(qm, km, vm, scale)
+    assert len(calls) == 3 and all(kw["stream"] is not None for _, kw in calls)
+    np.testing.assert_allclose(np.array(split), np.array(whole), rtol=1e-5, atol=1e-6)
     expected = np_attention(q[0], k[0], v[0], np.ones((37, 37), dtype=bool), 5)
     np.testing.assert_allclose(to_np(split[0]), expected, atol=ATOL)
     calls.clear()
-    vision.attention(qm, km, vm, scale, mx.ones((37, 37), dtype=mx.bool_))
-    assert len(calls) == 1 and "stream" not in calls[0]
-    calls.clear()
-    monkeypatch.setattr(vision, "CPU_SCORES", 2 * 37 * 10)  # 10 query rows for 2 heads, 20 for 1
-    chunked = vision.attention(qm, km, vm, scale)
+    budget = attention.SCORE_BYTES * 2 * 37 * 10 * 3  # 10 query rows for 2 heads, 20 for 1, on each of 3 streams
+    chunked = attention.image_attention(qm, km, vm, scale, score_budget=budget)
     assert len(calls) == 4 + 2 + 4  # heads 2, 1, 2 over 3 streams
-    np.testing.assert_array_equal(np.array(chunked), np.array(whole))
+    held = [args[0].shape[1] * args[0].shape[2] * args[1].shape[2] * attention.SCORE_BYTES for args, _ in calls]
+    assert max(held) <= budget // 3
+    np.testing.assert_allclose(np.array(chunked), np.array(whole), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "where, dtype, head_dim, version, expected",
+    [
+        ("metal", mx.bfloat16, 72, (0, 32, 4), (attention.Path.FUSED, 72)),  # sdpa_full takes 72 since 0.32.1
+        ("metal", mx.float32, 72, (0, 32, 4), (attention.Path.FUSED, 72)),
+        ("metal", mx.bfloat16, 72, (0, 30, 0), (attention.Path.PADDED, 80)),  # before: 64, 80 and 128 only
+        ("metal", mx.bfloat16, 128, (0, 30, 0), (attention.Path.FUSED, 128)),
+        ("metal", mx.bfloat16, 160, (0, 32, 4), (attention.Path.CHUNKED, 160)),
+        ("cuda", mx.bfloat16, 72, (0, 32, 4), (attention.Path.FUSED, 72)),  # cuDNN: half precision, 8 | D <= 128
+        ("cuda", mx.bfloat16, 70, (0, 32, 4), (attention.Path.PADDED, 72)),
+        ("cuda", mx.float32, 72, (0, 32, 4), (attention.Path.CHUNKED, 72)),
+        ("cpu", mx.float32, 72, (0, 32, 4), (attention.Path.CHUNKED, 72)),
+        ("cpu", mx.bfloat16, 64, (0, 32, 4), (attention.Path.CHUNKED, 64)),
+    ],
+)
+def test_attention_path_by_backend(where, dtype, head_dim, version, expected):
+    """Which path the tower's attention takes on each backend (a fused kernel, one of a padded size, or the
+    fallback in chunks); the tower's 72-wide heads, 26,000 queries."""
+    assert attention.attention_path(where, dtype, head_dim, 26_000, version) == expected
+    assert attention.attention_path(where, dtype, head_dim, 4, version)[0] is attention.Path.CHUNKED or where == "cuda"
+
+
+def test_padded_heads_equal_the_unpadded_attention(monkeypatch):
+    """Heads padded with zeros from 72 to 80 (q, k and v; the output sliced, the scale of 72 kept) give the same
+    attention to float32 rounding."""
+    rng = np.random.default_rng(32)
+    q, k, v = (mx.array(rng.normal(size=(2, 3, 50, 72)).astype(np.float32)) for _ in range(3))
+    scale = 72**-0.5
+    whole = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    monkeypatch.setattr(attention, "attention_path", lambda *a: (attention.Path.PADDED, 80))
+    padded = attention.image_attention(q, k, v, scale)
+    assert padded.shape == whole.shape
+    np.testing.assert_allclose(np.array(padded), np.array(whole), rtol=1e-5, atol=1e-6)
 
 
 def test_vision_block_padded_batch_equals_each_image_alone():
@@ -385,7 +416,7 @@ def test_merge_2x2_layout():
     np.testing.assert_array_equal(got[1].reshape(4, C)[:, 0], [2 * C, 3 * C, (w + 2) * C, (w + 3) * C])
 
 
-# ---------------------------------------------------------------- §7 language model
+# ---------------------------------------------------------------- docs/model.md §7 language model
 
 
 def test_rmsnorm():
@@ -491,7 +522,7 @@ def test_decoder_layer(fused):
 
 
 @pytest.mark.parametrize("panels", [False, True])
-def test_input_major_storage_keeps_every_output(panels):
+def test_input_major_storage_keeps_every_output(panels, monkeypatch):
     """The CPU layout: wide float projections stored (in, out) and the tied head stored (D, V) or in panels give
     the same outputs (float32, within 2e-6 of the output's largest magnitude: a BLAS may sum the other layout's
     products in another order); deep ones (down_proj) and quantized ones keep their layout."""
@@ -505,6 +536,7 @@ def test_input_major_storage_keeps_every_output(panels):
     ids = mx.array(rng.integers(0, TEXT.vocab_size, (2, 3)))
     positions, mask = mx.arange(T), mx.array(np.tril(np.ones((T, T), dtype=bool)))
     before = (lm(x, positions, mask)[0], lm.logits(x), lm.model.embed_tokens(ids))
+    monkeypatch.setattr(PanelEmbedding, "rows_alike", lambda self: True)  # the layout, whatever this BLAS rounds
     store_input_major(lm.model, panels=panels)
     after = (lm(x, positions, mask)[0], lm.logits(x), lm.model.embed_tokens(ids))
     for a, b in zip(after, before, strict=True):
@@ -553,17 +585,22 @@ def test_panel_head_rows_alike_in_any_group():
     float64 x @ W.T; a row's logits are the same bits alone, at any place among 1-24 rows, with its groups
     spread over several products and with the panels on one CPU stream or split over several. At hidden size
     1,024 a product of 24 rows against a panel goes to OpenBLAS's packed sgemm, which rounds otherwise, so with
-    OpenBLAS on an AVX-512 core (as in CI) these checks fail when the head stops grouping rows."""
+    OpenBLAS on an AVX-512 core these checks fail when the head stops grouping rows. Where this process's BLAS
+    rounds a row by its company anyway (OpenBLAS on a core without the direct kernel), `rows_alike` says so and
+    `cpu_head` keeps the head input-major."""
     V, D = 1000, 1024
     emb = embedding(V, D)
     head = PanelEmbedding(emb)
-    assert head.group_rows * 64 * D <= language.DIRECT_SGEMM_MNK
+    assert head.group_rows * 64 * D <= cpu.DIRECT_SGEMM_MNK
     ids = mx.array([[0, 63, 64, 999], [1, 500, 960, 2]])
     assert mx.array_equal(head(ids), emb(ids)).item()
     x = mx.random.normal((24, D), key=mx.random.key(6))
     together = head.as_linear(x)
     expected = to_np(x) @ to_np(emb.weight).T
     np.testing.assert_allclose(to_np(together), expected, atol=2e-6 * np.abs(expected).max(), rtol=0)
+    if not head.rows_alike():
+        assert type(cpu_head(emb)) is InputMajorEmbedding and type(cpu_head(emb, panels=True)) is InputMajorEmbedding
+        return
     for T in (1, 2, 4, 5, 6, 9, 13, 17):
         assert mx.array_equal(head.as_linear(x[:T]), together[:T]).item(), T
     for i in range(24):
@@ -571,26 +608,28 @@ def test_panel_head_rows_alike_in_any_group():
     assert mx.array_equal(head.as_linear(x[None, 3:9].reshape(2, 3, D)), together[3:9].reshape(2, 3, V)).item()
     head.groups_per_product = 1
     assert mx.array_equal(head.as_linear(x), together).item()
-    one_stream = language.panel_product(x, head.panels, head.group_rows, 13)[:, :V]  # as_linear splits over streams
+    one_stream = cpu.panel_product(x, head.panels, head.group_rows, 13)[:, :V]  # as_linear splits over streams
     assert mx.array_equal(one_stream, together).item()
-    assert head.rows_alike()
 
 
 def test_cpu_head_chooses_panels_only_where_they_serve(monkeypatch):
     """Panels where OpenBLAS runs an AVX-512 core and the head is float32, else input-major; panels asked for
     but rounding a row by its company fall back to input-major."""
     emb = embedding(300, 64)
-    monkeypatch.setattr(language, "openblas_core", lambda: "cooperlake")
+    alike = PanelEmbedding.rows_alike
+    monkeypatch.setattr(PanelEmbedding, "rows_alike", lambda self: True)  # the choice, whatever this BLAS rounds
+    monkeypatch.setattr(cpu, "openblas_core", lambda: "cooperlake")
     assert type(cpu_head(emb)) is PanelEmbedding
     assert type(cpu_head(embedding(300, 64, mx.float16))) is InputMajorEmbedding
     assert type(cpu_head(emb, panels=False)) is InputMajorEmbedding
-    monkeypatch.setattr(language, "openblas_core", lambda: "haswell")
+    monkeypatch.setattr(cpu, "openblas_core", lambda: "haswell")
     assert type(cpu_head(emb)) is InputMajorEmbedding
-    monkeypatch.setattr(language, "openblas_core", lambda: None)
+    monkeypatch.setattr(cpu, "openblas_core", lambda: None)
     assert type(cpu_head(emb)) is InputMajorEmbedding
     assert type(cpu_head(emb, panels=True)) is PanelEmbedding
-    product = language.panel_product
-    monkeypatch.setattr(language, "panel_product", lambda x, *a: product(x, *a) * (1 + 1e-3 * x.shape[0]))
+    monkeypatch.setattr(PanelEmbedding, "rows_alike", alike)
+    product = cpu.panel_product
+    monkeypatch.setattr(cpu, "panel_product", lambda x, *a: product(x, *a) * (1 + 1e-3 * x.shape[0]))
     assert not PanelEmbedding(emb).rows_alike()
     assert type(cpu_head(emb, panels=True)) is InputMajorEmbedding
 
@@ -619,7 +658,7 @@ def test_fuse_linears_quantized_and_unlike_parts():
 
 
 def block_mask_formula(c: int, q: int, Q: int, U: int, block: bool) -> np.ndarray:
-    """MODEL.md §10.3 entry by entry; padding rows (i >= q) see slot 0 only (a harmless non-empty row)."""
+    """docs/model.md §10.3 entry by entry; padding rows (i >= q) see slot 0 only (a harmless non-empty row)."""
     mask = np.zeros((Q, U), dtype=bool)
     n = c + q - BLOCK if block else c + q
     for i in range(Q):
@@ -636,8 +675,8 @@ def block_mask_formula(c: int, q: int, Q: int, U: int, block: bool) -> np.ndarra
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_language_model_forward(fused):
-    """Two layers, a block-step mask and §10.2 positions (anchor shares the last position); hidden and logits,
-    with the checkpoint's projections and with them fused for inference."""
+    """Two layers, a block-step mask and docs/model.md §10.2 positions (anchor shares the last position); hidden and
+    logits, with the checkpoint's projections and with them fused for inference."""
     lm = LanguageModel(TEXT)
     W = randomize(lm, seed=15)
     if fused:
@@ -662,7 +701,7 @@ def test_language_model_forward(fused):
     np.testing.assert_allclose(to_np(logits[0]), expected_logits, atol=1e-4, rtol=1e-5)
 
 
-# ---------------------------------------------------------------- §10.2-§10.3 and TRAINING.md §2.2 masks
+# ------------------------------------------------------------ docs/model.md §10.2-§10.3 and docs/training.md §2.2 masks
 
 
 @pytest.mark.parametrize(
@@ -707,7 +746,7 @@ def test_training_mask(L, anchors):
 
 
 def test_training_block_equals_decoding_block():
-    """TRAINING.md §2.3: block k's rows see what a decoding block step after n = a_k + 1 tokens sees."""
+    """docs/training.md §2.3: block k's rows see what a decoding block step after n = a_k + 1 tokens sees."""
     L, anchors = 12, [3, 7, 11]
     full = np.array(training_mask(L, anchors))
     for k, a in enumerate(anchors):

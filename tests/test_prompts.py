@@ -1,11 +1,21 @@
-"""Prompts: the §8.3 task table, renderings A and B, placeholder expansion, and the golden prompt ids."""
+"""Prompts: the docs/model.md §8.3 task table, renderings A and B, placeholder expansion, and the golden prompt ids."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from conftest import golden_case, golden_cases
 
-from mlx_locate.prompts import TASKS, chat_text, image_token_counts, prompt_ids, prompt_string, task_text
+from mlx_locate.prompts import (
+    TASKS,
+    chat_text,
+    image_token_counts,
+    prompt_ids,
+    prompt_string,
+    task_text,
+    user_text,
+)
 
 # The queries behind the golden cases' task texts (tests/data/golden/README.md, "Prompts").
 GOLDEN_QUERIES = {
@@ -113,9 +123,68 @@ def test_spliced_ids_equal_full_encoding(tok, text, grids, rendering):
 def test_prompt_errors(tok):
     with pytest.raises(ValueError, match="positive even sides"):
         prompt_ids(tok, "x", [(3, 4)])
-    with pytest.raises(ValueError, match="must not contain <IMG_CONTEXT>"):
+    with pytest.raises(ValueError, match="must not contain '<IMG_CONTEXT>'"):
         prompt_ids(tok, "x<IMG_CONTEXT>", [(2, 2)])
     with pytest.raises(ValueError, match="found <image-1>, <image-1>"):
         prompt_ids(tok, "again <image-1>", [(2, 2)], "B")
     with pytest.raises(ValueError, match="found <image-1>, <image-3>"):
         prompt_ids(tok, "<image-3>", [(2, 2)])
+
+
+CONTROL = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<IMG_CONTEXT>", "<img>", "</img>", "<box>", "<ref>", "<12>"]
+
+
+@pytest.mark.parametrize("token", CONTROL)
+@pytest.mark.parametrize("task", ["detect", "refer", "point", "gui", "textground"])
+def test_a_query_is_plain_text(tok, task, token):
+    """Every added token in a query is the BPE of its characters: the prompt's structure (its added tokens) is
+    the template's alone, and the query's ids are those of the same words in a plain tokenizer."""
+    query = f"the {token} tag"
+    ids = prompt_ids(tok, user_text(task, query), [(2, 2)])
+    template = prompt_ids(tok, user_text(task, "the x tag"), [(2, 2)])
+    added = set(tok.added_tokens.values())
+    assert [i for i in ids if i in added] == [i for i in template if i in added]
+    assert tok.decode(ids) == tok.decode(template).replace("the x tag", query)
+
+
+def test_categories_keep_their_separator_and_stay_plain(tok):
+    ids = prompt_ids(tok, user_text("detect", ["a<|im_end|>", "b"]), [(2, 2)])
+    assert ids.count(tok.added_tokens["</c>"]) == 1 and ids.count(tok.added_tokens["<|im_end|>"]) == 2  # system, tail
+    both = prompt_ids(tok, user_text("detect", ["red box", "green circle"]), [(2, 2)])
+    assert both == prompt_ids(tok, task_text("detect", ["red box", "green circle"]), [(2, 2)])
+    assert both == prompt_ids(tok, user_text("detect", "red box</c>green circle"), [(2, 2)])  # the separator
+    refer = prompt_ids(tok, user_text("refer", "a</c>b"), [(2, 2)])
+    assert tok.added_tokens["</c>"] not in refer  # only detect's query separates categories
+
+
+def test_an_image_placeholder_in_a_query_places_the_image(tok):
+    """The processor's placeholder is not a token: in a query it places the image, as the reference does."""
+    text = user_text("detect", "the <image-1> <img> square")
+    ids = prompt_ids(tok, text, [(2, 2)])
+    assert ids.count(tok.added_tokens["<img>"]) == 1  # the placeholder's; the query's "<img>" is text
+    assert "the <image 1><img><IMG_CONTEXT></img> <img> square" in tok.decode(ids)
+
+
+@pytest.mark.parametrize(
+    "token", ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<img>", "<text_mask>", "<|box_start|>"]
+)
+def test_a_raw_prompt_refuses_control_tokens(tok, token):
+    with pytest.raises(ValueError, match=f"must not contain '{re.escape(token)}'"):
+        prompt_ids(tok, f"Point to: {token}.", [(2, 2)])
+
+
+def test_a_raw_prompt_keeps_the_grammar(tok):
+    text = "<ref>red box</ref><box><1><2><3><1000></box></c>x"
+    ids = prompt_ids(tok, text, [(2, 2)])
+    assert ids == tok.encode(prompt_string(chat_text(text), [(2, 2)]))
+    assert tok.added_tokens["<1000>"] in ids and tok.added_tokens["<ref>"] in ids
+
+
+def test_parse_task_text_inverts_task_text():
+    from mlx_locate.prompts import parse_task_text
+
+    assert parse_task_text(task_text("detect", ["red circle", "square"])) == ("detect", ["red circle", "square"])
+    assert parse_task_text(task_text("refer", "the blue star")) == ("refer", ["the blue star"])
+    assert parse_task_text(task_text("point", "star")) == ("point", ["star"])
+    assert parse_task_text("What is in the image?") is None
+    assert parse_task_text(task_text("ocr")) is None  # no query

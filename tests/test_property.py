@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import mlx_locate
+from mlx_locate import cli as cli_module
 from mlx_locate import generate
 from mlx_locate.locate import load
 from mlx_locate.preprocess import FORMATS, load_image, preprocess
@@ -45,7 +46,7 @@ def workdir(tmp_path_factory) -> Path:
 def main(workdir):
     """`main(argv)` -> (exit code, stdout, stderr), the demo model loaded once, under a hang watchdog."""
     demo = load("demo")
-    real_load = generate.load
+    real_load = cli_module.load
 
     def run(argv: list[str]) -> tuple[int, str, str]:
         out, err = io.StringIO(), io.StringIO()
@@ -58,7 +59,7 @@ def main(workdir):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
-            generate,
+            cli_module,
             "load",
             lambda path, dtype=None, adapter_path=None: (
                 demo if path == "demo" else real_load(path, dtype, adapter_path)

@@ -5,7 +5,7 @@ import pytest
 from conftest import GOLDEN
 from safetensors import safe_open
 
-from mlx_locate import loader, random_checkpoint
+from mlx_locate import checkpoint, random_checkpoint
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint, tensor_specs
 
 
@@ -52,7 +52,7 @@ def test_refuses_overwrite_unless_forced(tiny, tmp_path):
 
 
 def test_sharded_index(tmp_path, monkeypatch):
-    monkeypatch.setattr(loader, "MAX_SHARD_BYTES", 4 * 10**6)
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_BYTES", 4 * 10**6)
     out = make_random_checkpoint(tmp_path / "sharded", "tiny", dtype="float32")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -65,7 +65,7 @@ def test_sharded_index(tmp_path, monkeypatch):
 
 
 def test_presets_and_errors(tmp_path):
-    specs = tensor_specs(PRESETS["3b"])  # MODEL.md §4: 770 tensors, 7.661 GB in bf16
+    specs = tensor_specs(PRESETS["3b"])  # docs/model.md §4: 770 tensors, 7.661 GB in bf16
     assert len(specs) == 770
     assert sum(int(np.prod(s.shape)) for s in specs) * 2 == 7_661_331_936
     shapes = {s.name: s.shape for s in specs}

@@ -8,7 +8,11 @@ Without /usr/bin/chromium the test skips, except under CI (`MLX_LOCATE_CI=1`, se
 from __future__ import annotations
 
 import base64
+import http.server
+import json
 import os
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,6 +20,7 @@ import pytest
 
 import mlx_locate
 from mlx_locate.server.app import create_app, serve_in_thread
+from mlx_locate.server.protocol import Settings
 
 IMAGE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -92,3 +97,54 @@ def test_page_draws_the_streamed_boxes_where_the_api_says(browser):
     ]
     for got, want in zip(sorted(on_screen), sorted(expected), strict=True):
         assert got == pytest.approx(want, abs=0.5 / scale)  # within half a screen pixel
+
+
+PAGE = """<!doctype html><html><body><script>
+fetch(API + "/v1/locate", {method: "POST", headers: {"Content-Type": "application/json"},
+                           body: JSON.stringify({image: IMAGE, query: "square", mode: "fast"})})
+  .then((r) => r.json()).then((body) => { window.answer = body; })
+  .catch((e) => { window.answer = {refused: String(e)}; });
+</script></body></html>"""
+
+
+@contextmanager
+def page_host(html: str):
+    """A web page on an origin of its own (another port): what a local dev server serves."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(html.encode())
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+
+
+def test_a_page_on_another_origin_reads_answers_only_when_allowed(browser):
+    """CORS: `--allow-origin` lets a page served elsewhere (its JSON POST needs a preflight) read the answer;
+    a page on an origin not in the list is refused by the browser."""
+    image = base64.b64encode(IMAGE.read_bytes()).decode()
+    holder = {}
+    script = PAGE.replace("<script>", "<script>const API = window.location.hash.slice(1); const IMAGE = IMG;\n")
+    script = script.replace("IMG;", f"{json.dumps(image)};")
+    with page_host(script) as allowed, page_host(script) as other:
+        app = create_app(lambda: mlx_locate.load("demo"), Settings(allow_origins=(allowed,), warmup=False))
+        with serve_in_thread(app) as url:
+            for origin in (allowed, other):
+                page = browser.new_page()
+                page.goto(f"{origin}/#{url}")
+                page.wait_for_function("window.answer !== undefined", timeout=60_000)
+                holder[origin] = page.evaluate("window.answer")
+                page.close()
+            api = httpx.post(f"{url}/v1/locate", json={"image": image, "query": "square", "mode": "fast"}, timeout=60)
+    assert holder[allowed]["objects"] == api.json()["objects"] and len(api.json()["objects"]) == 2
+    assert set(holder[other]) == {"refused"} and "Failed to fetch" in holder[other]["refused"]

@@ -1,18 +1,25 @@
 """`mlx-locate-server --model M [--host 127.0.0.1] [--port 8080] ...` (also `python -m mlx_locate.server`).
 
 Binds 127.0.0.1 by default; any other address prints a warning, since the model is then reachable from other
-machines (set --api-key, and --allowed-host for the names clients use).
+machines (set --api-key, and --allowed-host for the names clients use). The port is bound before the model
+loads, so a port in use is reported at once; `/health` says "loading" (503) until the model is loaded and
+warmed up.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
+import socket
 import sys
+import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from ..generate import DEFAULT_MODEL, DTYPES, positive_int
-from ..loader import resolve
+from .. import cli
+from ..checkpoint import resolve
+from ..locate import load
 from .protocol import DEFAULT_MAX_PIXELS, Settings
 
 DEFAULT_HOST = "127.0.0.1"
@@ -21,28 +28,34 @@ DEFAULT_PORT = 8080
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared with `mlx-locate-mcp`: what to load and what one request may cost."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint folder, hub id or 'demo' (default: demo)")
-    p.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
-    p.add_argument("--adapter", metavar="PATH", help="a LoRA adapter folder applied on top of --model")
-    p.add_argument(
-        "--max-pixels",
-        type=positive_int,
-        default=DEFAULT_MAX_PIXELS,
-        help="largest image accepted, in pixels, checked from its header (default: %(default)s)",
-    )
+    cli.add_model(p)
+    cli.add_max_pixels(p, DEFAULT_MAX_PIXELS)
     p.add_argument(
         "--max-queue",
-        type=positive_int,
+        type=cli.positive_int,
         default=Settings.max_queue,
         help="requests waiting or decoding at once; more are refused (HTTP 503) (default: %(default)s)",
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=cli.positive_float,
         default=Settings.timeout_s,
         help="seconds one request may take, queueing included (HTTP 504) (default: %(default)s)",
     )
-    p.add_argument("--max-rows", type=positive_int, help="engine rows per step (default: the engine's)")
+    cli.add_rows(p)
+    p.add_argument(
+        "--no-warmup", action="store_true", help="say ready as soon as the model loads (first requests compile)"
+    )
+
+
+def origin(text: str) -> str:
+    """An `--allow-origin` value: "*" or scheme://host[:port], as a browser sends it in `Origin`."""
+    if text == "*":
+        return text
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise argparse.ArgumentTypeError(f"expected an origin such as http://localhost:5173 (or *), got {text!r}")
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-mb", type=float, default=Settings.max_body_mb, help="largest request body (default: %(default)s)"
     )
     p.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (off: no fetching)")
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        type=origin,
+        metavar="URL",
+        help="a web origin whose pages may call the API and read its answers (CORS), e.g. http://localhost:5173; "
+        "repeatable; '*' for any (default: none)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -84,13 +106,28 @@ def bind_warning(host: str) -> str | None:
 
 
 def model_loader(args: argparse.Namespace):
-    """The model's folder checked (or downloaded) now; the returned function loads it on the worker thread."""
-    from ..locate import load
-
+    """The model's folder checked (or downloaded) now; the returned function loads it on the worker thread
+    (within --memory-limit where given)."""
     folder = resolve(args.model)
     if args.adapter is not None and not Path(args.adapter).is_dir():
         raise FileNotFoundError(f"adapter folder {args.adapter!r} does not exist")
+    cli.apply_memory_limit(args)
     return lambda: load(folder, dtype=args.dtype, adapter_path=args.adapter)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port); `OSError` with what to do when it cannot be."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port}: {e.strerror or e}; is another server using it? (--port)"
+        ) from None
+    return sock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
+        sock = listen(args.host, args.port)  # before anything slow: a port in use fails at once
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         load = model_loader(args)
     except FileNotFoundError as e:
+        sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     warning = bind_warning(args.host)
@@ -121,10 +164,36 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=args.timeout,
         allow_remote_images=args.allow_remote_images,
         max_rows=args.max_rows,
+        allow_origins=tuple(args.allow_origin),
+        warmup=not args.no_warmup,
     )
     app = create_app(load, settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    # Our access log (one line per request, with its rows and steps) replaces uvicorn's, while the server runs.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("mlx_locate.server")
+    level = logger.level
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
+    failed = threading.Event()
+
+    def watch_load() -> None:
+        try:
+            app.state.worker.wait_ready()
+        except Exception as e:  # noqa: BLE001 - reported, then the server stops
+            print(f"error: {e}", file=sys.stderr)
+            failed.set()
+            server.should_exit = True
+
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
+    try:
+        with sock:
+            threading.Thread(target=watch_load, name="watch-load", daemon=True).start()
+            server.run(sockets=[sock])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return 1 if failed.is_set() else 0
 
 
 if __name__ == "__main__":

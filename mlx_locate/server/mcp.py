@@ -18,7 +18,7 @@ from typing import Any, Literal
 from ..locate import LocateModel
 from ..prompts import TASKS
 from .protocol import InputError, Settings, build_requests, ground_json, image_bytes, locate_json, open_image
-from .worker import Job, Worker, WorkerError
+from .worker import Job, QueueFull, Worker, WorkerError
 
 try:
     import anyio
@@ -63,7 +63,7 @@ class LocateAnswer(BaseModel):
 class GroundAnswer(BaseModel):
     found: bool
     point: list[float] | None  # where to click, in pixels
-    point_norm: list[float] | None  # the point over the image size, 0..1
+    point_norm: list[float] | None  # the same point in the model's 0..1000 units
     box: list[float] | None  # the element's box, in pixels
     confidence: float | None
     image: ImageSize
@@ -89,7 +89,7 @@ def read_image(image_path: str | None, image_base64: str | None, settings: Setti
 def build_server(load: Callable[[], LocateModel], settings: Settings | None = None) -> MCPServer:
     """The MCP server; `load` runs on the worker thread when the server starts."""
     settings = settings or Settings()
-    worker = Worker(load, max_queue=settings.max_queue, max_rows=settings.max_rows)
+    worker = Worker(load, max_queue=settings.max_queue, max_rows=settings.max_rows, warmup=settings.warmup)
 
     @asynccontextmanager
     async def lifespan(server: MCPServer):
@@ -106,10 +106,11 @@ def build_server(load: Callable[[], LocateModel], settings: Settings | None = No
         """The results of (query, task) questions about one image; any failure is a `ToolError`."""
         try:
             image = await anyio.to_thread.run_sync(read_image, image_path, image_base64, settings)
-            requests = [r for q, task in asks for r in build_requests(image, [q], task, **options)]
+            vocab = worker.limits.vocab_size if worker.limits else None
+            requests = [r for q, task in asks for r in build_requests(image, [q], task, vocab, **options)]
             async with Job(worker, requests, settings.timeout_s) as job:
                 return await job.results()
-        except (InputError, ValueError, TimeoutError, WorkerError) as e:
+        except (InputError, ValueError, TimeoutError, WorkerError, QueueFull) as e:
             raise ToolError(str(e)) from None
 
     @server.tool()
@@ -174,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queue=args.max_queue,
         timeout_s=args.timeout,
         max_rows=args.max_rows,
+        warmup=not args.no_warmup,
     )
     build_server(load, settings).run("stdio")
     return 0

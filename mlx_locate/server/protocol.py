@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from ..engine import Request
-from ..locate import Result
+from ..engine import check_request
 from ..preprocess import load_image
-from ..prompts import CATEGORY_SEPARATOR, task_text
+from ..prompts import task_text
+from ..request import Request, RequestError, Result
 
 DEFAULT_MAX_PIXELS = 4096 * 4096  # a decoded RGBA image of this size is 64 MiB; the queue bounds how many wait
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
@@ -38,6 +38,8 @@ class Settings:
     timeout_s: float = 120.0  # per request, queueing included; then 504
     allow_remote_images: bool = False
     max_rows: int | None = None  # the engine's rows per step (None: its default)
+    allow_origins: tuple[str, ...] = ()  # web origins whose pages may read answers (CORS); "*" for any
+    warmup: bool = True  # compile the step functions before saying ready
 
     @property
     def host_names(self) -> set[str]:
@@ -92,23 +94,25 @@ def open_image(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Imag
         raise InputError(code, str(e)) from None
 
 
-def build_requests(image: Image.Image, queries: Sequence[str | None], task: str, **options) -> list[Request]:
-    """One engine `Request` per query (each its own question about `image`), each prompt checked now so a bad
-    task or query is an `InputError` before anything is queued. `options` are `Request` fields."""
-    for q in queries:
+def build_requests(
+    image: Image.Image, queries: Sequence[str | list[str] | None], task: str, vocab_size: int | None, **options
+) -> list[Request]:
+    """One engine `Request` per query (each its own question about `image`; a list is several categories of
+    one detect prompt), each checked now as the engine will check it again (`check_request`), so a bad task,
+    query or number is an `InputError` before anything is queued. `options` are `Request` fields."""
+    requests = [Request(image, q, task=task, **options) for q in queries]
+    for r in requests:
         try:
-            task_text(task, q)
-        except ValueError as e:
+            task_text(task, r.query)
+            if vocab_size is not None:
+                check_request(r, vocab_size)
+        except (RequestError, ValueError) as e:
             raise InputError("invalid_request", str(e)) from None
-    return [Request(image, q, task=task, **options) for q in queries]
-
-
-def categories_query(categories: Sequence[str]) -> str:
-    """Several categories asked in one detect prompt, as the CLI's `--categories` does."""
-    return CATEGORY_SEPARATOR.join(c.strip() for c in categories)
+    return requests
 
 
 RESULT_FIELDS = ("mode", "objects", "empty_labels", "truncated", "text", "stats")
+ANSWER_FIELDS = ("objects", "empty_labels", "truncated", "image")  # the structured answer of chat completions
 
 
 def result_json(result: Result) -> dict:
@@ -127,24 +131,43 @@ def locate_json(request_id: str, model: str, task: str, mode: str, queries: list
     return {**head, "queries": [{"query": q, **result_json(r)} for q, r in zip(queries, results, strict=True)]}
 
 
+def answer_json(result: Result) -> dict:
+    """The parsed answer alone, every object with the same keys: `label`, `box` and `point` in pixels (null
+    when absent), `confidence`; the chat endpoint's structured output."""
+    width, height = result.image_size
+    objects = [
+        {"label": o.label, "box": _list(o.box), "point": _list(o.point), "confidence": o.confidence}
+        for o in result.objects
+    ]
+    answer = {"objects": objects, "empty_labels": result.empty_labels, "truncated": result.truncated}
+    return {**answer, "image": {"width": width, "height": height}}
+
+
+def _list(values: tuple | None) -> list | None:
+    return None if values is None else list(values)
+
+
 def ground_json(point: Result, region: Result) -> dict:
     """The `/v1/ground` answer from a `point` and a `gui` result on the same instruction: the click point (the
     point task's, else the centre of the region's box) and the region's box, in pixels; `found: false` and
-    `point: null` when neither gave one. `point_norm` is the point over the image size, in 0..1."""
+    `point: null` when neither gave one. `point_norm` is the same point in the model's 0..1000 units, as
+    everywhere (`/v1/locate`, `LocatedObject.point_norm`)."""
     width, height = point.image_size
     points = [o for o in point.objects if o.point is not None]
     boxes = [o for o in region.objects if o.box is not None]
     box = boxes[0].box if boxes else None
     if points:
-        xy, confidence = points[0].point, points[0].confidence
+        xy, norm, confidence = points[0].point, list(points[0].point_norm), points[0].confidence
     elif boxes:
-        xy, confidence = ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2), boxes[0].confidence
+        b = boxes[0].box_norm
+        xy, norm = ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2), [(b[0] + b[2]) / 2, (b[1] + b[3]) / 2]
+        confidence = boxes[0].confidence
     else:
-        xy, confidence = None, None
+        xy, norm, confidence = None, None, None
     return {
         "found": xy is not None,
         "point": None if xy is None else list(xy),
-        "point_norm": None if xy is None else [xy[0] / width, xy[1] / height],
+        "point_norm": norm,
         "box": None if box is None else list(box),
         "confidence": confidence,
         "image": {"width": width, "height": height},

@@ -1,9 +1,10 @@
-"""Fine-tune a LocateAnything checkpoint with LoRA on the next-token and block objectives (TRAINING.md).
+"""Fine-tune a LocateAnything checkpoint with LoRA on the next-token and block objectives (docs/training.md).
 
 NVIDIA's LoRA recipe on MLX: LoRA on every decoder projection (`lora.DECODER_KEYS`, rank 64, alpha 128), the
 connector trained whole, the vision tower frozen (or with LoRA of its own), the base float or quantized (a q8 or
 mixed_4_8 conversion) and never written. Each step is `train.Trainer`'s: the NTP and block streams of every
-sample in one sequence under the §2.2 mask, one float32 cross-entropy, AdamW with warmup and cosine decay.
+sample in one sequence under the docs/training.md §2.2 mask, one float32 cross-entropy, AdamW with warmup and cosine
+decay.
 
 By default a share of every batch replays the base's own answers about the categories it should keep
 (`replay.py`), so that it does not forget them. A frozen tower runs once per image (its merged rows are cached)
@@ -31,18 +32,19 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..cards import KnownCategories, known_categories
+from ..checkpoint import read_json, resolve
 from ..config import ModelConfig
-from ..engine import Request, RequestError
-from ..loader import build_model, read_json, resolve
+from ..loader import build_model
 from ..locate import CPU_DTYPE, LocateModel
+from ..lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
 from ..model import LocateAnything
 from ..preprocess import IN_TOKEN_LIMIT, preprocess
 from ..projector import merge_2x2
+from ..request import Request, RequestError
 from ..tokenizer import Tokenizer
 from ..vision import rope2d_tables
 from . import replay as rp
 from .datasets import Example, Record, box_counts, encode_record, norm_label, record_labels, truth_of
-from .lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
 from .train import (
     KIND_NTP,
     NUM_KINDS,

@@ -32,10 +32,10 @@ import numpy as np
 
 from .. import jsonl
 from ..cards import KnownCategories
-from ..engine import Request, RequestError, Result
 from ..locate import LocateModel
 from ..metrics import iou
 from ..prompts import parse_task_text, task_text
+from ..request import Request, RequestError, Result
 from ..tokenizer import Tokenizer
 from ..tokens import TokenIds
 from .datasets import Record, Turn, norm_label, record_labels, truth_of

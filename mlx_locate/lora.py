@@ -24,7 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..language import FUSED, fuse_linears
+from .checkpoint import check_safetensors
+from .language import FUSED, fuse_linears
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -304,8 +305,6 @@ def _read_json(path: Path) -> dict:
 
 
 def _load_tensors(path: Path) -> dict[str, mx.array]:
-    from ..loader import check_safetensors
-
     check_safetensors(path)
     return mx.load(str(path))
 

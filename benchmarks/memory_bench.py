@@ -1,0 +1,171 @@
+"""Peak memory: one image at a time by phase (vision tower, prompt prefix, the whole request), and a folder of
+images through one engine at each row count.
+
+    python benchmarks/memory_bench.py --preset 3b --in-memory --images 640x480 1920x1080 4032x3024 \
+        --rows 1 4 16 --folder 32 --folder-sizes 640x480 1920x1080 --json out.json     # the GPU machine
+    LD_PRELOAD=$OPENBLAS python benchmarks/memory_bench.py --preset medium --dtype float32 --images 640x480 \
+        --rows 1 4 --folder 4                                                       # this CPU
+
+Memory is MLX's own account (`mx.get_peak_memory`, reset before each measurement), reported above the weights
+(`mx.get_active_memory` once the model is loaded). Prints a table last and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import folder_images, in_memory_model, make_image  # noqa: E402
+
+import mlx_locate  # noqa: E402
+from mlx_locate.request import Request  # noqa: E402
+
+GB = 1e9
+QUERY = "red box"
+
+
+def peak_of(fn) -> tuple[float, float]:
+    """(peak bytes while `fn` ran, seconds)."""
+    mx.eval(mx.zeros(1))
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    fn()
+    return mx.get_peak_memory(), time.perf_counter() - t0
+
+
+def one_image(model, path: Path, max_tokens: int) -> dict:
+    """Peaks of one image's vision tower, its prompt prefix and its whole request (fresh caches each)."""
+    weights = mx.get_active_memory()
+    image = model.prepare(path)
+    prefix = model.prompt("", image.pre.grid)
+    prefix = prefix[: prefix.index(model.token_ids.img_end) + 1]
+    model.clear_caches()
+    vision, vision_s = peak_of(lambda: mx.eval(model.features_for([image])[0][1]))
+    features = model.features_for([image])[0][1]
+    prefix_peak, prefix_s = peak_of(lambda: mx.eval(model.compute_prefixes([(prefix, features)])))
+    model.clear_caches()
+    request, request_s = peak_of(lambda: model.locate(image, QUERY, mode="fast", max_tokens=max_tokens))
+    result = model.locate(image, QUERY, mode="fast", max_tokens=max_tokens)
+    return {
+        "grid": list(image.pre.grid),
+        "image_tokens": image.pre.grid[0] * image.pre.grid[1] // 4,
+        "vision_gb": (vision - weights) / GB,
+        "vision_s": vision_s,
+        "prefix_gb": (prefix_peak - weights) / GB,
+        "prefix_s": prefix_s,
+        "request_gb": (request - weights) / GB,
+        "request_s": request_s,
+        "token_ids": result.token_ids,
+    }
+
+
+def attention_probe(model, lengths: list[int]) -> dict:
+    """Peak of one fused-attention call over the tower's head shape at each sequence length, and of one block."""
+    v = model.network.config.vision
+    dtype = model.network.vision_model.patch_embed.proj.weight.dtype
+    block = model.network.vision_model.encoder.blocks[0]
+    out = {}
+    for L in lengths:
+        q, k, w = (mx.random.normal((1, v.num_attention_heads, L, v.head_dim)).astype(dtype) for _ in range(3))
+        x = mx.random.normal((1, L, v.hidden_size)).astype(dtype)
+        cos, sin = mx.zeros((1, L, v.head_dim // 2)), mx.ones((1, L, v.head_dim // 2))
+        mx.eval(q, k, w, x, cos, sin)
+        base = mx.get_active_memory()
+        sdpa, _ = peak_of(lambda q=q, k=k, w=w: mx.eval(mx.fast.scaled_dot_product_attention(q, k, w, scale=0.1)))
+        one, _ = peak_of(lambda x=x, cos=cos, sin=sin: mx.eval(block(x, cos, sin)))
+        out[L] = {"sdpa_gb": (sdpa - base) / GB, "block_gb": (one - base) / GB}
+        print("attention", L, out[L], flush=True)
+    return out
+
+
+def folder(model, paths: list[Path], rows: int, max_tokens: int) -> dict:
+    """A folder through one engine of `rows` rows (a warm-up run first): peak above the weights, images/s."""
+    weights = mx.get_active_memory()
+    requests = [Request(p, QUERY, mode="fast", max_tokens=max_tokens) for p in paths]
+    model.clear_caches()
+    model.locate_many(requests, max_rows=rows)
+    model.clear_caches()
+    engine = model.engine(rows)
+    peak, seconds = peak_of(lambda: [engine.submit(r) for r in requests] and engine.run())
+    return {
+        "rows": engine.max_rows,
+        "peak_gb": (peak - weights) / GB,
+        "images_per_s": len(paths) / seconds,
+        "engine_seconds": engine.seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint folder or 'demo' (default: --preset's random weights)")
+    p.add_argument("--preset", default="3b")
+    p.add_argument("--in-memory", action="store_true", help="random weights drawn on the device")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantize", help="with --in-memory: a converter preset (q8, mixed_4_8)")
+    p.add_argument("--images", nargs="*", default=["640x480"], help="WxH sizes measured one at a time")
+    p.add_argument("--rows", nargs="*", type=int, default=[], help="engine rows for the folder runs")
+    p.add_argument("--folder", type=int, default=16, help="images in the folder runs (640x480)")
+    p.add_argument("--folder-sizes", nargs="+", default=["640x480"], help="image sizes of the folder runs")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--work", default=".bench", help="folder for generated images")
+    p.add_argument("--attention", nargs="*", type=int, default=[], help="sequence lengths for attention_probe")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    work = Path(args.work)
+    if args.model:
+        model = mlx_locate.load(args.model, dtype=args.dtype)
+    else:
+        model = in_memory_model(args.preset, args.dtype, args.quantize)
+    mx.eval(mx.zeros(1))
+    report = {
+        "device": str(mx.default_device()),
+        "device_info": {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))},
+        "memory_limit_gb": mx.get_memory_limit() / GB,
+        "weights_gb": mx.get_active_memory() / GB,
+        "preset": args.model or args.preset,
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "images": {},
+        "folder": {},
+    }
+    report["attention"] = attention_probe(model, args.attention)
+    for size in args.images:
+        w, h = (int(v) for v in size.split("x"))
+        path = make_image((w, h), work / f"memory_{size}.png")
+        report["images"][size] = one_image(model, path, args.max_tokens)
+        print(size, {k: v for k, v in report["images"][size].items() if k != "token_ids"}, flush=True)
+    for size in args.folder_sizes if args.rows else []:
+        w, h = (int(v) for v in size.split("x"))
+        paths, _ = folder_images(None, (w, h), args.folder, work)
+        report["folder"][size] = {}
+        for rows in args.rows:
+            report["folder"][size][rows] = folder(model, paths, rows, args.max_tokens)
+            print(size, rows, report["folder"][size][rows], flush=True)
+    print(f"\nweights {report['weights_gb']:.2f} GB on {report['device']} ({report['preset']}, {args.dtype})")
+    print("| image | image tokens | vision GB | prefix GB | request GB | request s |\n|---|---|---|---|---|---|")
+    for size, r in report["images"].items():
+        print(
+            f"| {size} | {r['image_tokens']} | {r['vision_gb']:.2f} | {r['prefix_gb']:.2f} | {r['request_gb']:.2f} "
+            f"| {r['request_s']:.2f} |"
+        )
+    if report["folder"]:
+        print(f"\n| images ({args.folder} a folder) | rows | peak GB above weights | images/s |\n|---|---|---|---|")
+        for size, runs in report["folder"].items():
+            for rows, r in runs.items():
+                print(f"| {size} | {rows} | {r['peak_gb']:.2f} | {r['images_per_s']:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""The command-line vocabulary the commands share, each flag declared once: the model to load, the questions,
+decoding and sampling, tiling, image limits, engine rows, progress, and the checked argument types.
+
+A command builds its parser from these groups (`add_model(p)`, `add_decoding(p)`, ...) and reads them back
+with the matching functions (`load_model(args)`, `request_options(args)`, ...); its own flags stay in its
+module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import mlx.core as mx
+
+from .checkpoint import DTYPES
+from .decide import Guards, Mode
+from .locate import load
+from .preprocess import DEFAULT_MAX_PIXELS
+from .prompts import RENDERINGS, TASKS
+from .request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, Request
+from .sampling import Sampling
+from .tiles import check_tiling, parse_tiles
+
+DEFAULT_MODEL = "demo"  # the bundled demo model (synthetic shapes); pass a folder or hub id for real images
+DEFAULT_RENDERING = "A"
+DEFAULT_SEED = 0
+
+# --- checked argument types ---
+
+
+def utf8_text(text: str) -> str:
+    """Text given on a command line; bytes that are not UTF-8 arrive as lone surrogates, which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text: {text!r}") from None
+    return text
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = finite_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2**64 - 1, got {value}")
+    return value
+
+
+def tiles_arg(text: str) -> str | tuple[int, int]:
+    try:
+        return parse_tiles(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# --- the model ---
+
+
+def add_model(p: argparse.ArgumentParser, adapter: bool = True) -> None:
+    """--model, --dtype and (unless `adapter` is False) --adapter."""
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="checkpoint folder, Hugging Face hub id (e.g. nvidia/LocateAnything-3B) or 'demo' (default: demo, "
+        "the bundled tiny model trained on synthetic shapes)",
+    )
+    p.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: as stored; float32 on a CPU)")
+    if adapter:
+        p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder on top of --model (ours or PEFT's)")
+
+
+def load_model(args: argparse.Namespace):
+    """The model `add_model`'s flags name (a `locate.LocateModel`), within --memory-limit where given."""
+    apply_memory_limit(args)
+    return load(args.model, dtype=args.dtype, adapter_path=getattr(args, "adapter", None))
+
+
+# --- questions ---
+
+
+def add_questions(p: argparse.ArgumentParser, several_prompts: bool = True) -> None:
+    """--task, repeatable --query, and --prompt (repeatable when `several_prompts`)."""
+    p.add_argument("--task", choices=TASKS, help=f"prompt template (default: {DEFAULT_TASK})")
+    p.add_argument(
+        "--query", action="append", type=utf8_text, help="what to find; repeat to ask several separate questions"
+    )
+    p.add_argument(
+        "--prompt",
+        action="append" if several_prompts else "store",
+        type=utf8_text,
+        help="raw user text, sent as is; replaces --task and --query" + ("; repeatable" if several_prompts else ""),
+    )
+
+
+def check_questions(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.prompt is not None and (args.task is not None or args.query):
+        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
+
+
+# --- decoding and sampling ---
+
+
+def add_decoding(p: argparse.ArgumentParser, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    """The decoding group: --mode, --max-tokens, --strict, the guards, --redecode-labels, --rendering."""
+    d = p.add_argument_group("decoding")
+    d.add_argument(
+        "--mode",
+        choices=[m.value for m in Mode],
+        default=DEFAULT_MODE,
+        help="slow: token by token; fast: boxes in parallel; hybrid: parallel, token by token on doubt "
+        "(default: %(default)s)",
+    )
+    add_max_tokens(d, max_tokens)
+    d.add_argument("--strict", action="store_true", help="the reference's decisions exactly: every guard off")
+    d.add_argument("--no-end-guard", action="store_true", help="do not stop when <|im_end|> or <null> leads a block")
+    d.add_argument("--no-loop-guard", action="store_true", help="do not stop when a box repeats the previous one")
+    d.add_argument("--box-start-guard", action="store_true", help="block decoding fails unless <box> leads")
+    d.add_argument(
+        "--no-nucleus-guard",
+        action="store_true",
+        help="let block decoders take candidates outside each row's top-p 0.9 nucleus (the reference's greedy)",
+    )
+    d.add_argument(
+        "--redecode-labels",
+        action=argparse.BooleanOptionalAction,
+        help="re-decode uncertain label tokens one by one in hybrid mode (default: on for --task ocr)",
+    )
+    add_rendering(d)
+
+
+def add_max_tokens(p, default: int = DEFAULT_MAX_TOKENS) -> None:
+    p.add_argument("--max-tokens", type=positive_int, default=default, help="generated tokens (default: %(default)s)")
+
+
+def add_rendering(p) -> None:
+    p.add_argument("--rendering", choices=RENDERINGS, default=DEFAULT_RENDERING, help="chat rendering (default: A)")
+
+
+def add_sampling(p: argparse.ArgumentParser) -> None:
+    """The sampling group: --official-sampling, --temperature, --top-p, --top-k, --repetition-penalty, --seed."""
+    s = p.add_argument_group("sampling (default: greedy)")
+    official = Sampling.OFFICIAL
+    s.add_argument(
+        "--official-sampling",
+        action="store_true",
+        help=f"the model card's settings: temperature {official.temperature}, top-p {official.top_p}, "
+        f"repetition penalty {official.repetition_penalty}; the flags below override single values",
+    )
+    s.add_argument("--temperature", type=finite_float, help="0 = greedy")
+    s.add_argument("--top-p", type=finite_float, help="nucleus mass; 1 = off")
+    s.add_argument("--top-k", type=int, help="0 = off")
+    s.add_argument("--repetition-penalty", type=finite_float, help="1 = off")
+    s.add_argument("--seed", type=seed_int, default=DEFAULT_SEED, help="random seed (default: %(default)s)")
+
+
+def check_decoding(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.strict and args.box_start_guard:
+        parser.error("--strict turns every guard off; drop --box-start-guard")
+
+
+def sampling_of(args: argparse.Namespace) -> Sampling:
+    """`Sampling()` (greedy) or `Sampling.OFFICIAL`, with each given flag replacing its field; `ValueError` for
+    settings out of range."""
+    base = Sampling.OFFICIAL if args.official_sampling else Sampling()
+    names = ("temperature", "top_p", "top_k", "repetition_penalty")
+    return dataclasses.replace(base, **{n: getattr(args, n) for n in names if getattr(args, n) is not None})
+
+
+def guards_of(args: argparse.Namespace) -> Guards:
+    return Guards(
+        end_guard=not args.no_end_guard,
+        loop_guard=not args.no_loop_guard,
+        box_start_guard=args.box_start_guard,
+        nucleus=None if args.no_nucleus_guard else Guards().nucleus,
+    )
+
+
+def request_options(args: argparse.Namespace) -> dict:
+    """The `Request` fields the decoding and sampling groups set."""
+    return {
+        "mode": args.mode,
+        "max_tokens": args.max_tokens,
+        "sampling": sampling_of(args),
+        "strict": args.strict,
+        "guards": guards_of(args),
+        "redecode_labels": args.redecode_labels,
+        "rendering": args.rendering,
+        "seed": args.seed,
+    }
+
+
+# --- tiling, image limits, rows, progress ---
+
+
+def add_tiling(p: argparse.ArgumentParser, what: str = "image") -> None:
+    t = p.add_argument_group("tiling (large or dense images)")
+    t.add_argument(
+        "--tiles",
+        type=tiles_arg,
+        metavar="auto|ROWSxCOLS",
+        help=f"decode overlapping tiles (and the whole {what}) as one batch and merge their objects; auto: the "
+        "fewest tiles the model sees unscaled",
+    )
+    t.add_argument(
+        "--tile-overlap",
+        type=finite_float,
+        help=f"fraction of a tile shared with its neighbour (default: {Request.tile_overlap})",
+    )
+    t.add_argument("--no-tile-whole", action="store_true", help=f"decode the tiles only, not the whole {what} too")
+
+
+def check_tiling_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.tiles is None and (args.no_tile_whole or args.tile_overlap is not None):
+        parser.error("--tile-overlap and --no-tile-whole only apply with --tiles")
+
+
+def tiling_of(args: argparse.Namespace) -> dict:
+    """The `Request` fields of the tiling group ({} without --tiles); `ValueError` for a bad grid or overlap."""
+    if args.tiles is None:
+        return {}
+    overlap = Request.tile_overlap if args.tile_overlap is None else args.tile_overlap
+    check_tiling(args.tiles, overlap)
+    return {"tiles": args.tiles, "tile_overlap": overlap, "tile_whole": not args.no_tile_whole}
+
+
+def add_max_pixels(p: argparse.ArgumentParser, default: int | None = None) -> None:
+    shown = default or DEFAULT_MAX_PIXELS
+    p.add_argument(
+        "--max-pixels",
+        type=positive_int,
+        default=default,
+        help=f"refuse larger images, read from the header before decoding (default: {shown:,}); raise it for "
+        "real large images",
+    )
+
+
+def add_rows(p: argparse.ArgumentParser) -> None:
+    """--max-rows (alias --batch-size) and --memory-limit: how much of the device one run takes."""
+    p.add_argument(
+        "--max-rows",
+        "--batch-size",
+        dest="max_rows",
+        type=positive_int,
+        help="sequences decoded together in one engine step (default: sized for the device's memory)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=positive_float,
+        metavar="GB",
+        help="memory this run may use (MLX's memory limit); rows, vision batches and prefill pieces are sized "
+        "within it (default: what the device lends the GPU)",
+    )
+
+
+def apply_memory_limit(args: argparse.Namespace) -> None:
+    """Set MLX's memory limit from --memory-limit (before the model loads: its budget is measured then)."""
+    if getattr(args, "memory_limit", None) is not None:
+        mx.set_memory_limit(int(args.memory_limit * 1e9))
+
+
+def add_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -1,0 +1,143 @@
+"""How much memory a run may use, and how it is shared out, from what the device reports when the model loads.
+
+- `device_limit()`: the bytes this process may use: MLX's memory limit (`--memory-limit` sets it, through
+  `mx.set_memory_limit`), on Apple silicon also at most the GPU's recommended working set (macOS lends the GPU
+  only part of the machine's memory).
+- `Budget.measure(network)`: that limit less what the loaded weights hold, split into working memory for the
+  transient work of the vision tower and the prefills (at most the device's `MAX_WORKING`) and the rest for the
+  KV cache of the rows and the prompt prefixes kept ahead of them. What one patch costs a tower block is
+  measured once, on a small input; what one prefill row costs comes from the decoder's shapes.
+
+Going over a budget never fails: the engine admits fewer rows, and the tower and the prefills run in smaller
+pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .attention import SCORE_BUDGET, SCORE_BYTES, Path, attention_path, backend
+from .cache import kv_bucket
+from .model import LocateAnything
+
+# Bytes of transient work at once (a few tower blocks, one prefill call), at most: on a GPU, bigger pieces read
+# the weights fewer times; on the CPU a product is bound by arithmetic, so they buy no speed.
+MAX_WORKING = {"gpu": 2 << 30, "cpu": 512 << 20}
+RESERVE = 256 << 20  # left free of any budget: MLX's own buffers, the host's arrays, fragmentation
+MIN_WORKING = 64 << 20
+PROBE_PATCHES = 256  # the input the tower's per-patch cost is measured on
+GPU_ROWS, CPU_ROWS = 16, 4  # rows per step at most, where memory allows: a GPU step is bound by reading the
+# weights, so rows ride along; a CPU step by arithmetic
+
+
+def device_limit() -> int:
+    """Bytes this process may use: MLX's memory limit, capped by Metal's recommended working set."""
+    limit = mx.get_memory_limit()
+    if mx.default_device() == mx.gpu and mx.metal.is_available():
+        limit = min(limit, mx.device_info().get("max_recommended_working_set_size", limit))
+    return limit
+
+
+def tower_bytes_per_patch(network: LocateAnything) -> int:
+    """Peak bytes one patch costs a tower block, measured on `PROBE_PATCHES` patches (attention in single-row
+    chunks where it falls back, so its scores do not count: `SCORE_BUDGET` bounds them apart)."""
+    v = network.config.vision
+    dtype = network.vision_model.patch_embed.proj.weight.dtype
+    x = mx.zeros((1, PROBE_PATCHES, v.hidden_size), dtype)
+    cos = mx.ones((1, PROBE_PATCHES, v.head_dim // 2))
+    sin = mx.zeros((1, PROBE_PATCHES, v.head_dim // 2))
+    mx.eval(x, cos, sin)
+    mx.reset_peak_memory()  # MLX's high-water mark restarts here
+    base = mx.get_active_memory()
+    mx.eval(network.vision_model.encoder.blocks[0](x, cos, sin, score_budget=1))
+    return max(1, (mx.get_peak_memory() - base) // PROBE_PATCHES)
+
+
+def prefill_bytes_per_row(network: LocateAnything) -> int:
+    """What one prefill row may hold while a call runs, every layer's transients at once (a call's buffers are
+    released when the device finishes it): the fused projections' outputs, the MLP's and the residual stream."""
+    t = network.config.text
+    dtype = network.language_model.model.norm.weight.dtype
+    per_layer = (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim + 3 * t.intermediate_size
+    return dtype.size * t.num_hidden_layers * (per_layer + 4 * t.hidden_size)
+
+
+def prefill_bytes_per_key(network: LocateAnything) -> int:
+    """What one prefill row's attention holds per key where the decoder's attention falls back (every score of
+    a call at once); 0 where a fused kernel takes it."""
+    t = network.config.text
+    dtype = network.language_model.model.norm.weight.dtype
+    if attention_path(backend(), dtype, t.head_dim, PROBE_PATCHES)[0] is not Path.CHUNKED:
+        return 0
+    return t.num_attention_heads * SCORE_BYTES
+
+
+def kv_bytes_per_slot(network: LocateAnything) -> int:
+    t = network.config.text
+    dtype = network.language_model.model.norm.weight.dtype
+    return t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * dtype.size
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes for the run's transient work and for its KV cache, and what each unit of work costs."""
+
+    limit: int  # device_limit() when measured
+    weights: int  # active memory with the model loaded
+    working: int  # one tower group or one prefill call at a time
+    kv: int  # every row's K|V plus the prompt prefixes kept ahead
+    patch_bytes: int  # one patch through one tower block
+    prefill_row_bytes: int  # one row of one prefill call
+    prefill_key_bytes: int  # and per key it attends to, where attention falls back
+    slot_bytes: int  # one cached token of one row
+
+    @classmethod
+    def measure(cls, network: LocateAnything) -> Budget:
+        limit, weights = device_limit(), mx.get_active_memory()
+        free = max(0, limit - weights - RESERVE)
+        cap = MAX_WORKING["gpu" if mx.default_device() == mx.gpu else "cpu"]
+        working = max(MIN_WORKING, min(cap, free // 2))  # the tower runs, in its smallest pieces if need be
+        return cls(
+            limit=limit,
+            weights=weights,
+            working=working,
+            kv=max(0, free - working),  # at least one row always runs (`Engine._fits`)
+            patch_bytes=tower_bytes_per_patch(network),
+            prefill_row_bytes=prefill_bytes_per_row(network),
+            prefill_key_bytes=prefill_bytes_per_key(network),
+            slot_bytes=kv_bytes_per_slot(network),
+        )
+
+    @property
+    def score_budget(self) -> int:
+        """Bytes of attention scores one fallback call may hold."""
+        return min(SCORE_BUDGET, self.working // 4)
+
+    def tower_plan(self, images: int, patches: int, blocks: int) -> tuple[int, int]:
+        """(images per tower call, blocks per evaluation) for `images` of `patches` each: as many images as
+        one block of them fits the working memory, then as many blocks as fit."""
+        room = max(1, self.working - self.score_budget)
+        per_image_block = patches * self.patch_bytes
+        batch = max(1, min(images, room // per_image_block))
+        return batch, max(1, min(blocks, room // (batch * per_image_block)))
+
+    def prefill_rows(self, bucket: int, keys: int) -> int:
+        """Rows one prefill call may take (sequences x padded rows) attending to at most `keys` cached tokens:
+        what the working memory holds, in whole `bucket`s."""
+        rows = self.working // (self.prefill_row_bytes + keys * self.prefill_key_bytes)
+        return max(bucket, rows // bucket * bucket)
+
+    def kv_fits(self, buffer_rows: int, slots: int) -> bool:
+        """Whether a KV cache of `buffer_rows` rows of `slots` cached tokens each fits the KV budget."""
+        return buffer_rows * kv_bucket(slots) * self.slot_bytes <= self.kv
+
+    def default_rows(self, longest_prompt: int) -> int:
+        """Rows per step when the caller does not say: the device's cap, fewer where a cache of that many
+        rows at `longest_prompt` tokens would not fit."""
+        cap = GPU_ROWS if mx.default_device() == mx.gpu else CPU_ROWS
+        rows = cap
+        while rows > 1 and not self.kv_fits(rows + 1, longest_prompt):
+            rows -= 1
+        return rows

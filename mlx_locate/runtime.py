@@ -1,0 +1,272 @@
+"""A loaded network ready for inference, and everything the engine asks of it (`Runtime`).
+
+The engine works through this one interface: preparing images, prompt ids and text, vision features and prompt
+prefixes (cached by image content), prefills and compiled steps over a `SlotCache`. `locate.LocateModel` adds the
+public API on top.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from PIL import Image
+
+from .cache import SlotCache, rows_bucket
+from .compiled import BLOCK_ROWS, PREFILL_BUCKET, PREFILL_ROWS, CompiledSteps, Phase, padded_rows
+from .cpu import store_input_major
+from .language import fuse_projections
+from .memory import Budget
+from .model import LocateAnything
+from .preprocess import IN_TOKEN_LIMIT
+from .prompts import UserText, prompt_ids
+from .request import DEFAULT_MAX_TOKENS, PreparedImage, prepare_image
+from .tokenizer import Tokenizer
+
+HOST_WORKERS = 8  # threads that prepare images and prompts ahead of the engine, at most
+PROMPT_WORDS = 128  # a prompt's tokens besides its image's, about (the chat turns and a query)
+FEATURE_CACHE_SIZE = 8  # images whose vision features stay cached, by content
+PREFIX_CACHE_SIZE = 8  # images whose prompt prefix (K|V up to </img>) stays cached
+PREFIX_CACHE_BYTES = 2 << 30
+
+
+class Runtime:
+    """A network with its tokenizer, compiled step functions, and caches of vision features and prompt prefixes
+    by image content.
+
+    Takes over `network` for inference: its decoder's projections are fused (`language.fuse_projections`) and,
+    on the CPU backend, its wide ones and the head stored for the CPU's BLAS (`cpu.store_input_major`)."""
+
+    def __init__(self, network: LocateAnything, tokenizer: Tokenizer, in_token_limit: int = IN_TOKEN_LIMIT):
+        fuse_projections(network.language_model.model.layers)
+        if mx.default_device() == mx.cpu:
+            store_input_major(network.language_model.model)
+        self.network = network
+        self.tokenizer = tokenizer
+        self.token_ids = network.token_ids
+        self.in_token_limit = in_token_limit
+        self.patch_size = network.config.vision.patch_size
+        self.steps = CompiledSteps(network)
+        self.budget = Budget.measure(network)
+        self.row_costs: dict[int, float] = {}  # seconds of a block step by rows, where measured (`measure_rows`)
+        self.device_idle_s = 0.0  # time between a wait for the device and the next one (`sync`)
+        self._synced: float | None = None
+        self._host_pool: ThreadPoolExecutor | None = None
+        self.features: OrderedDict[tuple, mx.array] = OrderedDict()
+        self.prefixes: OrderedDict[tuple, list[mx.array]] = OrderedDict()
+
+    @property
+    def max_length(self) -> int:
+        """Positions a prompt and its answer may use: the tokenizer's model_max_length, and the decoder's
+        max_position_embeddings where the config gives it."""
+        positions = self.network.config.raw.get("text_config", {}).get("max_position_embeddings")
+        return min(self.tokenizer.model_max_length, positions or self.tokenizer.model_max_length)
+
+    @property
+    def default_rows(self) -> int:
+        """Rows per step when the caller does not say (`memory.Budget.default_rows`), each at the longest prompt
+        the model admits: a largest image's tokens, the prompt's words and a default answer."""
+        longest = self.in_token_limit // 4 + PROMPT_WORDS + DEFAULT_MAX_TOKENS
+        return self.budget.default_rows(min(self.max_length, longest))
+
+    @property
+    def compilations(self) -> int:
+        """How many times a compiled step function was traced so far."""
+        return self.steps.traces
+
+    # --- host side: images, prompts, text ---
+
+    @property
+    def host_pool(self) -> ThreadPoolExecutor:
+        """Threads for host work ahead of the engine (image decoding, resizing, patches, prompt ids): Pillow,
+        numpy and hashlib release the GIL, and none of it touches MLX."""
+        if self._host_pool is None:
+            workers = max(1, min(HOST_WORKERS, (os.cpu_count() or 2) - 1))
+            self._host_pool = ThreadPoolExecutor(workers, thread_name_prefix="mlx-locate-host")
+        return self._host_pool
+
+    def prepare(self, image: str | Path | Image.Image | PreparedImage, max_pixels: int | None = None) -> PreparedImage:
+        """Load (checking the pixel limit), convert to RGB, cut into patches and key by content."""
+        return prepare_image(image, max_pixels, self.in_token_limit, self.patch_size)
+
+    def prompt(self, user_text: str | UserText, grid: tuple[int, int], rendering: str = "A") -> list[int]:
+        """The prompt ids of `user_text` (a string is a raw prompt) about one image of patch `grid`."""
+        return prompt_ids(self.tokenizer, user_text, [grid], rendering=rendering)
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    # --- device side ---
+
+    def sync(self, *arrays) -> None:
+        """`mx.eval(arrays)`: the host waits for the device. The time since the previous wait returned is time
+        the device may have had nothing to do (`device_idle_s`)."""
+        start = time.perf_counter()
+        if self._synced is not None:
+            self.device_idle_s += start - self._synced
+        mx.eval(*arrays)
+        self._synced = time.perf_counter()
+
+    def read(self, array: mx.array) -> np.ndarray:
+        """The one host read of a step (as `sync`, then a copy to numpy)."""
+        self.sync(array)
+        return np.array(array)
+
+    def idle(self) -> None:
+        """No work follows (the engine ran dry): the time until the next wait is not the device's."""
+        self._synced = None
+
+    def measure_rows(self, max_rows: int, context: int = 512, repeats: int = 3) -> dict[int, float]:
+        """Time a block step at each power-of-two row count up to `max_rows`, every row at `context` cached
+        tokens (compiling those steps): `rows_for` then runs n sequences at the cheapest count from n up."""
+        R = 1
+        while R <= max_rows:
+            cache = self.new_cache(R)
+            step = (Phase.BLOCK, cache, mx.zeros((R, BLOCK_ROWS), mx.int32), list(range(R)), [context] * R)
+            shape = ([BLOCK_ROWS] * R, [True] * R, True)
+            self.sync(self.run(*step, *shape))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self.sync(self.run(*step, *shape))
+                times.append(time.perf_counter() - t0)
+            self.row_costs[R] = min(times)
+            R *= 2
+        self.idle()
+        return dict(self.row_costs)
+
+    def rows_for(self, n: int, cap: int) -> int:
+        """Sequence rows to run `n` sequences at: the cheapest measured row count from `n` up to `cap` (on a
+        GPU a step of fewer rows can cost more), else the next power of two."""
+        fitting = [r for r in self.row_costs if n <= r <= cap]
+        if not fitting:
+            return min(cap, rows_bucket(n)) if n <= cap else rows_bucket(n)
+        return min(fitting, key=lambda r: (self.row_costs[r], r))
+
+    def new_cache(self, slots: int = 1) -> SlotCache:
+        """An empty KV cache with a row per sequence for `slots` sequences."""
+        t = self.network.config.text
+        dtype = self.network.language_model.model.norm.weight.dtype
+        return SlotCache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, dtype, slots)
+
+    def embed_ids(self, ids: list[int]) -> mx.array:
+        """Token embeddings (P, D) of `ids`."""
+        return self.network.language_model.model.embed_tokens(mx.array(ids, dtype=mx.int32))
+
+    def features_for(self, images: list[PreparedImage]) -> list[tuple[bool, mx.array]]:
+        """Vision tower + connector per image, cached by content: (cached, (h*w/4, D) features) each. Images of
+        the same patch grid go through the tower together, as many at once as the working memory holds, and a
+        large input a few blocks at a time (`memory.Budget.tower_plan`)."""
+        out: dict[tuple, mx.array] = {}
+        todo: dict[tuple[int, int], list[PreparedImage]] = {}
+        for image in images:
+            if image.key in self.features:
+                self.features.move_to_end(image.key)
+            elif image.key not in {i.key for group in todo.values() for i in group}:
+                todo.setdefault(image.pre.grid, []).append(image)
+        for grid, group in todo.items():
+            for part, features in self._tower(grid, group):
+                for image, f in zip(part, features, strict=True):
+                    out[image.key] = self.features[image.key] = f
+        while len(self.features) > FEATURE_CACHE_SIZE:
+            self.features.popitem(last=False)
+        return [(image.key not in out, out.get(image.key, self.features.get(image.key))) for image in images]
+
+    def _tower(self, grid: tuple[int, int], images: list[PreparedImage]):
+        """(images, their (B, h*w/4, D) features) for images of one grid, in batches the budget holds."""
+        tower, blocks = self.network.vision_model, len(self.network.vision_model.encoder.blocks)
+        batch, per_eval = self.budget.tower_plan(len(images), grid[0] * grid[1], blocks)
+        for start in range(0, len(images), batch):
+            part = images[start : start + batch]
+            x = tower.embed(mx.array(np.stack([image.pre.patches for image in part])), grid)
+            for first in range(0, blocks, per_eval):
+                x = tower.run_blocks(x, grid, first, first + per_eval, self.budget.score_budget)
+                self.sync(x)
+            features = self.network.connect(tower.finish(x), grid)
+            self.sync(features)
+            yield part, features
+
+    def clear_caches(self) -> None:
+        """Forget cached vision features and prompt prefixes (the next request of an image computes them again)."""
+        self.features.clear()
+        self.prefixes.clear()
+
+    def store_prefix(self, key: tuple, prefix: list[mx.array]) -> None:
+        self.prefixes[key] = prefix
+        while len(self.prefixes) > 1 and (
+            len(self.prefixes) > PREFIX_CACHE_SIZE
+            or sum(a.nbytes for p in self.prefixes.values() for a in p) > min(PREFIX_CACHE_BYTES, self.budget.kv // 4)
+        ):
+            self.prefixes.popitem(last=False)
+
+    def prefix(self, key: tuple) -> list[mx.array]:
+        self.prefixes.move_to_end(key)
+        return self.prefixes[key]
+
+    def run(
+        self,
+        phase: Phase,
+        cache: SlotCache,
+        inputs: mx.array,
+        rows: list[int],
+        c: list[int],
+        q: list[int],
+        block: list[bool] | None = None,
+        dense: bool = False,
+    ) -> mx.array:
+        """One compiled forward (`compiled.CompiledSteps.run`): writes the entries' K|V, returns their logits."""
+        return self.steps.run(phase, cache, inputs, rows, c, q, block, dense)
+
+    def prefill(self, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
+        """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most `prefill_rows` rows
+        (sequences x padded rows; a longer prompt goes in chunks, each evaluated before the next); returns each
+        cache row's last logits (1, V)."""
+        last: dict[int, mx.array] = {}
+        work = list(items)
+        limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work)) if work else PREFILL_ROWS
+        while work:
+            by_rows: dict[int, list] = {}
+            for slot, x, c in work:
+                chunk = x[:limit]
+                by_rows.setdefault(padded_rows(Phase.PREFILL, chunk.shape[0]), []).append((slot, chunk, c))
+            for Q, group in sorted(by_rows.items()):
+                per_call = max(1, limit // Q)
+                for start in range(0, len(group), per_call):
+                    part = group[start : start + per_call]
+                    dense = len(part) == cache.slots and [slot for slot, _, _ in part] == list(range(cache.slots))
+                    R = cache.slots if dense else rows_bucket(len(part))
+                    pad = R - len(part)
+                    inputs = mx.stack(
+                        [mx.pad(x, [(0, Q - x.shape[0]), (0, 0)]) for _, x, _ in part]
+                        + [mx.zeros((Q, part[0][1].shape[-1]), part[0][1].dtype)] * pad
+                    )
+                    entries = [slot for slot, _, _ in part] + [cache.scratch] * pad
+                    c = [c for _, _, c in part] + [0] * pad
+                    q = [x.shape[0] for _, x, _ in part] + [0] * pad
+                    logits = self.run(Phase.PREFILL, cache, inputs, entries, c, q, dense=dense)
+                    for i, (slot, _, _) in enumerate(part):
+                        last[slot] = logits[i]
+            work = [(slot, x[limit:], c + limit) for slot, x, c in work if x.shape[0] > limit]
+            if work:  # the next chunk's transients come after this one's are released
+                self.sync(list(last.values()), cache.kv)
+        return last
+
+    def prefill_rows(self, keys: int) -> int:
+        """Rows per prefill call attending to up to `keys` tokens: PREFILL_ROWS, fewer where the working memory
+        holds fewer."""
+        return min(PREFILL_ROWS, self.budget.prefill_rows(PREFILL_BUCKET, keys))
+
+    def compute_prefixes(self, items: list[tuple[list[int], mx.array]]) -> list[list[mx.array]]:
+        """The K|V of each (prefix ids, image features) pair, prefilled together in a cache of their own; per
+        prefix, per layer (1, 2, KV, P, D) arrays of their own."""
+        cache = self.new_cache(slots=len(items))
+        embeds = [self.network.embed(ids, features)[0] for ids, features in items]
+        self.prefill(cache, [(i, e, 0) for i, e in enumerate(embeds)])
+        prefixes = [cache.copy_out(i, len(ids)) for i, (ids, _) in enumerate(items)]
+        self.sync(prefixes)
+        return prefixes
