@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .random_checkpoint import RELEASE_CONFIG
 
 CONFIG_KEY = "known_categories"
-RELEASE_PER_PROMPT = 10  # as `tuner.datasets.read_coco` asks COCO's categories
+RELEASE_PER_PROMPT = 10  # categories per detection prompt for the release (and for a list without a checkpoint's)
 COCO_CATEGORIES = (
     "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
     "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",

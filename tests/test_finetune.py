@@ -646,20 +646,30 @@ def test_kept_categories_and_their_prompts_never_ask_new_words():
 
 def test_replay_samples_are_the_base_answers_in_the_data_grammar():
     """Boxes with ordered corners in ascending x1; only the base's own Nones; a category it did not answer, or
-    answered only with boxes on a new word's object, is never asked; a cut answer gives nothing; the samples'
-    prompts are mostly about what it found, each answer its parts in the prompt's order."""
+    answered only with boxes lying on a new word's object (slivers too), is never asked; a cut answer gives
+    nothing; the samples ask about what it found and about its Nones, each answer its parts in the prompt's
+    order."""
     from mlx_locate.prompts import parse_task_text
     from mlx_locate.tokenizer import Tokenizer
     from mlx_locate.tuner import replay as rp
 
     first, second = rp.Ask(IMAGE, ("square", "circle", "star")), rp.Ask(IMAGE, ("diamond", "triangle"))
     answers = [
-        (first, rp.Answer({"square": [(600, 700, 500, 300), (100, 100, 200, 200)]}, ("circle",), True)),
+        (
+            first,
+            rp.Answer(
+                {"square": [(600, 700, 500, 300), (100, 100, 200, 200), (0, 0, 500, 500)], "star": [(40, 40, 60, 60)]},
+                ("circle",),
+                True,
+            ),
+        ),  # fmt: skip
         (second, rp.Answer({"diamond": [(10, 10, 110, 110)]}, ("triangle", "diamond"), True)),
     ]
     know = rp.knowledge(answers, new_boxes=[(12, 8, 108, 112)])
-    squares = "<ref>square</ref><box><100><100><200><200></box><ref>square</ref><box><500><300><600><700></box>"
-    assert know.found == {"square": squares} and know.dropped == 1
+    squares = "".join(f"<ref>square</ref><box>{b}</box>" for b in ("<0><0><500><500>", "<100><100><200><200>",
+                                                                   "<500><300><600><700>"))  # fmt: skip
+    # The star sliver and the diamond lie on the new word's object; the large square only holds it.
+    assert know.found == {"square": squares} and know.dropped == 2
     assert know.absent == {
         "circle": "<ref>circle</ref><box>None</box>",
         "triangle": "<ref>triangle</ref><box>None</box>",
@@ -699,10 +709,10 @@ def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, mon
     replay prompt asks for the new word; the held-out report has the kept categories' F1, also on the console."""
     from mlx_locate.finetune import build_parser
     from mlx_locate.finetune import options as cli_options
-    from mlx_locate.metrics import iou
     from mlx_locate.prompts import parse_task_text, task_text
     from mlx_locate.tokenizer import Tokenizer
     from mlx_locate.tuner import finetune as ft
+    from mlx_locate.tuner.replay import share_on
     from mlx_locate.tuner.synthetic import SHAPES, write_word_only_data
 
     assert cli_options(build_parser().parse_args(["--data", "x", "--out", "y"])).replay == ft.FinetuneOptions.replay
@@ -736,7 +746,7 @@ def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, mon
         for c in categories:
             boxes = {(min(b[0], b[2]), min(b[1], b[3]), max(b[0], b[2]), max(b[1], b[3]))
                      for b in (o.box_norm for o in base.objects if o.label == c)}  # fmt: skip
-            mine = [b for b in sorted(boxes) if not any(iou(b, x) >= 0.5 for x in crosses[image])]
+            mine = [b for b in sorted(boxes) if not any(share_on(b, x) >= 0.5 for x in crosses[image])]
             said[image, c] = "".join(f"<ref>{c}</ref><box>{''.join(f'<{v}>' for v in b)}</box>" for b in mine)
             said[image, c] = said[image, c] or (
                 f"<ref>{c}</ref><box>None</box>" if not boxes and c in base.empty_labels else None

@@ -40,7 +40,7 @@ from ..lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
 from ..model import LocateAnything
 from ..preprocess import IN_TOKEN_LIMIT, preprocess
 from ..projector import merge_2x2
-from ..request import Request, RequestError
+from ..request import Request, RequestError, Result
 from ..tokenizer import Tokenizer
 from ..vision import rope2d_tables
 from . import replay as rp
@@ -358,7 +358,7 @@ def f1_of(counts) -> float | None:
     return 2 * int(matched) / int(pred + gt) if pred + gt else None
 
 
-def mode_scores(pairs: list[tuple[Example, object]]) -> dict:
+def mode_scores(pairs: list[tuple[Example, Result | RequestError]]) -> dict:
     """F1@0.5 of the boxes matched within their labels (`f1@0.5`, and per label: `per_label`, a label the model
     wrote instead of the asked one included) and regardless of them (`box_f1@0.5`), the counts, how often decoding
     ended by itself, and failed requests, over (example, result) pairs."""
@@ -481,7 +481,7 @@ def base_answers(
             "dropped)"
         )
     if not held_asks:
-        return pool, kept_held, "the held-out data"
+        return pool, kept_held, "the held-out data" if kept_held else None
     records, _ = rp.replay_set(held_asks, answers[len(train_asks) :], new_boxes, keep.per_prompt, options.seed, 1)
     kept_held, _ = encode_examples(base, records, max_length)
     return pool, kept_held, "the base's answers"

@@ -9,12 +9,12 @@ images. Its answers become samples in the model's own grammar, records encoded l
   replay prompt, because the base's answer about it would be wrong.
 - **Asking**: per image, each kept category that none of the image's own records asks about (the data is the
   truth there) is asked once, in prompts of `per_prompt` categories: a few requests per image.
-- **Answers**: the base's boxes (corners ordered, ascending x1 then y1) and its `<box>None</box>`s. A box on an
-  object that the data's detection records name with a new word (IoU >= 0.5) is a confusion, not knowledge (the
-  demo calls crosses diamonds): it is dropped, and a category left without boxes leaves the prompt, so every
-  None in a replay answer is one the base wrote. Referring phrases do not drop boxes ("black shape" is still a
-  triangle). A category the base did not answer also leaves the prompt. An answer cut by the length cap, or a
-  failed request, gives no sample.
+- **Answers**: the base's boxes (corners ordered, ascending x1 then y1) and its `<box>None</box>`s. A box that
+  lies for half or more on an object the data's detection records name with a new word is a confusion, not
+  knowledge (the demo calls crosses diamonds, and draws star slivers on rings): it is dropped, and a category
+  left without boxes leaves the prompt, so every None in a replay answer is one the base wrote. Referring
+  phrases do not drop boxes ("black shape" is still a triangle). A category the base did not answer also leaves
+  the prompt. An answer cut by the length cap, or a failed request, gives no sample.
 - **Samples**: detection prompts composed of the base's answers per category (`replay_records`): as many about
   what it found as about what it said is absent. Each answer is the base's parts in the prompt's order.
 - **Cache**: the answers go to `replay.jsonl` in the output folder, and a resumed run reads them back.
@@ -31,9 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import jsonl
-from ..cards import KnownCategories
+from ..cards import RELEASE_PER_PROMPT, KnownCategories
 from ..locate import LocateModel
-from ..metrics import iou
 from ..prompts import parse_task_text, task_text
 from ..request import Request, RequestError, Result
 from ..tokenizer import Tokenizer
@@ -43,8 +42,7 @@ from .datasets import Record, Turn, norm_label, record_labels, truth_of
 LABEL_MODE = "slow"  # the base's most careful answers
 LABEL_MAX_TOKENS = 512
 CACHE_FILE = "replay.jsonl"
-NEW_WORD_IOU = 0.5  # a base box this close to a new word's box is that object, misnamed
-DEFAULT_PER_PROMPT = 10  # categories per prompt for a list given without a checkpoint's own
+ON_NEW_WORD = 0.5  # a base box lying this much on a new word's box is that object (or a sliver of it), misnamed
 REPLAY_STREAM = 7  # the seed stream of the prompts, apart from the batches'
 ABSENT_JOIN = 0.5  # chance that a prompt of found categories also asks one the base answered None
 
@@ -68,11 +66,11 @@ def resolve_keep(explicit: tuple[str, ...] | None, known: KnownCategories | None
         names = [n.strip() for n in explicit]
         if not names or not all(names):
             raise ValueError(f"--keep-categories needs non-empty category names; got {list(explicit)}")
-        source, per_prompt = "--keep-categories", known.per_prompt if known else DEFAULT_PER_PROMPT
+        source, per_prompt = "--keep-categories", known.per_prompt if known else RELEASE_PER_PROMPT
     elif known is not None:
         names, source, per_prompt = list(known.names), "the model card", known.per_prompt
     else:
-        names, source, per_prompt = [], "none: the checkpoint names none", DEFAULT_PER_PROMPT
+        names, source, per_prompt = [], "none: the checkpoint names none", RELEASE_PER_PROMPT
     unique, kept = [], set()
     for n in names:  # the first spelling of each
         if norm_label(n) not in kept:
@@ -141,6 +139,13 @@ def ordered(box: Box) -> Box:
     return min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
 
 
+def share_on(box: Box, other: Box) -> float:
+    """The share of `box`'s area (a non-empty box) that lies inside `other`."""
+    w = min(box[2], other[2]) - max(box[0], other[0])
+    h = min(box[3], other[3]) - max(box[1], other[1])
+    return max(w, 0) * max(h, 0) / ((box[2] - box[0]) * (box[3] - box[1]))
+
+
 @dataclass
 class Knowledge:
     """What the base said about one image's kept categories, as answer parts in the data's grammar."""
@@ -160,7 +165,7 @@ def knowledge(answers: list[tuple[Ask, Answer]], new_boxes: list[Box]) -> Knowle
             continue
         for c in ask.categories:
             boxes = [b for b in sorted({ordered(b) for b in answer.boxes.get(c, [])}) if b[0] < b[2] and b[1] < b[3]]
-            mine = [b for b in boxes if not any(iou(b, n) >= NEW_WORD_IOU for n in new_boxes)]
+            mine = [b for b in boxes if not any(share_on(b, n) >= ON_NEW_WORD for n in new_boxes)]
             know.dropped += len(boxes) - len(mine)
             if mine:
                 know.found[c] = "".join(f"<ref>{c}</ref><box>{''.join(f'<{v}>' for v in b)}</box>" for b in mine)
