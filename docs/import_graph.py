@@ -30,7 +30,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
         False,
     ),
     ("memory", ("memory",), False),
-    ("weights", ("checkpoint", "lora", "loader", "random_checkpoint"), False),
+    ("weights", ("checkpoint", "lora", "loader", "random_checkpoint", "cards"), False),
     ("decoding", ("compiled", "sampling", "decide", "row_decoder"), False),
     ("requests", ("request", "runtime", "tiles", "engine"), False),
     ("API", ("locate", "__init__"), False),
