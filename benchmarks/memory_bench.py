@@ -80,8 +80,8 @@ def attention_probe(model, lengths: list[int]) -> dict:
         cos, sin = mx.zeros((1, L, v.head_dim // 2)), mx.ones((1, L, v.head_dim // 2))
         mx.eval(q, k, w, x, cos, sin)
         base = mx.get_active_memory()
-        sdpa, _ = peak_of(lambda: mx.eval(mx.fast.scaled_dot_product_attention(q, k, w, scale=v.head_dim**-0.5)))
-        one, _ = peak_of(lambda: mx.eval(block(x, cos, sin)))
+        sdpa, _ = peak_of(lambda q=q, k=k, w=w: mx.eval(mx.fast.scaled_dot_product_attention(q, k, w, scale=0.1)))
+        one, _ = peak_of(lambda x=x, cos=cos, sin=sin: mx.eval(block(x, cos, sin)))
         out[L] = {"sdpa_gb": (sdpa - base) / GB, "block_gb": (one - base) / GB}
         print("attention", L, out[L], flush=True)
     return out

@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 import math
 
+import mlx.core as mx
+
 from .checkpoint import DTYPES
 from .decide import Guards, Mode
 from .locate import load
@@ -98,7 +100,8 @@ def add_model(p: argparse.ArgumentParser, adapter: bool = True) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    """The model `add_model`'s flags name (a `locate.LocateModel`)."""
+    """The model `add_model`'s flags name (a `locate.LocateModel`), within --memory-limit where given."""
+    apply_memory_limit(args)
     return load(args.model, dtype=args.dtype, adapter_path=getattr(args, "adapter", None))
 
 
@@ -262,13 +265,27 @@ def add_max_pixels(p: argparse.ArgumentParser, default: int | None = None) -> No
 
 
 def add_rows(p: argparse.ArgumentParser) -> None:
+    """--max-rows (alias --batch-size) and --memory-limit: how much of the device one run takes."""
     p.add_argument(
         "--max-rows",
         "--batch-size",
         dest="max_rows",
         type=positive_int,
-        help="sequences decoded together in one engine step (default: sized for the device)",
+        help="sequences decoded together in one engine step (default: sized for the device's memory)",
     )
+    p.add_argument(
+        "--memory-limit",
+        type=positive_float,
+        metavar="GB",
+        help="memory this run may use (MLX's memory limit); rows, vision batches and prefill pieces are sized "
+        "within it (default: what the device lends the GPU)",
+    )
+
+
+def apply_memory_limit(args: argparse.Namespace) -> None:
+    """Set MLX's memory limit from --memory-limit (before the model loads: its budget is measured then)."""
+    if getattr(args, "memory_limit", None) is not None:
+        mx.set_memory_limit(int(args.memory_limit * 1e9))
 
 
 def add_progress(p: argparse.ArgumentParser) -> None:

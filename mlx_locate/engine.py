@@ -777,6 +777,7 @@ def build_result(model: Runtime, row: _Row) -> Result:
         "compilations": model.compilations,
         "max_tokens": row.budget,
         "max_tokens_clipped": row.budget < row.handle.request.max_tokens,
+        "peak_memory_gb": mx.get_peak_memory() / 1e9,  # MLX's high-water mark of this process so far
     }
     return Result(
         objects=parsed.objects,

@@ -96,14 +96,14 @@ class Budget:
     @classmethod
     def measure(cls, network: LocateAnything) -> Budget:
         limit, weights = device_limit(), mx.get_active_memory()
-        free = max(limit - weights - RESERVE, 2 * MIN_WORKING)
+        free = max(0, limit - weights - RESERVE)
         cap = MAX_WORKING["gpu" if mx.default_device() == mx.gpu else "cpu"]
-        working = max(MIN_WORKING, min(cap, free // 2))
+        working = max(MIN_WORKING, min(cap, free // 2))  # the tower runs, in its smallest pieces if need be
         return cls(
             limit=limit,
             weights=weights,
             working=working,
-            kv=free - working,
+            kv=max(0, free - working),  # at least one row always runs (`Engine._fits`)
             patch_bytes=tower_bytes_per_patch(network),
             prefill_row_bytes=prefill_bytes_per_row(network),
             prefill_key_bytes=prefill_bytes_per_key(network),

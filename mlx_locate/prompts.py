@@ -8,8 +8,9 @@ Special tokens in user text, one rule for every entry point (the CLI, the API, t
 build their prompts here):
 - A query (every task but `raw`) is the user's words: it is read as plain text. `<|im_end|>` or `<img>` in
   a query is the BPE of its characters, never the token, so a query can never end the user's turn or forge an
-  image, and "the <img> tag" is looked for as written. The one exception is detect's documented category
-  separator: `"car</c>person"` is the categories car and person, as the list `["car", "person"]` is.
+  image, and "the <img> tag" is looked for as written. Two things in a query keep their meaning: detect's
+  documented category separator (`"car</c>person"` is the categories car and person, as the list is), and the
+  processor's `<image-K>` placeholders (they place the image there, as the reference does; not tokens).
 - A raw prompt (`task="raw"`, `prompt=`) is the model's grammar on purpose: the grammar's tokens (`<ref>`,
   `</ref>`, `<box>`, `</box>`, `</c>`, `<0>`..`<1000>`) and `<image-K>` placeholders are read as such; any
   other added token (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`, `<IMG_CONTEXT>`, `<img>`, `<text_mask>`,
@@ -47,6 +48,7 @@ _SYSTEM = {
     "B": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n",  # chat_template.json
 }
 _PLACEHOLDER = re.compile(r"<image-(\d+)>")
+_PLACEHOLDER_SPLIT = re.compile(r"(<image-\d+>)")
 
 
 class UserText(NamedTuple):
@@ -209,10 +211,17 @@ def prompt_ids(
     grids))`, without running BPE over the image tokens.
     """
     user = user if isinstance(user, UserText) else UserText(user)
-    grammar = user.grammar()
+    # Image placeholders are the processor's, not tokens: they keep their meaning inside the user's words too.
+    pieces = [
+        (part, plain and not _PLACEHOLDER.fullmatch(part))
+        for text, plain in user.pieces()
+        for part in (_PLACEHOLDER_SPLIT.split(text) if plain else [text])
+        if part
+    ]
+    grammar = "".join(t for t, plain in pieces if not plain)
     check_grammar(tokenizer, grammar)
     counts = image_token_counts(grids)
-    pieces = [(_chat_head(grammar, len(grids), rendering), False), *user.pieces(), (_TAIL, False)]
+    pieces = [(_chat_head(grammar, len(grids), rendering), False), *pieces, (_TAIL, False)]
     found = [int(m.group(1)) for text, plain in pieces if not plain for m in _PLACEHOLDER.finditer(text)]
     _check_placeholders(found, len(counts))
     pieces = [(text if plain else _expand(text, [1] * len(counts)), plain) for text, plain in pieces]

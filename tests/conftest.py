@@ -59,7 +59,7 @@ def golden_token_ids() -> TokenIds:
     return token_ids_from_config(config, added, vocab)
 
 
-BATCH_REL = 1e-5  # a sequence's probabilities alone and in a batch agree to this relative difference
+BATCH_REL = 1e-4  # a sequence's probabilities alone and in a batch agree to this relative difference
 
 
 def approx_tree(value):

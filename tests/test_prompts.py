@@ -157,10 +157,12 @@ def test_categories_keep_their_separator_and_stay_plain(tok):
     assert tok.added_tokens["</c>"] not in refer  # only detect's query separates categories
 
 
-def test_an_image_placeholder_in_a_query_is_text(tok):
-    ids = prompt_ids(tok, user_text("detect", "<image-1>"), [(2, 2)])
-    assert ids.count(tok.added_tokens["<img>"]) == 1  # the image the template places, not the query's
-    assert "<image-1>" in tok.decode(ids)
+def test_an_image_placeholder_in_a_query_places_the_image(tok):
+    """The processor's placeholder is not a token: in a query it places the image, as the reference does."""
+    text = user_text("detect", "the <image-1> <img> square")
+    ids = prompt_ids(tok, text, [(2, 2)])
+    assert ids.count(tok.added_tokens["<img>"]) == 1  # the placeholder's; the query's "<img>" is text
+    assert "the <image 1><img><IMG_CONTEXT></img> <img> square" in tok.decode(ids)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from .. import cli
 from ..checkpoint import resolve
+from ..locate import load
 from .protocol import DEFAULT_MAX_PIXELS, Settings
 
 DEFAULT_HOST = "127.0.0.1"
@@ -105,12 +106,12 @@ def bind_warning(host: str) -> str | None:
 
 
 def model_loader(args: argparse.Namespace):
-    """The model's folder checked (or downloaded) now; the returned function loads it on the worker thread."""
-    from ..locate import load
-
+    """The model's folder checked (or downloaded) now; the returned function loads it on the worker thread
+    (within --memory-limit where given)."""
     folder = resolve(args.model)
     if args.adapter is not None and not Path(args.adapter).is_dir():
         raise FileNotFoundError(f"adapter folder {args.adapter!r} does not exist")
+    cli.apply_memory_limit(args)
     return lambda: load(folder, dtype=args.dtype, adapter_path=args.adapter)
 
 
@@ -167,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         warmup=not args.no_warmup,
     )
     app = create_app(load, settings)
-    # Our access log (one line per request, with its rows and steps) replaces uvicorn's.
+    # Our access log (one line per request, with its rows and steps) replaces uvicorn's, while the server runs.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("mlx_locate.server").addHandler(handler)
-    logging.getLogger("mlx_locate.server").setLevel(args.log_level.upper())
+    logger = logging.getLogger("mlx_locate.server")
+    level = logger.level
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
     failed = threading.Event()
 
@@ -183,9 +184,15 @@ def main(argv: list[str] | None = None) -> int:
             failed.set()
             server.should_exit = True
 
-    with sock:
-        threading.Thread(target=watch_load, name="watch-load", daemon=True).start()
-        server.run(sockets=[sock])
+    logger.addHandler(handler)
+    logger.setLevel(args.log_level.upper())
+    try:
+        with sock:
+            threading.Thread(target=watch_load, name="watch-load", daemon=True).start()
+            server.run(sockets=[sock])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     return 1 if failed.is_set() else 0
 
 

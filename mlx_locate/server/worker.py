@@ -361,8 +361,11 @@ class Worker:
 
 
 def warm_up(engine) -> None:
-    """Decode a request in every mode on a blank image, alone and then together, so the step functions of a
-    first request (and of a first batch) are compiled before the server says ready."""
+    """On a GPU, time a block step at each row count (`Runtime.measure_rows`: fewer rows can cost more); then
+    decode a request in every mode on a blank image, alone and then together, so the step functions of a first
+    request (and of a first batch) are compiled before the server says ready."""
+    if mx.default_device() == mx.gpu:
+        engine.model.measure_rows(engine.max_rows)
     image = Image.new("RGB", WARMUP_IMAGE, (128, 128, 128))
     requests = [Request(image, "object", mode=mode, max_tokens=WARMUP_TOKENS) for mode in ("slow", "fast", "hybrid")]
     for request in requests:

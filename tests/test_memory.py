@@ -1,0 +1,130 @@
+"""Memory within a budget (`mlx_locate.memory`): the budget from the device's limit, the tower in batches and
+pieces, prefills in calls the working memory holds, and fewer rows where the KV budget is short; every path
+gives the answers of the unconstrained one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import GOLDEN, approx_tree
+from mlx.utils import tree_flatten
+from PIL import Image
+
+import mlx_locate
+from mlx_locate import memory, vision
+from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.request import Request
+
+IMAGE = DEMO_DIR / "example.png"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return mlx_locate.load("demo")
+
+
+def test_budget_shares_the_limit_after_the_weights(demo):
+    b = demo.budget
+    assert b.limit == memory.device_limit() == mx.get_memory_limit()  # the CPU: no working-set cap
+    assert b.weights >= sum(v.nbytes for _, v in tree_flatten(demo.network.parameters()))
+    free = b.limit - b.weights - memory.RESERVE
+    assert b.working == min(memory.MAX_WORKING["cpu"], free // 2) and b.kv == free - b.working
+    t = demo.network.config.text
+    assert b.slot_bytes == t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4  # float32 on the CPU
+    assert b.patch_bytes > 0 and b.prefill_row_bytes > 0
+    assert b.prefill_key_bytes == t.num_attention_heads * 12  # the CPU's attention holds its scores
+
+
+def test_tower_plan_fills_the_working_memory_first_with_images_then_with_blocks():
+    b = dataclasses.replace(mlx_locate.load("demo").budget, working=100 << 20, patch_bytes=1000)
+    room = b.working - b.score_budget
+    assert b.tower_plan(64, 1000, 27) == (min(64, room // 1_000_000), 1)  # as many images as one block holds
+    assert b.tower_plan(2, 1000, 27) == (2, min(27, room // 2_000_000))  # two images: several blocks at once
+    assert b.tower_plan(1, 10**6, 27) == (1, 1)  # one block of a huge image: still one piece
+
+
+def test_tower_in_batches_and_pieces_equals_each_image_alone(demo, monkeypatch):
+    """With a working memory that holds one block of one image (and the MLP in pieces of 16 patches), the tower
+    runs each image alone, block by block: the features of the whole-tower call, to float32 rounding."""
+    rng = np.random.default_rng(3)
+    images = [demo.prepare(Image.fromarray(rng.integers(0, 256, (224, 168, 3), dtype=np.uint8))) for _ in range(3)]
+    patches = images[0].pre.grid[0] * images[0].pre.grid[1]
+    tight = dataclasses.replace(demo.budget, working=demo.budget.patch_bytes * patches + (1 << 20))
+    monkeypatch.setattr(demo, "budget", tight)
+    assert tight.tower_plan(3, patches, 2)[0] == 1
+    monkeypatch.setattr(vision, "MLP_ROWS", 16)
+    syncs = []
+    sync = demo.sync
+    monkeypatch.setattr(demo, "sync", lambda *a: syncs.append(1) or sync(*a))
+    demo.clear_caches()
+    pieces = demo.features_for(images)
+    blocks = len(demo.network.vision_model.encoder.blocks)
+    assert len(syncs) >= 3 * blocks  # an evaluation per block of each image
+    monkeypatch.setattr(vision, "MLP_ROWS", 4096)
+    for image, (cached, features) in zip(images, pieces, strict=True):
+        whole = demo.network.image_features(mx.array(image.pre.patches), image.pre.grid)
+        assert not cached
+        np.testing.assert_allclose(np.array(features), np.array(whole), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):
+    """A working memory of one prefill bucket: a 640 x 480 image's prompt (over 400 rows) goes in calls of 128
+    rows, each evaluated before the next, with the tokens of one call."""
+    model = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
+    request = Request(GOLDEN / "images" / "shapes_640x480.png", "red box", mode="slow", max_tokens=12)
+    whole = model.locate_many([request])[0]
+    b = model.budget
+    per_row = b.prefill_row_bytes + len(whole.prompt_ids) * b.prefill_key_bytes
+    monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=128 * per_row))
+    assert model.prefill_rows(len(whole.prompt_ids)) == 128
+    calls = []
+    run = model.run
+
+    def counted(phase, cache, inputs, *args, **kw):
+        calls.append(inputs.shape)
+        return run(phase, cache, inputs, *args, **kw)
+
+    monkeypatch.setattr(model, "run", counted)
+    model.clear_caches()
+    pieces = model.locate_many([request])[0]
+    prefills = [shape for shape in calls if len(shape) == 3]  # (R, Q, D) embeddings: a prefill call
+    assert len(prefills) >= 4 and all(R * Q <= 128 for R, Q, _ in prefills)
+    assert pieces.token_ids == whole.token_ids
+    assert pieces.token_probs == approx_tree(whole.token_probs)
+
+
+def test_a_memory_limit_below_the_rows_runs_fewer_rows_with_the_same_answers(demo, monkeypatch):
+    """MLX's memory limit set so that the KV budget holds the cache of two rows, not of four: the default rows
+    drop below the CPU's four, an engine asked for four runs at most two at a time, and the answers are the
+    same as without the limit."""
+    images = [str(IMAGE)] + [str(GOLDEN / "images" / f"shapes_{s}.png") for s in ("448x448", "640x480")]
+    requests = [Request(image, q, mode="fast", max_tokens=32) for image in images for q in ("square", "circle")]
+
+    def run(model):
+        engine = model.engine(4)
+        handles = [engine.submit(r) for r in requests]
+        rows = 0
+        while not engine.idle:
+            engine.step()
+            rows = max(rows, engine.active)
+        return rows, [h.result for h in handles]
+
+    rows, free_results = run(demo)
+    assert rows == 4 == demo.default_rows
+    longest = max(len(r.prompt_ids) for r in free_results) + 32 + 12
+    kv = 3 * memory.kv_bucket(longest) * demo.budget.slot_bytes  # two rows and the scratch row
+    before = mx.set_memory_limit(mx.get_active_memory() + memory.RESERVE + memory.MIN_WORKING + kv)
+    try:
+        tight = memory.Budget.measure(demo.network)  # as `load` does, under this limit
+        monkeypatch.setattr(demo, "budget", tight)
+        assert tight.kv < 5 * memory.kv_bucket(longest) * tight.slot_bytes  # four rows would not fit
+        assert demo.default_rows < 4
+        rows, tight_results = run(demo)
+    finally:
+        mx.set_memory_limit(before)
+    assert rows == 2
+    for a, b in zip(tight_results, free_results, strict=True):
+        assert a.token_ids == b.token_ids and a.token_probs == approx_tree(b.token_probs)
