@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune
 #
 # The folder beside mlx-vlm's batch_generate: its 21 wheels (21 MB; benchmarks/peer-gpu-requirements.txt says how
-# to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first:
+# to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first (after
+# install):
 #   mv .gpu/peer/transformers-*.whl .gpu/                                         # once, here
 #   bash benchmarks/gpu.sh peer-part .gpu/transformers-5.24.0-py3-none-any.whl    # carry that file (13.5 MB)
 #   bash benchmarks/gpu.sh peer .gpu/peer/*.whl                                   # carry .gpu/peer (7.5 MB)
@@ -40,7 +41,8 @@ peer-part)
     ;;
 peer)
     if [ -z "${PEER:-}" ]; then # mlx-vlm in its own folder, beside MLX's: our side never imports it
-        mkdir -p $W/peer && cp "$@" $W/peer/
+        mkdir -p $W/peer
+        [ $# -eq 0 ] || cp "$@" $W/peer/ # a rerun on the same machine brings none
         python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /root/peer $W/peer/*.whl
         printf '#!/bin/sh\nPYTHONPATH=%s:/root/peer exec python3 "$@"\n' $SITE >$W/peer-python
         chmod +x $W/peer-python
