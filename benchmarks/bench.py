@@ -40,13 +40,13 @@ from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
-from mlx_locate.decode import summary_functions  # noqa: E402
 from mlx_locate.engine import Schedule  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 from mlx_locate.request import DEFAULT_TASK, Request  # noqa: E402
+from mlx_locate.row_decoder import summary_functions  # noqa: E402
 from mlx_locate.sampling import Features, RowSampling, Sampling  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 
@@ -150,16 +150,19 @@ def timed_ms(fn, iters: int) -> float:
 
 def batch_step_costs(model: LocateModel, context: int, batches: list[int], iters: int) -> dict:
     """ms per engine step for B sequences at `context` cached tokens each: the dense forward (block: 12 rows per
-    sequence, 6 head rows; AR: 1), its compiled summary and the one host read, as the engine runs them."""
+    sequence, 6 head rows; AR: 1), its compiled summary and the one host read, as the engine runs them: at the
+    row count the engine takes for B (`Runtime.rows_for`, after `measure_rows` up to the largest B)."""
     d = model.network.config.text.hidden_size
     dtype = model.network.language_model.model.norm.weight.dtype
     block_fn, ar_fn = summary_functions(Features(), model.token_ids)
+    model.measure_rows(max(batches), context)
     out = {}
-    for B in batches:
+    for n in batches:
+        B = model.rows_for(n, max(batches))
         cache = model.new_cache(B)
         mx.eval(list(model.prefill(cache, [(b, mx.zeros((context, d), dtype), 0) for b in range(B)]).values()))
         rs, keys, not_ar = RowSampling.of([Sampling()] * B), mx.zeros((B, 2), dtype=mx.uint32), mx.zeros((B,), mx.bool_)
-        row = {}
+        row = {"rows_run": B}
         for name, phase, ids in (("block", Phase.BLOCK, [1] * 6 + [2] * 6), ("ar", Phase.AR, [1])):
             inputs = mx.array([ids] * B, dtype=mx.int32)
             args = (phase, cache, inputs, list(range(B)), [context] * B, [len(ids)] * B, [name == "block"] * B, True)
@@ -168,10 +171,10 @@ def batch_step_costs(model: LocateModel, context: int, batches: list[int], iters
             row[f"{name}_step_ms"] = timed_ms(  # the forward, its summary and the one host read
                 lambda args=args, fn=fn, extra=extra: np.array(fn(model.steps.run(*args), *extra)), iters
             )
-        row["block_seq_steps_per_s"] = 1e3 * B / row["block_step_ms"]
-        row["ar_seq_steps_per_s"] = 1e3 * B / row["ar_step_ms"]
+        row["block_seq_steps_per_s"] = 1e3 * n / row["block_step_ms"]
+        row["ar_seq_steps_per_s"] = 1e3 * n / row["ar_step_ms"]
         row["kv_cache_mb"] = cache.nbytes / 2**20
-        out[B] = row
+        out[n] = row
         del cache
     base = out[batches[0]]
     for row in out.values():
@@ -254,7 +257,9 @@ def run_batches(
     """A folder of images, one query each, through one engine per mode and batch size (`folder_run`), and the
     speed-up over the first batch size; with `peer` (batch size -> its row), the peer runs after our modes at
     each batch size, so a slow spell of the machine hits both sides of a ratio. Returns our rows by mode and
-    batch size, and the peer's by batch size (each of ours then has the peer's images/s and ours over it)."""
+    batch size, and the peer's by batch size (each of ours then has the peer's images/s and ours over it). The
+    engine's row counts are measured first (`Runtime.measure_rows`), as the server's warm-up does."""
+    model.measure_rows(max(batches))
     out: dict = {mode: {} for mode in modes}
     theirs = {}
     for B in batches:

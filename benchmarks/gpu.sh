@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu.sh part .whl/cuda.part00     # x4: the MLX CUDA wheel arrives in parts (the device tool
 #   bash benchmarks/gpu.sh install .whl/cuda.part03 .whl/mlx-0.32.4-*.whl .whl/tqdm-*.whl   # carries 64 MiB a call)
-#   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune
+#   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory
 #
 # The folder beside mlx-vlm's batch_generate: its 21 wheels (21 MB; benchmarks/peer-gpu-requirements.txt says how
 # to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first (after
@@ -59,7 +59,7 @@ steps) # the step's cost by sequences per step, at 1,024 cached tokens each; the
     $bench --batch 1 2 4 8 16 32 64 --contexts 1024 --folder 0 --modes fast --json "$OUT/gpu_steps_$PRESET.json"
     ;;
 folder) # a folder of 640x480 images, one query each, at 1 and 16 sequences (and between), every mode
-    $bench --batch 1 4 16 --contexts 1024 --iters 3 --folder "$FOLDER" --modes fast hybrid slow mix \
+    $bench --batch 1 4 16 64 --contexts 1024 --iters 3 --folder "$FOLDER" --modes fast hybrid slow \
         --max-tokens 48 --json "$OUT/gpu_folder_$PRESET.json"
     ;;
 peer) # the folder beside mlx-vlm's batch_generate: the same random checkpoint (written to disk for both), images,
@@ -94,6 +94,13 @@ media) # the demo model (real boxes): the folder by batch size; tiling recall an
     ;;
 finetune)
     python3 benchmarks/finetune_bench.py --json "$OUT/gpu_finetune.json"
+    ;;
+memory) # peak memory above the weights: single images by phase, folders by rows, bf16 and the quantized 3B
+    for q in none q8 mixed_4_8; do
+        quant=$([ $q = none ] || echo "--quantize $q")
+        python3 benchmarks/memory_bench.py --preset $PRESET --in-memory $quant --images 640x480 1920x1080 4032x3024 \
+            --rows 1 4 16 --folder 16 --folder-sizes 640x480 1920x1080 --json "$OUT/gpu_memory_$PRESET-$q.json"
+    done
     ;;
 *)
     echo "unknown step $step" >&2

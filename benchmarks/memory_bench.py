@@ -2,9 +2,9 @@
 images through one engine at each row count.
 
     python benchmarks/memory_bench.py --preset 3b --in-memory --images 640x480 1920x1080 4032x3024 \
-        --rows 1 4 16 --folder 64 --json out.json                      # the GPU machine
+        --rows 1 4 16 --folder 32 --folder-sizes 640x480 1920x1080 --json out.json     # the GPU machine
     LD_PRELOAD=$OPENBLAS python benchmarks/memory_bench.py --preset medium --dtype float32 --images 640x480 \
-        --rows 1 4 --folder 4                                         # this CPU
+        --rows 1 4 --folder 4                                                       # this CPU
 
 Memory is MLX's own account (`mx.get_peak_memory`, reset before each measurement), reported above the weights
 (`mx.get_active_memory` once the model is loaded). Prints a table last and writes the JSON.
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", nargs="*", default=["640x480"], help="WxH sizes measured one at a time")
     p.add_argument("--rows", nargs="*", type=int, default=[], help="engine rows for the folder runs")
     p.add_argument("--folder", type=int, default=16, help="images in the folder runs (640x480)")
-    p.add_argument("--folder-size", default="640x480")
+    p.add_argument("--folder-sizes", nargs="+", default=["640x480"], help="image sizes of the folder runs")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--work", default=".bench", help="folder for generated images")
     p.add_argument("--attention", nargs="*", type=int, default=[], help="sequence lengths for attention_probe")
@@ -143,12 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         path = make_image((w, h), work / f"memory_{size}.png")
         report["images"][size] = one_image(model, path, args.max_tokens)
         print(size, {k: v for k, v in report["images"][size].items() if k != "token_ids"}, flush=True)
-    if args.rows:
-        w, h = (int(v) for v in args.folder_size.split("x"))
+    for size in args.folder_sizes if args.rows else []:
+        w, h = (int(v) for v in size.split("x"))
         paths, _ = folder_images(None, (w, h), args.folder, work)
+        report["folder"][size] = {}
         for rows in args.rows:
-            report["folder"][rows] = folder(model, paths, rows, args.max_tokens)
-            print(rows, report["folder"][rows], flush=True)
+            report["folder"][size][rows] = folder(model, paths, rows, args.max_tokens)
+            print(size, rows, report["folder"][size][rows], flush=True)
     print(f"\nweights {report['weights_gb']:.2f} GB on {report['device']} ({report['preset']}, {args.dtype})")
     print("| image | image tokens | vision GB | prefix GB | request GB | request s |\n|---|---|---|---|---|---|")
     for size, r in report["images"].items():
@@ -157,9 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['request_s']:.2f} |"
         )
     if report["folder"]:
-        print(f"\n| rows | peak GB above weights | images/s ({args.folder} x {args.folder_size}) |\n|---|---|---|")
-        for rows, r in report["folder"].items():
-            print(f"| {rows} | {r['peak_gb']:.2f} | {r['images_per_s']:.2f} |")
+        print(f"\n| images ({args.folder} a folder) | rows | peak GB above weights | images/s |\n|---|---|---|---|")
+        for size, runs in report["folder"].items():
+            for rows, r in runs.items():
+                print(f"| {size} | {rows} | {r['peak_gb']:.2f} | {r['images_per_s']:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

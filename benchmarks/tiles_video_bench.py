@@ -1,11 +1,19 @@
-"""Tiling recall and video throughput with a trained checkpoint (the bundled demo model by default).
+"""Tiling precision and recall, and video throughput, with a trained checkpoint (the bundled demo model by default).
 
-    python benchmarks/tiles_video_bench.py [--scenes 8] [--frames 24] [--note "idle machine"] [--json out.json]
+    python benchmarks/tiles_video_bench.py [--scenes 8] [--scattered 12] [--seams 20] [--frames 24] \
+        [--note "idle machine"] [--json out.json]
 
-Tiling: dense synthetic scenes (`tuner.large_scenes.dense_scene`: 560 x 560 pixels, shapes of 36-56 px that the
-resize to the demo model's 256-patch budget shrinks to 14-22 px), "square" and "circle" asked of each, decoded
-whole, tiled with the whole image, and tiled only; each configuration's requests go through one batched engine
-(`locate_many`). Boxes matched to the truth greedily at IoU 0.5: recall, precision, F1, and seconds per image.
+Tiling, on three kinds of synthetic scene (`tuner.large_scenes`), each configuration's requests through one
+batched engine (`locate_many`), boxes matched to the truth greedily at IoU 0.5 (recall, precision, F1, seconds
+per image):
+- dense: 560 x 560 pixels, a shape of 36-56 px in most cells of a 112 px grid (14-22 px after the resize to the
+  demo model's 256-patch budget), "square" and "circle" asked; decoded whole, tiled with the whole image, and
+  tiled only;
+- scattered: 1200 x 900 pixels, 20-30 shapes of 25-45 px anywhere, so seams cross some of them; "square",
+  "circle" and "triangle" asked; whole and tiled with the whole image;
+- seam placements: one 40-45 px square across a seam of the 3 x 3 tiles of a 560 x 560 image, cut at 15-85 %,
+  among circles and triangles: how often the square comes back as exactly one box (IoU >= 0.5), twice or
+  more, or not at all (`--tiles auto`).
 
 Video: frames of shapes moving in straight lines (`moving_frames`) fed straight to `video.locate_frames` (the
 command's engine loop and tracker, no decoding), then, when PyAV is installed, the whole command on the same
@@ -56,9 +64,17 @@ except ImportError:  # progress bars are not measured here; the offline GPU mach
 from mlx_locate import Request, video  # noqa: E402
 from mlx_locate.locate import load  # noqa: E402
 from mlx_locate.metrics import greedy_match, iou  # noqa: E402
-from mlx_locate.tuner.large_scenes import DEMO_MOVERS, dense_scene, moving_frames, write_clip  # noqa: E402
+from mlx_locate.tuner.large_scenes import (  # noqa: E402
+    DEMO_MOVERS,
+    dense_scene,
+    moving_frames,
+    scattered_scene,
+    seam_scene,
+    write_clip,
+)
 
 QUERIES = ("square", "circle")
+SCATTERED_QUERIES = ("square", "circle", "triangle")
 CONFIGS = {  # name -> Request fields
     "whole image": {},
     "tiles auto + whole": {"tiles": "auto"},
@@ -68,24 +84,27 @@ MOVERS = DEMO_MOVERS
 SOURCE_RATE = 10  # frames per second of the clip; sampled at 2, so 5 source frames between samples
 
 
-def tiling(model, scenes: int, size: int, batch_size: int | None, max_tokens: int) -> dict:
-    images = [dense_scene(seed, (size, size)) for seed in range(scenes)]
-    out = {"scenes": scenes, "size": [size, size], "queries": list(QUERIES), "objects": 0, "configs": {}}
-    model.locate_many([Request(images[0].image, "square", max_tokens=max_tokens, **CONFIGS["tiles auto only"])])
-    for name, fields in CONFIGS.items():
+def scored(model, scenes: list, queries: tuple[str, ...], configs: list[str], batch_size, max_tokens: int) -> dict:
+    """Recall, precision, F1, views per request and seconds per image of each configuration."""
+    out = {"scenes": len(scenes), "size": list(scenes[0].size), "queries": list(queries), "objects": 0}
+    out["configs"] = {}
+    for name in configs:
         requests = [
-            Request(s.image, q, max_tokens=max_tokens, tag=i, **fields) for i, s in enumerate(images) for q in QUERIES
+            Request(s.image, q, max_tokens=max_tokens, tag=i, **CONFIGS[name])
+            for i, s in enumerate(scenes)
+            for q in queries
         ]
         t0 = time.perf_counter()
         results = model.locate_many(requests, max_rows=batch_size)
         seconds = time.perf_counter() - t0
         tp = pred = gt = views = 0
         for request, result in zip(requests, results, strict=True):
-            truth = [tuple(map(float, o.box)) for o in images[request.tag].objects if o.shape == request.query]
+            truth = [tuple(map(float, o.box)) for o in scenes[request.tag].objects if o.shape == request.query]
             boxes = [o.box for o in result.objects if o.box is not None]
             tp += len(greedy_match(boxes, truth, 0.5))
             pred, gt = pred + len(boxes), gt + len(truth)
             views += len(result.stats.get("tiles", [None]))
+            out["tile_grid"] = result.stats.get("tile_grid", out.get("tile_grid"))
         recall, precision = tp / gt, tp / pred if pred else 0.0
         out["objects"] = gt
         out["configs"][name] = {
@@ -95,11 +114,47 @@ def tiling(model, scenes: int, size: int, batch_size: int | None, max_tokens: in
             "precision": precision,
             "f1": 2 * recall * precision / (recall + precision) if recall + precision else 0.0,
             "views_per_request": views / len(requests),
-            "seconds_per_image": seconds / scenes,
+            "seconds_per_image": seconds / len(scenes),
         }
-    grid = results[0].stats.get("tile_grid")
-    out["tile_grid"] = grid
     return out
+
+
+def seam_placements(model, n: int, batch_size, max_tokens: int) -> dict:
+    """How often a square across a seam comes back as one box, as several, or not at all."""
+    scenes = [seam_scene(seed) for seed in range(n)]
+    requests = [Request(s.image, "square", tiles="auto", max_tokens=max_tokens) for s in scenes]
+    counts = {"once": 0, "more": 0, "missed": 0}
+    for scene, result in zip(scenes, model.locate_many(requests, max_rows=batch_size), strict=True):
+        square = scene.objects[0].box
+        overlapping = [o.box for o in result.objects if o.box is not None and iou(o.box, square) > 0]
+        if len(overlapping) > 1:
+            counts["more"] += 1
+        else:
+            counts["once" if overlapping and iou(overlapping[0], square) >= 0.5 else "missed"] += 1
+    return {"placements": n, "size": list(scenes[0].size), **counts}
+
+
+def tiling(model, scenes: int, scattered: int, seams: int, size: int, batch_size: int | None, max_tokens: int) -> dict:
+    model.locate_many([Request(dense_scene(0).image, "square", max_tokens=max_tokens, **CONFIGS["tiles auto only"])])
+    return {
+        "dense": scored(
+            model,
+            [dense_scene(seed, (size, size)) for seed in range(scenes)],
+            QUERIES,
+            list(CONFIGS),
+            batch_size,
+            max_tokens,
+        ),
+        "scattered": scored(
+            model,
+            [scattered_scene(seed) for seed in range(scattered)],
+            SCATTERED_QUERIES,
+            ["whole image", "tiles auto + whole"],
+            batch_size,
+            max_tokens,
+        ),
+        "seams": seam_placements(model, seams, batch_size, max_tokens),
+    }
 
 
 def track_quality(lines: list[dict]) -> dict:
@@ -158,20 +213,28 @@ def video_run(model, n: int, batch_size: int | None, max_tokens: int) -> dict:
 
 
 def table(report: dict) -> str:
-    t = report["tiling"]
-    rows = [
-        f"Tiling: {t['scenes']} scenes of {t['size'][0]} x {t['size'][1]} px, {t['objects']} objects asked "
-        f"({', '.join(t['queries'])}), auto grid {t['tile_grid']}",
-        "",
-        "| decoding | recall | precision | F1 | views per request | s per image |",
-        "|---|---|---|---|---|---|",
+    rows = []
+    for kind in ("dense", "scattered"):
+        t = report["tiling"][kind]
+        rows += [
+            f"Tiling, {kind}: {t['scenes']} scenes of {t['size'][0]} x {t['size'][1]} px, {t['objects']} objects "
+            f"asked ({', '.join(t['queries'])}), auto grid {t['tile_grid']}",
+            "",
+            "| decoding | recall | precision | F1 | views per request | s per image |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, c in t["configs"].items():
+            rows.append(
+                f"| {name} | {c['recall']:.3f} ({c['matched']}/{t['objects']}) | {c['precision']:.3f} "
+                f"({c['matched']}/{c['predicted']}) | {c['f1']:.3f} | {c['views_per_request']:.0f} | "
+                f"{c['seconds_per_image']:.2f} |"
+            )
+        rows.append("")
+    s = report["tiling"]["seams"]
+    rows += [
+        f"Tiling, seams: {s['placements']} squares of 40-45 px across a seam of {s['size'][0]} x {s['size'][1]} px "
+        f"in 3 x 3 tiles: {s['once']} once, {s['more']} more than once, {s['missed']} missed",
     ]
-    for name, c in t["configs"].items():
-        rows.append(
-            f"| {name} | {c['recall']:.3f} ({c['matched']}/{t['objects']}) | {c['precision']:.3f} "
-            f"({c['matched']}/{c['predicted']}) | {c['f1']:.3f} | {c['views_per_request']:.0f} | "
-            f"{c['seconds_per_image']:.2f} |"
-        )
     v = report["video"]
     loop = v["engine_loop"]
     rows += [
@@ -193,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="demo")
     p.add_argument("--scenes", type=int, default=8, help="dense scenes (default: 8)")
+    p.add_argument("--scattered", type=int, default=12, help="scattered scenes (default: 12)")
+    p.add_argument("--seams", type=int, default=20, help="squares across a seam (default: 20)")
     p.add_argument("--size", type=int, default=560, help="scene side in pixels (default: 560)")
     p.add_argument("--frames", type=int, default=24, help="sampled video frames (default: 24)")
     p.add_argument("--batch-size", type=int, help="engine rows (default: the engine's)")
@@ -210,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "max_tokens": args.max_tokens,
         "batch_size": args.batch_size,
-        "tiling": tiling(model, args.scenes, args.size, args.batch_size, args.max_tokens),
+        "tiling": tiling(model, args.scenes, args.scattered, args.seams, args.size, args.batch_size, args.max_tokens),
         "video": video_run(model, args.frames, args.batch_size, args.max_tokens),
     }
     text = table(report)

@@ -1,6 +1,6 @@
 """The folder-annotation core that `batch`, `cluster` and `video` share: the questions asked of every image
 (`Settings`), the annotate loop over one batched engine, and the results JSONL (one line per image, written,
-flushed and fsynced at once; read back to resume).
+flushed and fsynced at once; read back to resume; sorted by image path once a run is done, `write_sorted`).
 
 A line is `{"image": PATH, "size": [W, H], "results": [{"task": T, "query": Q} or {"prompt": P},
 ...Result.to_dict()}, ...]}`, results in the order of the questions (lean: without LEAN_DROPPED unless `full`),
@@ -211,3 +211,42 @@ class Jsonl:
             self.file.close()
         except OSError:  # the write that failed was reported; the lines before it are on disk
             pass
+
+
+def write_sorted(out: Path, sources: list[Path]) -> tuple[int, int]:
+    """Write `out` (under a temporary name, then renamed) with one line per image of the JSONL files
+    `sources`, in the sorted order of the image paths (the order `batch.list_images` gives): an image's
+    answered line before an error line, else the first. The lines are copied byte for byte. Returns (lines
+    written, lines dropped as duplicates)."""
+    chosen: dict[str, tuple[bool, Path, int, int]] = {}  # image -> (answered, file, offset, length)
+    total = 0
+    for source in sources:
+        offset = 0
+        with source.open("rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):  # an unfinished last line
+                    break
+                line = json.loads(raw)
+                answered, old = "results" in line, chosen.get(line["image"])
+                if old is None or (answered and not old[0]):
+                    chosen[line["image"]] = (answered, source, offset, len(raw))
+                offset += len(raw)
+                total += 1
+    staged = out.with_name(out.name + ".partial")
+    try:
+        files = {source: source.open("rb") for source in sources}
+        try:
+            with staged.open("wb") as f:
+                for image in sorted(chosen, key=Path):
+                    _, source, offset, length = chosen[image]
+                    files[source].seek(offset)
+                    f.write(files[source].read(length))
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            for handle in files.values():
+                handle.close()
+        os.replace(staged, out)
+    except OSError as e:
+        raise OutputError(f"cannot write {out}: {e}") from e
+    return len(chosen), total - len(chosen)

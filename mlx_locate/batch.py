@@ -5,7 +5,8 @@
 `--query` under `--task`, or a raw `--prompt`. Output formats:
 
 - `--out results.jsonl`: one line per image, written, flushed and fsynced as soon as all its questions are
-  answered (lines may come out of order): `{"image": PATH, "size": [W, H], "results": [{"task": T,
+  answered, then, once the run is done, in the sorted order of the image paths (`annotate.write_sorted`), so a
+  run, a resumed run and merged shards write the same file: `{"image": PATH, "size": [W, H], "results": [{"task": T,
   "query": Q} or {"prompt": P}, ...Result.to_dict()}, ...]}`, results in the order of the questions (lean:
   without `prompt_ids` and `token_probs` unless `--full`). An image that cannot be read, decoded or
   preprocessed, or whose prompt does not fit, gets `{"image": PATH, "error": "..."}` and the run goes on;
@@ -16,7 +17,8 @@
   in pixels; points are not boxes and are left out. `category_id` is the 1-based position of the question;
   `image_id` the 1-based position of the image in the sorted list of all images. The tables go next to it
   as `out.images.json`: `{"images": [{"id", "file_name", "width", "height"}], "categories": [{"id", "name"}]}`.
-- `--draw DIR`: `DIR/<image file name>.png` with every question's objects drawn. Images already in the JSONL
+- `--draw DIR`: `DIR/<image file name>` (same name and format; `.png` added to a name without an image
+  suffix) with every question's objects drawn. Images already in the JSONL
   whose drawing is missing are drawn from their JSONL line, without the model.
 
 Many machines: `--shard I/N` runs the I-th of N disjoint parts (a stable hash of each path), `--merge OUT
@@ -52,6 +54,7 @@ from .annotate import (
     question_keys,
     read_image,
     scan_output,
+    write_sorted,
 )
 from .draw import draw_objects
 from .parse import LocatedObject
@@ -202,7 +205,10 @@ def read_manifest(path: Path) -> list[Path]:
 
 
 def drawing_path(folder: str | Path, image: str) -> Path:
-    return Path(folder) / f"{Path(image).name}.png"
+    """Where `--draw` saves an image's drawing: under its own file name, so in its own format (JPEG stays
+    JPEG); a name without an image suffix gets `.png`."""
+    name = Path(image).name
+    return Path(folder) / (name if Path(name).suffix.lower() in IMAGE_SUFFIXES else f"{name}.png")
 
 
 def objects_of(entry: dict) -> list[LocatedObject]:
@@ -240,7 +246,7 @@ def coco_detections(line: dict, image_id: int) -> Iterator[dict]:
             if "box" not in obj:
                 continue
             x1, y1, x2, y2 = obj["box"]
-            bbox = [round(v, 2) for v in (min(x1, x2), min(y1, y2), abs(x2 - x1), abs(y2 - y1))]
+            bbox = [round(v, 2) for v in (x1, y1, x2 - x1, y2 - y1)]
             yield {"image_id": image_id, "category_id": category_id, "bbox": bbox, "score": obj["confidence"]}
 
 
@@ -304,9 +310,13 @@ def run(args: argparse.Namespace) -> int:
     if args.coco:
         check_new([Path(args.coco), coco_tables_path(args.coco)], args.overwrite, "it")
     if args.draw:
-        names = {drawing_path(args.draw, p) for p in part}
-        if len(names) < len(part):
-            raise ValueError(f"two images in {args.images!r} share a file name; --draw needs distinct names")
+        names: dict[Path, str] = {}
+        for p in part:
+            if (other := names.setdefault(drawing_path(args.draw, p), p)) != p:
+                raise ValueError(
+                    f"{other} and {p} would both be drawn as {drawing_path(args.draw, p)}; --draw needs distinct "
+                    "file names"
+                )
         check_new((drawing_path(args.draw, p) for p in pending), args.overwrite, "drawings")
         Path(args.draw).mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -333,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
         code = write_lines(lines, out, done, args, bar, workers)
         if code:
             return code
+        write_sorted(out, [out])  # done: the lines in the images' order, whatever order they finished in
 
     if args.coco:
         ids = {path: i for i, path in enumerate(images, start=1)}
@@ -383,9 +394,10 @@ def write_lines(
 
 
 def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> int:
-    """Join the JSONL outputs `parts` into `out`: one line per image (an answered line wins over an error
-    line, else the first); with `coco`, the COCO files of the joined lines (ids: positions in their sorted
-    list of images, the same as a single run over the whole folder)."""
+    """Join the JSONL outputs `parts` into `out`, as one run over all their images writes it: one line per
+    image (an answered line wins over an error line, else the first), in the images' sorted order; with
+    `coco`, the COCO files of the joined lines (ids: positions in their sorted list of images, the same as a
+    single run over the whole folder)."""
     if out.exists():
         raise FileExistsError(f"{out} already exists; --merge writes a new file")
     for part in parts:
@@ -393,10 +405,9 @@ def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> in
             raise FileNotFoundError(f"no such JSONL file: {part}")
     if coco:
         check_new([Path(coco), coco_tables_path(coco)], overwrite, "it")
-    answered, questions = set(), None
+    questions = None
     for part in parts:
-        for image, ok in scan_output(part, None, repair=False).items():
-            answered.update([image] if ok else [])
+        scan_output(part, None, repair=False)
         for line in output_lines(part):
             if "results" in line:
                 if questions is None:
@@ -404,31 +415,12 @@ def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> in
                 elif question_keys(line) != questions:
                     raise ValueError(f"{part} answers {question_keys(line)}, {first} answers {questions}")
                 break
-
-    staged = out.with_name(out.name + ".partial")
-    written, duplicates = set(), 0
-    try:
-        with staged.open("w", encoding="utf-8") as f:
-            for part in parts:
-                for line in output_lines(part):
-                    image = line["image"]
-                    if image in written or ("results" not in line and image in answered):
-                        duplicates += 1
-                        continue
-                    f.write(json.dumps(line) + "\n")
-                    written.add(image)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(staged, out)
-    except OSError as e:
-        raise OutputError(f"cannot write {out}: {e}") from e
+    written, duplicates = write_sorted(out, parts)
     if coco:
-        ids = {path: i for i, path in enumerate(sorted(written, key=Path), start=1)}
+        ids = {line["image"]: i for i, line in enumerate(output_lines(out), start=1)}
         names = [Question(q.get("task"), q.get("query"), q.get("prompt")).name() for q in questions or []]
         write_coco(Path(coco), output_lines(out), ids, names)
-    print(
-        f"{len(written)} images from {len(parts)} files into {out} ({duplicates} duplicates dropped)", file=sys.stderr
-    )
+    print(f"{written} images from {len(parts)} files into {out} ({duplicates} duplicates dropped)", file=sys.stderr)
     return 0
 
 

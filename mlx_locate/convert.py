@@ -3,14 +3,14 @@
     python -m mlx_locate.convert --hf-path nvidia/LocateAnything-3B --mlx-path LocateAnything-3B-q8 \
         [--dtype bfloat16] [--quantize q8] [--report] [--force]
 
-The output folder holds our tensor names (MODEL.md §4: the HF names, the patch conv as a Linear (C, 3*p*p), no
+The output folder holds our tensor names (docs/model.md §4: the HF names, the patch conv as a Linear (C, 3*p*p), no
 head copy) in the chosen dtype, safetensors shards of at most 5 GB, `config.json` with the quantization recorded
 the mlx-lm way (defaults plus per-module overrides), `tokenizer.json` (so loading builds no BPE), the processor
 files and a short model card. It is written into a hidden temporary folder next to the destination and renamed
 at the end, so an error leaves nothing half-written.
 
 Quantization comes as named presets (`PRESETS`). The tied embedding is also the output head, and 4 bits there
-move coordinates (MODEL.md §4), so it stays at 8 bits except in the preset that says `unsafe`.
+move coordinates (docs/model.md §4), so it stays at 8 bits except in the preset that says `unsafe`.
 `--report` compares the result with its source on fixed images and prompts (see `report`).
 """
 
@@ -36,11 +36,11 @@ from mlx.utils import tree_flatten
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+from . import cli
 from .checkpoint import DTYPES, plan_shards, read_json, read_weights, resolve, shard_names, weight_files, write_index
 from .compiled import StepRunner
 from .config import ModelConfig
 from .decide import Mode
-from .decode import DecodeOptions, decode
 from .loader import assemble_model, rename, sanitize, split_peft_checkpoint
 from .locate import LocateModel, load
 from .lora import apply_adapter, read_adapter
@@ -49,6 +49,7 @@ from .model import LocateAnything
 from .parse import LocatedObject, parse_tokens
 from .preprocess import preprocess, to_rgb
 from .prompts import prompt_ids, task_text
+from .row_decoder import DecodeOptions, decode
 from .tokenizer import Tokenizer
 
 DEFAULT_DTYPE = "bfloat16"
@@ -190,7 +191,7 @@ def _describe_names(raw: dict[str, mx.array], patch_size: int) -> list[str]:
 
 
 def compare_head(raw: dict[str, mx.array]) -> str:
-    """MODEL.md §14 Q1: is the stored head copy bit-identical to embed_tokens? One line saying what was found."""
+    """docs/model.md §14 Q1: is the stored head copy bit-identical to embed_tokens? One line saying what was found."""
     if HEAD not in raw:
         return "no stored head copy (the head is tied to embed_tokens)"
     head, embed = raw[HEAD], raw.get(EMBED)
@@ -203,13 +204,13 @@ def compare_head(raw: dict[str, mx.array]) -> str:
     return f"WARNING: stored head copy differs from embed_tokens (max |diff| {diff:.3g}); using the tied head"
 
 
-def _write_weights(out: Path, params: dict[str, mx.array]) -> list[str]:
-    """Materialize and save the tensors shard by shard under a progress bar; returns the file names."""
+def _write_weights(out: Path, params: dict[str, mx.array], progress: bool = True) -> list[str]:
+    """Materialize and save the tensors shard by shard (under a progress bar); returns the file names."""
     keys = sorted(params)
     plan = [[keys[i] for i in shard] for shard in plan_shards([params[k].nbytes for k in keys])]
     names = shard_names(len(plan))
     total = sum(v.nbytes for v in params.values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="converting") as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress) as bar:
         for name, keys in zip(names, plan, strict=True):
             shard = {}
             for key in keys:
@@ -307,7 +308,7 @@ def _publish(tmp: Path, dst: Path) -> None:
 
 def _normalize_config(raw_config: dict) -> dict:
     """mlx-vlm merges generation_config.json into config.json, making `eos_token_id` a list ([<|im_end|>,
-    <|endoftext|>]); the model's end token is its first entry (MODEL.md §2)."""
+    <|endoftext|>]); the model's end token is its first entry (docs/model.md §2)."""
     eos = raw_config.get("eos_token_id")
     if isinstance(eos, list):
         if not eos:
@@ -335,6 +336,7 @@ def convert(
     quantize: str | None = None,
     force: bool = False,
     adapter: str | Path | None = None,
+    progress: bool = True,
 ) -> Path:
     """Convert `hf_path` (folder or hub id; HF or mlx-vlm layout) into the MLX checkpoint folder `mlx_path`.
 
@@ -388,7 +390,7 @@ def convert(
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        written = _write_weights(tmp, params)
+        written = _write_weights(tmp, params, progress)
         tokenizer.save_json(tmp / "tokenizer.json")
         for name in COPIED_FILES:
             if (src / name).is_file():
@@ -627,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true", help="replace an existing --mlx-path")
     parser.add_argument("--adapter", help="LoRA adapter folder (mlx-locate-finetune's or PEFT's); needs --fuse")
     parser.add_argument("--fuse", action="store_true", help="merge --adapter into the written weights")
+    cli.add_progress(parser)
     return parser
 
 
@@ -636,7 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.adapter) != args.fuse:
         parser.error("--adapter and --fuse go together (to run an unmerged adapter: mlx-locate --adapter)")
     try:
-        dst = convert(args.hf_path, args.mlx_path, args.dtype, args.quantize, args.force, args.adapter)
+        dst = convert(
+            args.hf_path, args.mlx_path, args.dtype, args.quantize, args.force, args.adapter, not args.no_progress
+        )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

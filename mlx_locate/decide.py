@@ -1,6 +1,6 @@
 """Block (parallel box decoding) and AR-step decisions, in plain Python over one host read per step.
 
-MODEL.md §10.4-§10.7. The device packs each block's 6 rows into a small float32 array (`sampling.block_summary`,
+docs/model.md §10.4-§10.7. The device packs each block's 6 rows into a small float32 array (`sampling.block_summary`,
 layout below); `decide_block` turns it into the tokens to commit and what to do next. `classify_ar` does the same
 for one AR token. Nothing here touches MLX, so every rule is table-testable on numpy arrays.
 """
@@ -35,7 +35,7 @@ COL_SPECIAL = COL_TOP_PROBS + TOP_K
 ROW_WIDTH = COL_SPECIAL + len(SPECIAL_FIELDS)
 BLOCK_SUMMARY_SIZE = BLOCK_ROWS * ROW_WIDTH
 
-# D_box's mark for an ambiguous coordinate (§10.4 b4). The reference uses id 0; -1 can never be a token,
+# D_box's mark for an ambiguous coordinate (docs/model.md §10.4 b4). The reference uses id 0; -1 can never be a token,
 # so it also stays a non-coordinate when tests remap the coordinate range to start at 0.
 AMBIGUOUS = -1
 
@@ -104,7 +104,7 @@ class Next(Enum):
 
 
 class Source(Enum):
-    """Which decoder produced the 6 tokens handed to pattern handling (§10.4 d)."""
+    """Which decoder produced the 6 tokens handed to pattern handling (docs/model.md §10.4 d)."""
 
     D_BOX = "d_box"
     D_BOX_EMPTY = "d_box_empty"
@@ -137,7 +137,7 @@ class StopReason(Enum):
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Every decision threshold, once (§10.6). Comparisons are made in float32, as the reference does."""
+    """Every decision threshold, once (docs/model.md §10.6). Comparisons are made in float32, as the reference does."""
 
     empty_box_start: float = 0.7  # negative block: p0[<box>] >= this (the frame check's own 0.6 is unused)
     empty_none: float = 0.2  # negative block: p1[None] > this
@@ -160,13 +160,13 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class Guards:
-    """Greedy-decoding guards (§10.7). `Guards.STRICT` turns them all off for reference parity."""
+    """Greedy-decoding guards (docs/model.md §10.7). `Guards.STRICT` turns them all off for reference parity."""
 
     end_guard: bool = True  # stop before D_box when argmax p0 is <|im_end|> or <null>
     loop_guard: bool = True  # stop when a box repeats the previous one or is a sliver sharing its edges
     box_start_guard: bool = False  # D_box fails unless argmax p0 is <box>
-    # D_box and D_ref take candidates only from each row's top-p nucleus (§14 Q6), as the official top-p 0.9
-    # does, so greedy decoding cannot read faint coordinates into label or end frames. None = off.
+    # D_box and D_ref take candidates only from each row's top-p nucleus (docs/model.md §14 Q6), as the official top-p
+    # 0.9 does, so greedy decoding cannot read faint coordinates into label or end frames. None = off.
     nucleus: float | None = 0.9
 
     STRICT: ClassVar[Guards]
@@ -191,7 +191,7 @@ class BlockDecision:
         return self.event is Event.LABEL_REDECODE
 
 
-# --- Decoders (§10.4 b, c) ---
+# --- Decoders (docs/model.md §10.4 b, c) ---
 
 
 def _f32(x: float) -> float:
@@ -252,7 +252,7 @@ def _d_ref(rows: list[RowSummary], ids: TokenIds, t: Thresholds, guards: Guards)
     return [ids.ref_start, *words]
 
 
-# --- Pattern handling (§10.4 e) ---
+# --- Pattern handling (docs/model.md §10.4 e) ---
 
 
 def _handle_pattern(s: list[int], mode: Mode, ids: TokenIds) -> tuple[list[int], Next, Event]:
@@ -286,7 +286,7 @@ def decide_block(
     guards: Guards = Guards(),
     redecode_labels: bool = False,
 ) -> BlockDecision:
-    """Decide one block step from its summary (§10.4 b-e).
+    """Decide one block step from its summary (docs/model.md §10.4 b-e).
 
     Args:
         summary: the host copy of `sampling.block_summary`, shape (BLOCK_SUMMARY_SIZE,).
@@ -356,7 +356,7 @@ def loop_guard_trips(
     prev_box: tuple[int, int, int, int], last_box: tuple[int, int, int, int], min_side: int = 20
 ) -> bool:
     """True when `last_box` repeats `prev_box`, or shares its x-edges or its y-edges while one of its
-    sides is under `min_side` units (§10.7). Boxes are (x1, y1, x2, y2) in 0..1000."""
+    sides is under `min_side` units (docs/model.md §10.7). Boxes are (x1, y1, x2, y2) in 0..1000."""
     if tuple(prev_box) == tuple(last_box):
         return True
     px1, py1, px2, py2 = prev_box
@@ -366,7 +366,7 @@ def loop_guard_trips(
 
 
 def classify_ar(token: int, mode: Mode, ids: TokenIds, label_redecode: bool = False) -> Next:
-    """What follows a committed AR token (§10.5).
+    """What follows a committed AR token (docs/model.md §10.5).
 
     slow: stop only on <|im_end|>. hybrid fallback: </box> -> block steps, a coordinate or None -> AR, anything
     else -> stop (the token stays committed). hybrid label re-decoding (`BlockDecision.label_redecode`):

@@ -56,9 +56,8 @@ def draw_objects(
     for obj in objects:
         colour = colour_of[obj.label]
         if obj.box is not None:
-            x1, y1, x2, y2 = obj.box
-            left, top, right, bottom = min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
-            draw.rectangle((left, top, right, bottom), outline=colour, width=line)
+            left, top = obj.box[:2]
+            draw.rectangle(obj.box, outline=colour, width=line)
         elif obj.point is not None:
             x, y = obj.point
             left, top = x - radius, y - radius

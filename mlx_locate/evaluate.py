@@ -919,6 +919,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace existing report (or exported) files")
     p.add_argument("--n", type=cli.positive_int, default=100, help="--export: scenes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="--export: seed of the held-out stream (default: 0)")
+    cli.add_progress(p)
     return p
 
 
@@ -979,7 +980,7 @@ def run(args: argparse.Namespace) -> int:
                     args.limit,
                 )
                 path = out / f"{bench.name}_{mode}.jsonl"
-                predict(model, bench, path, options, progress=True)
+                predict(model, bench, path, options, progress=not args.no_progress)
                 lines = read_answers(path)
                 rows += score_lines(lines, mode, bench.coco)
                 sources.append({"file": str(path), "mode": mode, "lines": len(lines), "data": str(bench.name)})

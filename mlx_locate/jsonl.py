@@ -1,5 +1,6 @@
-"""JSON Lines files: each line's value with errors that name the line, and the cut of a last line that an
-interrupted write left without its newline (so a resumed run appends after whole lines)."""
+"""JSON Lines files: each line's value with errors that name the line, the cut of a last line that an
+interrupted write left without its newline (so a resumed run appends after whole lines), and a header line
+rewritten in place."""
 
 from __future__ import annotations
 
@@ -45,3 +46,26 @@ def whole_lines(path: Path) -> str:
     if tail:
         cut_to(path, len(complete))
     return complete.decode("utf-8")
+
+
+def set_first_line(path: Path, value: object) -> None:
+    """Make `value` the file's first line, on disk before returning: written over the old one in place, padded
+    with spaces (valid JSON) when shorter; the whole file is rewritten (under a temporary name, then renamed)
+    only when it is longer."""
+    line = json.dumps(value).encode()
+    with path.open("r+b") as f:
+        old = len(f.readline().rstrip(b"\n"))
+        if len(line) <= old:
+            f.seek(0)
+            f.write(line + b" " * (old - len(line)))
+            f.flush()
+            os.fsync(f.fileno())
+            return
+        f.seek(0)
+        rest = f.read()[old:]
+    staged = path.with_name(path.name + ".partial")
+    with staged.open("wb") as f:
+        f.write(line + rest)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, path)

@@ -1,4 +1,4 @@
-"""Qwen2.5 decoder (MODEL.md §7) with explicit position ids and an explicit mask.
+"""Qwen2.5 decoder (docs/model.md §7) with explicit position ids and an explicit mask.
 
 `kv` is a list of per-layer K|V buffers of shape (rows, 2, kv_heads, U, head_dim) (keys, then values, a row per
 sequence, `cache.py`); a step writes each sequence's rows at its slot `c` (`cache.write_rows`) and attends over

@@ -16,7 +16,7 @@ from .config import ModelConfig
 from .lora import Adapter, apply_adapter, peft_name
 from .model import LocateAnything
 
-# mlx-vlm's renames (MODEL.md §4), applied in order to key prefixes.
+# mlx-vlm's renames (docs/model.md §4), applied in order to key prefixes.
 MLX_VLM_RENAMES = (
     ("vision_tower.patch_embed.", "vision_model.patch_embed."),
     ("vision_tower.", "vision_model.encoder."),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -79,7 +80,9 @@ class LocateModel(Runtime):
 
 class Session:
     """One image and many queries: preprocessing, vision and the prompt prefix up to `</img>` run once;
-    each query copies the cached prefix into its cache row and prefills only its own text."""
+    each query copies the cached prefix into its cache row and prefills only its own text. The first result
+    reports that work in its stats (`preprocess_s`, `vision_s`, `vision_cached`, `prefix_prefill_s`); later
+    ones reuse it."""
 
     def __init__(
         self, model: LocateModel, image: str | Path | Image.Image, rendering: str = "A", max_pixels: int | None = None
@@ -101,6 +104,7 @@ class Session:
         if key not in model.prefixes:
             model.store_prefix(key, model.compute_prefixes([(self.prefix, features)])[0])
         self.timings["prefix_prefill_s"] = time.perf_counter() - t0
+        self.unreported = True  # the first result carries the work above
 
     def locate(self, query: str | list[str] | None = None, **kwargs) -> Result:
         """Find `query` in the session's image (a list: several categories of one detect prompt); keyword
@@ -108,6 +112,11 @@ class Session:
         (result,) = self.model.locate_many([Request(self.image, query, rendering=self.rendering, **kwargs)])
         if isinstance(result, RequestError):
             raise result
+        if self.unreported:  # the engine found the session's prefix ready; the session did its work
+            stats = {k: result.stats.get(k, 0.0) + v for k, v in self.timings.items()}
+            stats["vision_cached"] = self.vision_cached and result.stats.get("vision_cached", True)
+            result = replace(result, stats={**result.stats, **stats})
+            self.unreported = False
         return result
 
 

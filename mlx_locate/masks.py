@@ -1,7 +1,7 @@
 """Position ids and attention masks of every step as pure functions of each sequence's cached length `c`.
 
 A step feeds each of its R sequences `q` real rows (a causal tail, plus 6 window rows for a block row) padded to
-a fixed `Q` rows, and attends over a `U`-slot view of its cache row (MODEL.md §10.2-§10.3). Only `c`, `q` and
+a fixed `Q` rows, and attends over a `U`-slot view of its cache row (docs/model.md §10.2-§10.3). Only `c`, `q` and
 whether a sequence takes a block change from step to step, and they are arrays, so compiled steps never retrace.
 """
 
@@ -38,7 +38,7 @@ def step_mask(c: mx.array, q: mx.array, Q: int, U: int, block: mx.array) -> mx.a
 
 
 def training_mask(length: int, anchors: list[int]) -> mx.array:
-    """Mask of one packed sample (TRAINING.md §2.2): `length` clean rows, then 6 rows per block anchor."""
+    """Mask of one packed sample (docs/training.md §2.2): `length` clean rows, then 6 rows per block anchor."""
     T = length + BLOCK * len(anchors)
     t = mx.arange(T)[None, :]
     r = mx.arange(length)[:, None]

@@ -1,4 +1,4 @@
-"""LocateAnything: vision tower -> connector -> splice -> Qwen2.5 decoder (MODEL.md §1, §7)."""
+"""LocateAnything: vision tower -> connector -> splice -> Qwen2.5 decoder (docs/model.md §1, docs/model.md §7)."""
 
 from __future__ import annotations
 

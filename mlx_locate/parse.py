@@ -1,4 +1,4 @@
-"""Generated token ids -> labelled boxes and points in original-image pixels (MODEL.md §9).
+"""Generated token ids -> labelled boxes and points in original-image pixels (docs/model.md §9).
 
 The grammar is `item* [<|im_end|>]` with items `<ref> TEXT </ref>`, `<box> x1 y1 x2 y2 </box>`,
 `<box> x y </box>` and `<box> None </box>`. The parser never raises on an id sequence: model output is
@@ -17,11 +17,17 @@ from .tokens import TokenIds
 @dataclass(frozen=True)
 class LocatedObject:
     label: str | None  # the last <ref> label before the box; None when no <ref> came first (pointing)
-    box: tuple[float, float, float, float] | None  # x1, y1, x2, y2 in original pixels, clamped to the image
-    box_norm: tuple[int, int, int, int] | None  # the same as the model wrote it, 0..1000
+    box: tuple[float, float, float, float] | None  # x1 <= x2, y1 <= y2 in original pixels, clamped to the image
+    box_norm: tuple[int, int, int, int] | None  # as the model wrote it, 0..1000 (its corners may come in any order)
     point: tuple[float, float] | None  # x, y in original pixels, clamped
     point_norm: tuple[int, int] | None  # 0..1000
     confidence: float | None  # geometric mean of the probabilities of <box>, the coordinates and </box>
+
+    def __post_init__(self):
+        # The one place pixel boxes are ordered: every output (JSON, COCO, drawing, video, evaluation) reads them.
+        if self.box is not None:
+            x1, y1, x2, y2 = self.box
+            object.__setattr__(self, "box", (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)))
 
     def to_dict(self) -> dict:
         """JSON fields: the label, and the box or the point (pixels and 0..1000) with its confidence."""

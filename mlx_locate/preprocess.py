@@ -1,4 +1,4 @@
-"""Image -> normalised 14 x 14 patches in raster order, as the reference processor makes them (MODEL.md §5).
+"""Image -> normalised 14 x 14 patches in raster order, as the reference processor makes them (docs/model.md §5).
 
 Pure numpy and Pillow. The resizes go through Pillow's BICUBIC filter, which the reference uses too, so the
 patches are bit-identical to the reference's `pixel_values`.
@@ -160,7 +160,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int = PATCH_SIZE) -> TargetSize:
-    """The sizes an image of `w x h` pixels is resized to (MODEL.md §5 steps 2-4).
+    """The sizes an image of `w x h` pixels is resized to (docs/model.md §5 steps 2-4).
 
     Step 2 scales the image down (truncating) when it has more than `in_token_limit` patches; step 3 stretches
     each side up to a multiple of `2 * patch`. Raises `ValueError` naming the sizes when a side would be 0
@@ -202,7 +202,7 @@ def preprocess(
     patch_size: int = PATCH_SIZE,
     max_pixels: int | None = None,
 ) -> Preprocessed:
-    """Open (`load_image`), convert to RGB, resize (MODEL.md §5), normalise to [-1, 1] and cut into patches in
+    """Open (`load_image`), convert to RGB, resize (docs/model.md §5), normalise to [-1, 1] and cut into patches in
     raster order."""
     rgb = to_rgb(load_image(image, max_pixels))
     original_size = rgb.size

@@ -1,4 +1,4 @@
-"""2x2 patch merge and the `mlp1` connector (MODEL.md §6.6-§6.7)."""
+"""2x2 patch merge and the `mlp1` connector (docs/model.md §6.6-§6.7)."""
 
 from __future__ import annotations
 

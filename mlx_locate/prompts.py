@@ -1,4 +1,4 @@
-"""Prompt construction (MODEL.md §8): task text, chat rendering A or B, image placeholder expansion, ids.
+"""Prompt construction (docs/model.md §8): task text, chat rendering A or B, image placeholder expansion, ids.
 
 The reference tokenizes the fully expanded string, `<IMG_CONTEXT>` repeated N times. Added tokens are matched
 whole before BPE, so a run of them cannot merge with its neighbours: tokenizing one `<IMG_CONTEXT>` per image
@@ -71,7 +71,7 @@ class UserText(NamedTuple):
 
 
 def user_text(task: str, query: str | list[str] | None = None) -> UserText:
-    """The user text of `task` (MODEL.md §8.3), the query's words marked as plain text; `raw` is `query`
+    """The user text of `task` (docs/model.md §8.3), the query's words marked as plain text; `raw` is `query`
     verbatim, all of it the model's grammar (module docstring).
 
     `detect` takes one category or a list, joined by `</c>` without spaces; `ocr` takes no query.
@@ -122,7 +122,7 @@ def _chat_head(grammar: str, num_images: int, rendering: str) -> str:
 
 
 def chat_text(user_text: str, num_images: int = 1, rendering: str = "A") -> str:
-    """One user turn holding `num_images` images then `user_text`, with the generation prompt (MODEL.md §8.1).
+    """One user turn holding `num_images` images then `user_text`, with the generation prompt (docs/model.md §8.1).
 
     Images appear as `<image-K>` placeholders. Rendering A (the default, as trained) skips a placeholder the
     user text already contains; rendering B (`chat_template.json`) always inserts it.
@@ -158,7 +158,7 @@ def _expand(text: str, counts: list[int]) -> str:
 
 
 def prompt_string(chat: str, grids: list[tuple[int, int]]) -> str:
-    """The tokenizer input of the reference: `chat` with every image placeholder expanded (MODEL.md §8.2)."""
+    """The tokenizer input of the reference: `chat` with every image placeholder expanded (docs/model.md §8.2)."""
     counts = image_token_counts(grids)
     _check_placeholders([int(m.group(1)) for m in _PLACEHOLDER.finditer(chat)], len(counts))
     return _expand(chat, counts)

@@ -1,4 +1,4 @@
-"""Random LocateAnything checkpoints in the original Hugging Face layout (MODEL.md §2, §4).
+"""Random LocateAnything checkpoints in the original Hugging Face layout (docs/model.md §2, docs/model.md §4).
 
 For tests and benchmarks: the folder looks like a download of `nvidia/LocateAnything-3B` (config.json with the
 release's fields and token ids, bf16 safetensors with the release's tensor names and layouts, including the stored
@@ -95,7 +95,7 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(128, 2, 4, 256, 64, 2, 4, 2, 256),
     # About 0.47 B parameters (0.93 GB in bf16): the 3B's vision width and GQA 8:1, head_dim 64.
     "medium": Preset(1152, 4, 16, 4304, 1024, 8, 16, 2, 2816, layer_std=0.02),
-    # The release (MODEL.md §2): 3.5 B parameters + the head copy, 7.66 GB in bf16.
+    # The release (docs/model.md §2): 3.5 B parameters + the head copy, 7.66 GB in bf16.
     "3b": Preset(1152, 27, 16, 4304, 2048, 36, 16, 2, 11008, layer_std=0.02),
 }
 
@@ -120,7 +120,8 @@ def _check_sizes(p: Preset) -> None:
 
 
 def tensor_specs(p: Preset) -> list[TensorSpec]:
-    """Every tensor of the checkpoint in the reference's state-dict order, with the §4 names and layouts."""
+    """Every tensor of the checkpoint in the reference's state-dict order, with the docs/model.md §4 names and
+    layouts."""
     _check_sizes(p)
     out: list[TensorSpec] = []
 

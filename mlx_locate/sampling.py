@@ -1,4 +1,4 @@
-"""Sampling transform and the per-step device summaries (MODEL.md §10.4 a, §12 "Instead.").
+"""Sampling transform and the per-step device summaries (docs/model.md §10.4 a, docs/model.md §12 "Instead.").
 
 Pure MLX functions over a batch of R sequences, meant for `mx.compile`. Each sequence has its own settings, given
 as arrays (`RowSampling`), so any mix of settings runs in one compiled function; which transform steps run at all
@@ -37,7 +37,7 @@ def real_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Decoding settings. `temperature == 0` is greedy; `Sampling.OFFICIAL` is the model card's (§10.7).
+    """Decoding settings. `temperature == 0` is greedy; `Sampling.OFFICIAL` is the model card's (docs/model.md §10.7).
 
     Checked when made (`ValueError`); `top_k` against the vocabulary when a request is prepared."""
 
@@ -143,20 +143,12 @@ class Features(NamedTuple):
         )
 
 
-def mark_seen(seen: mx.array, tokens: list[int]) -> mx.array:
-    """Mark `tokens` in `seen` ((V,) bool, updated in place) for the repetition penalty; returns `seen`."""
-    if not tokens:
-        return seen
-    seen[mx.array(tokens)] = True
-    return seen
-
-
 def _per_row(x: mx.array) -> mx.array:
     return x[:, None, None]
 
 
 def transform_logits(logits: mx.array, seen: mx.array | None, rs: RowSampling, f: Features) -> mx.array:
-    """§10.4(a) steps 1-4 on (R, H, V) float32 logits; `seen` (R, V) bool marks every id already in each
+    """docs/model.md §10.4(a) steps 1-4 on (R, H, V) float32 logits; `seen` (R, V) bool marks every id already in each
     sequence (needed with `f.penalty`). A sequence whose setting is off gets that step as the identity, exactly."""
     x = logits
     if f.penalty:

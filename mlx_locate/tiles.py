@@ -7,16 +7,20 @@ to the image and merges the duplicates that tiles share:
 
 - `tiles="auto"`: the fewest tiles (at most `MAX_TILES`, none more elongated than `MAX_TILE_ASPECT` or the
   image) that each fit the patch budget unscaled, so every object reaches the model at its own pixel size,
-  never smaller than in the image; ties go to the squarest tiles. An image that already fits is decoded
-  whole. `(rows, cols)` gives the grid.
-- Merging decides by geometry alone (no confidence threshold drops anything). Per label, an object joins an
-  object of another view when their boxes have an IoU of at least `MERGE_IOU`, or the smaller lies at least
-  `MERGE_CONTAINMENT` inside the larger (a piece cut off by a seam), or their points lie within
-  `POINT_RADIUS` of a tile's shorter side. A group keeps the box of a view that saw the whole object (not cut
-  by a seam, its tile holding every box of the group), an uncut tile before the whole image, the most
-  confident first, and the group's best confidence. A tile box covering the whole tile is a piece of
-  something larger than the tile and is dropped (the whole image sees such objects); so is an object only the
-  whole image found that lies inside a tile: that tile saw it at full resolution and found nothing.
+  never smaller than in the image; ties go to the squarest tiles. An image that already fits (or a 1 x 1
+  grid) needs no tiles: the request is decoded as it is, the untiled result exactly. `(rows, cols)` gives
+  the grid.
+- Merging decides by geometry alone (no confidence threshold drops anything), across views and within one
+  (SAHI's greedy merge): per label, an object joins another when their boxes' intersection is at least
+  `MERGE_IOS` of the smaller box, or their points lie within `POINT_RADIUS` of a tile's shorter side. A box
+  touching an inner seam of its tile is a piece: it joins any overlapping box of another tile that lies inside
+  that tile and reaches past its own (the model often draws a piece wider than what it sees). A group keeps the
+  box of a view that saw the whole object (not cut by a seam, no uncut box of another tile reaching past its
+  tile), a tile before the whole image, then one past whose tile no other tile saw an edge of the object, the
+  box the others agree with most, the most confident; and the group's best confidence. A tile box covering the
+  whole tile is a piece of something larger than the tile and is dropped (the whole image sees such objects); so
+  is an object only the whole image found that lies inside a tile: that tile saw it at full resolution and found
+  nothing.
 """
 
 from __future__ import annotations
@@ -35,8 +39,7 @@ from .request import Request, Result
 MAX_TILES = 64  # tiles per image (auto or given); bounds what one request may cost
 MAX_TILE_ASPECT = 1.5  # auto tiles are at most this elongated (or as elongated as the image)
 MAX_OVERLAP = 0.5  # fraction of a tile shared with its neighbour
-MERGE_IOU = 0.5  # boxes of one label from two views with this IoU are one object
-MERGE_CONTAINMENT = 0.8  # a box this much inside a larger box of its label from another view is part of it
+MERGE_IOS = 0.5  # boxes of one label whose intersection is this much of the smaller box are one object
 SEAM_MARGIN = 0.02  # a box edge within this fraction of a tile side from an inner seam is cut by it
 SPAN_FRACTION = 0.9  # a tile box this wide and this high (fractions of the tile) is a seam artefact
 POINT_RADIUS = 0.05  # points of one label closer than this fraction of a tile's shorter side are one
@@ -133,23 +136,22 @@ def auto_grid(size: tuple[int, int], in_token_limit: int, patch: int, overlap: f
 
 def split_request(request: Request, image: Image.Image, in_token_limit: int, patch: int) -> list[Request]:
     """The child requests of a tiled request: one per tile (cropped image, `tag` = its `Tile`), and the whole
-    image first when `request.tile_whole` or when the grid is a single tile. Raises `ValueError` for a bad
-    grid or overlap, or tiles smaller than the model's smallest input."""
-    check_tiling(request.tiles, request.tile_overlap)
-    if request.tiles == "auto":
-        rows, cols = auto_grid(image.size, in_token_limit, patch, request.tile_overlap)
-    else:
-        rows, cols = request.tiles
+    image first when `request.tile_whole`. No children for a single tile: the image needs no tiles and the request
+    is decoded as it is. Raises `ValueError` for a bad grid or overlap, or tiles smaller than the model's
+    smallest input."""
+    rows, cols = grid_of(request, image.size, in_token_limit, patch)
+    if (rows, cols) == (1, 1):
+        return []
     width, height = image.size
-    boxes = tile_boxes(image.size, rows, cols, request.tile_overlap) if (rows, cols) != (1, 1) else []
+    boxes = tile_boxes(image.size, rows, cols, request.tile_overlap)
     smallest = MERGE * patch
-    if boxes and min(min(x1 - x0, y1 - y0) for x0, y0, x1, y1 in boxes) < smallest:
+    if min(min(x1 - x0, y1 - y0) for x0, y0, x1, y1 in boxes) < smallest:
         raise ValueError(
             f"a {width}x{height} image in {rows}x{cols} tiles gives tiles under {smallest} pixels a side; "
             "use fewer tiles"
         )
     tiles = [Tile(box, whole=False) for box in boxes]
-    if request.tile_whole or not tiles:
+    if request.tile_whole:
         tiles.insert(0, Tile((0, 0, width, height), whole=True))
     return [replace(request, image=image if t.whole else image.crop(t.box), tiles=None, tag=t) for t in tiles]
 
@@ -159,12 +161,17 @@ def view_count(request: Request, size: tuple[int, int], in_token_limit: int, pat
     alone: what the request costs. Raises `ValueError` for a bad grid or overlap."""
     if request.tiles is None:
         return 1
+    rows, cols = grid_of(request, size, in_token_limit, patch)
+    return 1 if (rows, cols) == (1, 1) else rows * cols + request.tile_whole
+
+
+def grid_of(request: Request, size: tuple[int, int], in_token_limit: int, patch: int) -> tuple[int, int]:
+    """The (rows, cols) of a tiled request's tiles on an image of `size`. Raises `ValueError` for a bad grid
+    or overlap."""
     check_tiling(request.tiles, request.tile_overlap)
     if request.tiles == "auto":
-        rows, cols = auto_grid(size, in_token_limit, patch, request.tile_overlap)
-    else:
-        rows, cols = request.tiles
-    return 1 if (rows, cols) == (1, 1) else rows * cols + request.tile_whole
+        return auto_grid(size, in_token_limit, patch, request.tile_overlap)
+    return tuple(request.tiles)
 
 
 @dataclass
@@ -174,12 +181,17 @@ class Candidate:
     object: LocatedObject
     view: int  # index of the child it came from
     tile: Tile
-    cut: bool  # its box touches a seam of its tile: the tile may have seen only part of the object
+    seams: tuple[bool, bool, bool, bool]  # which of its box's edges (left, top, right, bottom) lie on a seam
+
+    @property
+    def cut(self) -> bool:
+        """Its box touches a seam of its tile: the tile may have seen only part of the object."""
+        return any(self.seams)
 
 
 @dataclass
 class Group:
-    """Objects of one label from different views that are one object; `best` gives its box."""
+    """Objects of one label, from any views, that are one object; `best` gives its box."""
 
     members: list[Candidate]
     best: Candidate
@@ -204,81 +216,110 @@ def to_image(obj: LocatedObject, tile: Tile, size: tuple[int, int]) -> LocatedOb
     return obj
 
 
-def seams(box: tuple[float, ...], tile: Tile, size: tuple[int, int]) -> tuple[bool, bool]:
-    """(cut, covers) for a box in image pixels: does it touch a seam of `tile` (a tile edge inside the image),
-    and does it cover the whole tile (at least `SPAN_FRACTION` of both sides)."""
+def seams(box: tuple[float, ...], tile: Tile, size: tuple[int, int]) -> tuple[tuple[bool, ...], bool]:
+    """For a box in image pixels: which of its edges (left, top, right, bottom) lie on a seam of `tile` (within
+    `SEAM_MARGIN` of a tile edge inside the image), and does it cover the whole tile (at least
+    `SPAN_FRACTION` of both sides)."""
     if tile.whole:
-        return False, False
+        return (False,) * 4, False
     x0, y0, x1, y1 = tile.box
     mx, my = SEAM_MARGIN * (x1 - x0), SEAM_MARGIN * (y1 - y0)
-    cut = (
-        (x0 > 0 and box[0] - x0 <= mx)
-        or (y0 > 0 and box[1] - y0 <= my)
-        or (x1 < size[0] and x1 - box[2] <= mx)
-        or (y1 < size[1] and y1 - box[3] <= my)
+    on = (
+        x0 > 0 and box[0] - x0 <= mx,
+        y0 > 0 and box[1] - y0 <= my,
+        x1 < size[0] and x1 - box[2] <= mx,
+        y1 < size[1] and y1 - box[3] <= my,
     )
     covers = box[2] - box[0] >= SPAN_FRACTION * (x1 - x0) and box[3] - box[1] >= SPAN_FRACTION * (y1 - y0)
-    return cut, covers
+    return on, covers
 
 
 def area(box: tuple[float, ...]) -> float:
     return max(box[2] - box[0], 0.0) * max(box[3] - box[1], 0.0)
 
 
-def containment(inner: tuple[float, ...], outer: tuple[float, ...]) -> float:
-    """The fraction of `inner`'s area that lies inside `outer`."""
-    w = min(inner[2], outer[2]) - max(inner[0], outer[0])
-    h = min(inner[3], outer[3]) - max(inner[1], outer[1])
-    return w * h / area(inner) if w > 0 and h > 0 and area(inner) > 0 else 0.0
+def intersection(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return area((max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])))
 
 
-def similarity(a: Candidate, b: Candidate) -> float | None:
-    """How well two objects of one label agree, higher is closer; None when they are different objects."""
-    oa, ob = a.object, b.object
-    if oa.box is not None and ob.box is not None:
-        overlap = iou(oa.box, ob.box)
-        if overlap >= MERGE_IOU:
-            return 1 + overlap
-        small, large = (oa, ob) if area(oa.box) <= area(ob.box) else (ob, oa)
-        inside = containment(small.box, large.box)
-        return inside if inside >= MERGE_CONTAINMENT else None
-    if oa.point is not None and ob.point is not None:
-        radius = POINT_RADIUS * min(min(t.box[2] - t.box[0], t.box[3] - t.box[1]) for t in (a.tile, b.tile))
-        distance = math.dist(oa.point, ob.point)
+def over_smaller(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    """Intersection over the smaller box's area (SAHI's IOS): 1 when one box lies inside the other."""
+    smaller = min(area(a), area(b))
+    return intersection(a, b) / smaller if smaller > 0 else 0.0
+
+
+def beyond(box: tuple[float, ...], tile: Tile) -> tuple[bool, bool, bool, bool]:
+    """Which edges of `box` (left, top, right, bottom) lie past `tile` by more than the seam margin."""
+    x0, y0, x1, y1 = tile.box
+    mx, my = SEAM_MARGIN * (x1 - x0), SEAM_MARGIN * (y1 - y0)
+    return box[0] < x0 - mx, box[1] < y0 - my, box[2] > x1 + mx, box[3] > y1 + my
+
+
+def outside(box: tuple[float, ...], tile: Tile) -> bool:
+    """Whether `box` reaches past `tile`: the tile cannot have seen all of it."""
+    return any(beyond(box, tile))
+
+
+def seen_past(m: Candidate, tile: Tile) -> bool:
+    """Whether an edge of `m`'s box that its tile saw (on no seam of it) lies past `tile`."""
+    return any(far and not seam for far, seam in zip(beyond(m.object.box, tile), m.seams, strict=True))
+
+
+def agreement(kept: Candidate, c: Candidate) -> float | None:
+    """How well `c` agrees with a group's kept object of its label, higher is closer; None when they are
+    different objects. Boxes: their intersection is at least `MERGE_IOS` of the smaller box; or `c` touches a
+    seam of its tile and overlaps the uncut box of another tile that reaches past `c`'s tile (the object whose
+    piece `c` saw, however wide the model drew the piece). Points: within `POINT_RADIUS` of the shorter tile
+    side."""
+    a, b = kept.object, c.object
+    if a.label != b.label:
+        return None
+    if a.box is not None and b.box is not None:
+        ios = over_smaller(a.box, b.box)
+        piece = c.cut and not kept.cut and not kept.tile.whole and outside(a.box, c.tile)
+        return ios if ios >= MERGE_IOS or (piece and ios > 0) else None
+    if a.point is not None and b.point is not None:
+        radius = POINT_RADIUS * min(min(t.box[2] - t.box[0], t.box[3] - t.box[1]) for t in (kept.tile, c.tile))
+        distance = math.dist(a.point, b.point)
         return -distance if distance <= radius else None
     return None
 
 
-def outside(box: tuple[float, ...], tile: Tile) -> bool:
-    """Whether `box` reaches past `tile` by more than the seam margin: the tile cannot have seen all of it."""
-    x0, y0, x1, y1 = tile.box
-    mx, my = SEAM_MARGIN * (x1 - x0), SEAM_MARGIN * (y1 - y0)
-    return box[0] < x0 - mx or box[1] < y0 - my or box[2] > x1 + mx or box[3] > y1 + my
+def rank(c: Candidate) -> tuple:
+    """The order `merge_objects` takes candidates in: uncut before cut, a tile before the whole image, the
+    most confident first."""
+    return (c.cut, c.tile.whole, -(c.object.confidence or 0.0))
 
 
 def best_view(members: list[Candidate]) -> Candidate:
     """The member whose box a group keeps: from a view that saw the whole object (not cut by a seam, and no
-    other member's box reaches past its tile), an uncut tile before the whole image, then the most confident."""
+    uncut box of another tile reaches past its tile), a tile before the whole image, then one past whose tile
+    no other tile saw an edge, then the box the others agree with most (summed IoU), then the most
+    confident. The whole image's boxes, drawn at a fraction of the resolution, say nothing about a tile's."""
+    tiles = [m for m in members if m.object.box is not None and not m.tile.whole]
 
     def partial(c: Candidate) -> bool:
-        boxes = [m.object.box for m in members if m is not c and m.object.box is not None]
-        return c.cut or any(outside(b, c.tile) for b in boxes)
+        return c.cut or any(not m.cut and outside(m.object.box, c.tile) for m in tiles if m is not c)
 
-    return min(members, key=lambda c: (partial(c), c.tile.whole, -(c.object.confidence or 0.0)))
+    def contradicted(c: Candidate) -> bool:
+        return any(seen_past(m, c.tile) for m in tiles if m is not c)
+
+    def consensus(c: Candidate) -> float:
+        others = [m.object.box for m in members if m is not c and m.object.box is not None]
+        return sum(iou(c.object.box, b) for b in others) if c.object.box is not None else 0.0
+
+    def key(c: Candidate) -> tuple:
+        return (partial(c), c.tile.whole, contradicted(c), -consensus(c), -(c.object.confidence or 0.0))
+
+    return min(members, key=key)
 
 
 def merge_objects(candidates: list[Candidate]) -> list[Group]:
-    """Greedy grouping: candidates in the order `best_view` prefers each join the closest agreeing group of
-    their label that has no object from their view yet, or start one."""
+    """Greedy merging (SAHI's greedy NMM, across views and within one): candidates in `rank` order each join
+    the group whose kept object agrees most (`agreement`), or start one."""
     groups: list[Group] = []
-    for c in sorted(candidates, key=lambda c: (c.cut, c.tile.whole, -(c.object.confidence or 0.0))):
-        scored = [
-            (s, i)
-            for i, g in enumerate(groups)
-            if g.best.object.label == c.object.label
-            and all(m.view != c.view for m in g.members)
-            and (s := similarity(g.best, c)) is not None
-        ]
+    for c in sorted(candidates, key=rank):
+        scored = [(s, i) for i, g in enumerate(groups) if (s := agreement(g.best, c)) is not None]
         if not scored:
             groups.append(Group([c], c))
             continue
@@ -335,6 +376,7 @@ def merge_stats(children: list[Request], results: list[Result], kept: list[int],
     stats["compilations"] = max(r.stats.get("compilations") or 0 for r in results)
     stats["max_tokens"] = results[0].stats.get("max_tokens")
     stats["max_tokens_clipped"] = any(r.stats.get("max_tokens_clipped") for r in results)
+    stats["peak_memory_gb"] = max(r.stats.get("peak_memory_gb") or 0.0 for r in results)
     tiles = [c.tag for c in children if not c.tag.whole]
     stats["tile_grid"] = [max(1, len({t.box[1] for t in tiles})), max(1, len({t.box[0] for t in tiles}))]
     stats["tiles"] = [
@@ -367,11 +409,11 @@ def merge_results(request: Request, image: Image.Image, children: list[Request],
         tile: Tile = child.tag
         for obj in result.objects:
             mapped = to_image(obj, tile, size)
-            cut, covers = seams(mapped.box, tile, size) if mapped.box is not None else (False, False)
+            on, covers = seams(mapped.box, tile, size) if mapped.box is not None else ((False,) * 4, False)
             if covers:
                 dropped[view] += 1
                 continue
-            candidates.append(Candidate(mapped, view, tile, cut))
+            candidates.append(Candidate(mapped, view, tile, on))
     groups = merge_objects(candidates)
     tiles = [c.tag for c in children if not c.tag.whole]
     groups = [g for g in groups if not unconfirmed(g, tiles)]

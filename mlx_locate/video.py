@@ -6,12 +6,16 @@ frame for timestamp rounding), decoded to RGB by
 PyAV (the `[video]` extra) and sent through one batched engine, a bounded window of frames in flight.
 `python -m mlx_locate.video` runs the same `main`.
 
-- `--out`: JSONL. The first line describes the run (`video`, `size`, `fps` and the questions); then one line
-  per sampled frame, in order, written, flushed and fsynced at once: `{"frame": i, "time": t, "results":
+- `--out`: JSONL. The first line describes the run (`video`, `size`, `fps`, the questions, and `complete`: false
+  until every sampled frame of the video has its line, then rewritten in place to true); then one line per
+  sampled frame, in order, written, flushed and fsynced at once: `{"frame": i, "time": t, "results":
   [{"query": Q, "objects": [{..., "track": id}], "empty_labels": [...]}]}`, `frame` being the index of the
   decoded frame and `time` its timestamp in seconds. Rerunning resumes: frames already in the file are not
   decoded by the model again, a last line cut by an interruption is redone, and a file written with other
   settings is refused.
+- A truncated or damaged video (`Sampler`) is decoded as far as it goes: packets that do not decode are
+  skipped, and the frames read are located and written; a warning says what was not read and the header
+  keeps `"complete": false`.
 - Tracks: an IoU tracker per query and label (`IouTracker`): detections join the track whose predicted box
   (constant velocity) they overlap most, greedily by IoU; a track unseen for more than `TRACK_MAX_AGE` sampled
   frames ends. Ids are unique over the run.
@@ -20,8 +24,9 @@ PyAV (the `[video]` extra) and sent through one batched engine, a bounded window
 - `--annotated`: the sampled frames with boxes, labels, confidences and track ids drawn, at the sampling rate;
   written to a `.partial` file renamed when complete.
 
-Errors a user can cause (a missing, unreadable or unsupported video, an existing output, bad options) print one
-`error: ...` line and exit with status 2; the lines written so far stay.
+Exit status: 0 when every sampled frame was read and located; 1 when the video was read only in part (the
+warning above); 2 for errors a user can cause (a missing, empty, unreadable or unsupported video, an existing
+output, bad options): one `error: ...` line, naming the problem in words, and the lines written so far stay.
 """
 
 from __future__ import annotations
@@ -84,19 +89,40 @@ class VideoInfo(NamedTuple):
     size: tuple[int, int]
     rate: Fraction | None  # average frames per second
     duration: float | None  # seconds
+    frames: int | None  # as the container's index declares them
 
 
 def video_info(path: str | Path) -> VideoInfo:
-    """Size, frame rate and duration of the first video stream; `VideoError` when there is none."""
+    """Size, frame rate, duration and frame count of the first video stream; `VideoError` when there is none."""
     av = import_av()
     with open_video(av, path) as container:
-        stream = video_stream(container, path)
-        duration = None
-        if stream.duration is not None and stream.time_base is not None:
-            duration = float(stream.duration * stream.time_base)
-        elif container.duration is not None:
-            duration = container.duration / av.time_base
-        return VideoInfo((stream.codec_context.width, stream.codec_context.height), stream.average_rate, duration)
+        return stream_info(av, container, video_stream(container, path))
+
+
+def stream_info(av, container, stream) -> VideoInfo:
+    duration = None
+    if stream.duration is not None and stream.time_base is not None:
+        duration = float(stream.duration * stream.time_base)
+    elif container.duration is not None:
+        duration = container.duration / av.time_base
+    size = (stream.codec_context.width, stream.codec_context.height)
+    return VideoInfo(size, stream.average_rate, duration, stream.frames or None)
+
+
+CONTAINERS = (  # (what a video file starts with, its kind): a file FFmpeg cannot open that starts so is damaged
+    (lambda head: head[4:8] in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip"), "an MP4 or MOV file"),
+    (lambda head: head.startswith(b"\x1a\x45\xdf\xa3"), "a Matroska or WebM file"),
+    (lambda head: head.startswith(b"RIFF") and head[8:12] == b"AVI ", "an AVI file"),
+    (lambda head: head.startswith(b"OggS"), "an Ogg file"),
+    (lambda head: head.startswith(b"FLV"), "an FLV file"),
+    (lambda head: head.startswith(b"\x00\x00\x01\xba"), "an MPEG program stream"),
+    (lambda head: head.startswith(b"\x30\x26\xb2\x75"), "an ASF or WMV file"),
+)
+
+
+def ffmpeg_words(error: Exception) -> str:
+    """FFmpeg's description of an error, without its errno."""
+    return getattr(error, "strerror", None) or type(error).__name__
 
 
 def open_video(av, path: str | Path):
@@ -105,10 +131,21 @@ def open_video(av, path: str | Path):
         raise FileNotFoundError(f"video file not found: {path}")
     if not path.is_file():
         raise VideoError(f"{path} is not a file; expected a video file (MP4, MKV, WebM, ...)")
+    if path.stat().st_size == 0:
+        raise VideoError(f"{path} is empty (0 bytes); expected a video file (MP4, MKV, WebM, ...)")
     try:
         return av.open(str(path))
     except av.error.FFmpegError as e:
-        raise VideoError(f"{path} is not a readable video: {e}") from None
+        with path.open("rb") as f:
+            head = f.read(16)
+        kind = next((kind for starts, kind in CONTAINERS if starts(head)), None)
+        if kind is None:
+            raise VideoError(
+                f"{path} is not a video: FFmpeg reads no format in it ({ffmpeg_words(e)}; it starts with {head[:8]!r})"
+            ) from None
+        raise VideoError(
+            f"{path} is truncated or damaged: it starts as {kind}, but FFmpeg cannot open it ({ffmpeg_words(e)})"
+        ) from None
 
 
 def video_stream(container, path: str | Path):
@@ -117,25 +154,82 @@ def video_stream(container, path: str | Path):
     return container.streams.video[0]
 
 
-def sample_frames(path: str | Path, fps: float) -> Iterator[Frame]:
-    """The frames of `path` at `fps`: for each time k / fps, the first frame at or after it (half a source
-    frame of slack for timestamp rounding), as RGB. Raises `VideoError` when decoding fails."""
-    av = import_av()
-    with open_video(av, path) as container:
-        stream = video_stream(container, path)
-        stream.thread_type = "AUTO"
-        rate = float(stream.average_rate) if stream.average_rate else None
-        slack = 0.5 / rate if rate else 1e-6
-        next_time = 0.0
-        try:
-            for index, frame in enumerate(container.decode(stream)):
-                t = frame.time if frame.time is not None else index / (rate or fps)
+class Sampler:
+    """The frames of a video at `fps` (iterate): for each time k / fps, the first frame at or after it (half a
+    source frame of slack for timestamp rounding), as RGB. Decoded as far as the file goes: a packet that does
+    not decode is skipped, an error of the demuxer ends the frames; then `problem()` says what was not read."""
+
+    def __init__(self, path: str | Path, fps: float):
+        self.path, self.fps = path, fps
+        self.info: VideoInfo | None = None
+        self.stream_duration: float | None = None  # the video stream's own, not the container's
+        self.decoded = self.sampled = self.skipped = 0  # frames decoded and given out, packets that failed
+        self.last: float | None = None  # the last decoded frame's time
+        self.error: str | None = None  # FFmpeg's words for the first failure
+
+    def __iter__(self) -> Iterator[Frame]:
+        av = import_av()
+        with open_video(av, self.path) as container:
+            stream = video_stream(container, self.path)
+            stream.thread_type = "AUTO"
+            self.info = stream_info(av, container, stream)
+            if stream.duration is not None and stream.time_base is not None:
+                self.stream_duration = float(stream.duration * stream.time_base)
+            rate = float(stream.average_rate) if stream.average_rate else None
+            slack = 0.5 / rate if rate else 1e-6
+            next_time = 0.0
+            for frame in self._decode(av, container, stream):
+                t = frame.time if frame.time is not None else self.decoded / (rate or self.fps)
+                self.decoded += 1
+                self.last = t
                 if t + slack < next_time:
                     continue
-                next_time = (math.floor((t + slack) * fps) + 1) / fps
-                yield Frame(index, t, frame.to_image())
-        except av.error.FFmpegError as e:
-            raise VideoError(f"{path}: decoding failed at {next_time:.2f} s: {e}") from None
+                next_time = (math.floor((t + slack) * self.fps) + 1) / self.fps
+                self.sampled += 1
+                yield Frame(self.decoded - 1, t, frame.to_image())
+
+    def _decode(self, av, container, stream) -> Iterator:
+        packets = container.demux(stream)
+        while True:
+            try:
+                packet = next(packets)
+            except StopIteration:
+                return
+            except av.error.FFmpegError as e:  # the file ends or breaks here
+                self.error = self.error or ffmpeg_words(e)
+                return
+            try:
+                yield from packet.decode()
+            except av.error.FFmpegError as e:  # a damaged packet: the next ones may decode
+                self.skipped += 1
+                self.error = self.error or ffmpeg_words(e)
+
+    def problem(self) -> str | None:
+        """What the decoding did not read, in words (None when it read the whole video); after iterating.
+        Without the stream's duration or frame count, an error of the demuxer is the only sign of a cut."""
+        _, rate, duration, declared = self.info
+        if self.stream_duration is not None and rate:  # the last frame within a frame and a half of the end
+            short = (-1.0 if self.last is None else self.last) + 1.5 / float(rate) < self.stream_duration
+        elif declared is not None:
+            short = self.decoded < declared
+        else:
+            short = self.error is not None
+        if not (short or self.skipped):
+            return None
+        parts = []
+        if short and self.last is None:
+            parts.append("not one frame decoded")
+        elif short:
+            length = "" if duration is None else f" of {duration:.2f} s"
+            count = "" if declared is None else f", {self.decoded} of {declared} frames"
+            parts.append(f"decoding ended at {self.last:.2f} s{length}{count}")
+        if self.skipped:
+            parts.append(f"{self.skipped} packet{'s' * (self.skipped != 1)} did not decode")
+        words = f" ({self.error})" if self.error else ""
+        expected = None if duration is None else math.ceil(duration * self.fps)
+        sampled = f"{self.sampled} of {expected}" if expected and expected >= self.sampled else str(self.sampled)
+        kind = "truncated or damaged" if short and self.skipped else "damaged" if self.skipped else "truncated"
+        return f"{self.path} is {kind}: {'; '.join(parts)}{words}; {sampled} sampled frames read"
 
 
 # --- Tracking ---------------------------------------------------------------------------------------------
@@ -240,12 +334,13 @@ class Settings:
         ]
 
     def header(self, video: str | Path, size: tuple[int, int]) -> dict:
+        """The JSONL's first line, `complete` false until every sampled frame of the video has its line."""
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
         fields["queries"] = list(self.queries)
         if isinstance(self.tiles, tuple):
             fields["tiles"] = list(self.tiles)
         fields["decoding"] = {k: asdict(v) if is_dataclass(v) else v for k, v in self.decoding.items()}
-        return {"video": str(video), "size": list(size), **fields}
+        return {"video": str(video), "size": list(size), **fields, "complete": False}
 
 
 def frame_detections(line: dict) -> list[tuple[tuple, tuple[float, ...]]]:
@@ -431,8 +526,8 @@ def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
         first = None
     if not isinstance(first, dict) or "video" not in first:
         raise ValueError(f"{path} is not a JSONL of mlx-locate-video; use another --out")
-    if first != header:
-        changed = sorted(k for k in {*first, *header} if first.get(k) != header.get(k))
+    changed = sorted(k for k in {*first, *header} - {"complete"} if first.get(k) != header.get(k))
+    if changed:
         raise ValueError(
             f"{path} was written with other settings ({', '.join(changed)} differ); use another --out to start over"
         )
@@ -517,15 +612,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.annotated:
             annotated = AnnotatedVideo(args.annotated, rate)
         model = cli.load_model(args)
-        written = run(model, args, settings, info, out, header, done, has_header, annotated)
+        written, problem = run(model, args, settings, info, out, header, done, has_header, annotated)
         annotated = None
     except (FileNotFoundError, FileExistsError, ValueError, OutputError) as e:
         if annotated is not None:
             annotated.abandon()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if problem is not None:
+        print(f'warning: {problem}; the header says "complete": false', file=sys.stderr)
     print(f"{written} frames located, {len(done)} resumed; lines in {args.out}", file=sys.stderr)
-    return 0
+    return 0 if problem is None else 1
 
 
 def run(
@@ -538,28 +635,31 @@ def run(
     done: dict[int, dict],
     has_header: bool,
     annotated: AnnotatedVideo | None,
-) -> int:
-    """Locate every sampled frame, write its line, and the annotated clip and MOT file when asked; returns the
-    number of frames the model decoded."""
+) -> tuple[int, str | None]:
+    """Locate every sampled frame, write its line, and the annotated clip and MOT file when asked; then mark the
+    header complete when the whole video was read. Returns the number of frames the model decoded, and what
+    the decoding did not read (None when nothing)."""
     total = None if info.duration is None else math.ceil(info.duration * settings.fps)
-    jsonl = Jsonl(out)
+    if has_header:  # not complete while this run adds to it
+        set_header(out, header)
+    lines = Jsonl(out)
     mot: list[str] = []
     written = 0
     try:
         if not has_header:
-            jsonl.write(header)
-        frames = sample_frames(args.video, settings.fps)
+            lines.write(header)
+        frames = Sampler(args.video, settings.fps)
         with tqdm(total=total, unit="frame", disable=args.no_progress) as bar:
             for frame, line, new in locate_frames(model, frames, settings, done, args.max_rows):
                 if new:
-                    jsonl.write(line)
+                    lines.write(line)
                     written += 1
                 mot.extend(mot_rows(line))
                 if annotated is not None:
                     annotated.write(frame.image, line_objects(line))
                 bar.update(1)
     finally:
-        jsonl.close()
+        lines.close()
     if annotated is not None:
         annotated.close()
     if args.mot:
@@ -567,7 +667,17 @@ def run(
             Path(args.mot).write_text("".join(row + "\n" for row in mot))
         except OSError as e:
             raise OutputError(f"cannot write {args.mot}: {e}") from e
-    return written
+    problem = frames.problem()
+    if problem is None:
+        set_header(out, {**header, "complete": True})
+    return written, problem
+
+
+def set_header(out: Path, header: dict) -> None:
+    try:
+        jsonl.set_first_line(out, header)
+    except OSError as e:
+        raise OutputError(f"cannot write {out}: {e}") from e
 
 
 if __name__ == "__main__":

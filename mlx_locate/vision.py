@@ -1,7 +1,7 @@
-"""MoonViT vision tower (MODEL.md §6.1-§6.5): patches + grid -> per-patch features.
+"""MoonViT vision tower (docs/model.md §6.1-§6.5): patches + grid -> per-patch features.
 
-Images never attend to each other (§6.5): several images of one grid run as a batch, and attention needs no
-mask (`attention.image_attention`, in bounded memory). The tower runs in three parts, `embed`, `run_blocks` and
+Images never attend to each other (docs/model.md §6.5): several images of one grid run as a batch, and attention needs
+no mask (`attention.image_attention`, in bounded memory). The tower runs in three parts, `embed`, `run_blocks` and
 `finish`, so a caller can evaluate a large input a few blocks at a time.
 """
 
@@ -54,7 +54,7 @@ def _resize_matrices(table_h: int, table_w: int, h: int, w: int) -> tuple[mx.arr
 
 @lru_cache(maxsize=64)
 def rope2d_tables(h: int, w: int, head_dim: int, theta: float) -> tuple[mx.array, mx.array]:
-    """cos, sin of shape (h*w, head_dim/2): pair 2m follows the column, pair 2m+1 the row (§6.3)."""
+    """cos, sin of shape (h*w, head_dim/2): pair 2m follows the column, pair 2m+1 the row (docs/model.md §6.3)."""
     freqs = theta ** (-4.0 * np.arange(head_dim // 4, dtype=np.float64) / head_dim)  # (D/4,)
     rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
     angles = np.empty((h * w, head_dim // 2), dtype=np.float64)

@@ -357,7 +357,7 @@ def test_default_limit_is_pillows_warning_threshold():
 
 
 def test_image_placeholder_inside_a_query(demo):
-    """Rendering A puts the image where the user text names it (MODEL.md §8.1), as the reference does; rendering B
+    """Rendering A puts the image where the user text names it (docs/model.md §8.1), as the reference does; rendering B
     always puts it first, so a second placeholder is a clear error."""
     result = demo.locate(EXAMPLE, "the <image-1> square")
     image = demo.token_ids.image

@@ -21,6 +21,7 @@ from mlx_locate import cli as cli_module
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
 from mlx_locate.locate import load
+from mlx_locate.parse import LocatedObject
 from mlx_locate.prompts import task_text
 
 IMAGE = DEMO_DIR / "example.png"
@@ -129,7 +130,10 @@ def answers(path) -> dict[str, dict]:
 
 def test_lines_errors_and_lean_output(run, model, folder, finished, tmp_path):
     lines = answers(finished[0])
-    assert sorted(lines) == sorted(str(folder / n) for n in [*GOOD, *BAD])
+    assert list(lines) == [str(p) for p in sorted(folder / n for n in [*GOOD, *BAD])]
+    wide = tmp_path / "wide.jsonl"  # 12 rows: every image in flight at once, the error lines written first
+    assert run("--images", str(folder), "--out", str(wide), "--batch-size", "12")[0] == 0
+    assert list(answers(wide)) == list(lines)  # finished: in the images' sorted order all the same
     for name, message in BAD.items():
         line = lines[str(folder / name)]
         assert set(line) == {"image", "error"} and message in line["error"] and name in line["error"]
@@ -369,7 +373,8 @@ def coco_expected(lines: dict[str, dict], ids: dict[str, int]) -> list[tuple]:
         for category_id, result in enumerate(line.get("results", []), start=1):
             for obj in result["objects"]:
                 x1, y1, x2, y2 = obj["box"]
-                bbox = [min(x1, x2), min(y1, y2), abs(x2 - x1), abs(y2 - y1)]
+                assert x1 <= x2 and y1 <= y2
+                bbox = [x1, y1, x2 - x1, y2 - y1]
                 expected.append((ids[image], category_id, bbox, obj["confidence"]))
     return sorted(expected, key=lambda e: (e[0], e[1], e[3]))
 
@@ -408,12 +413,11 @@ def test_coco_results_format(run, folder, finished):
     assert coco.read_bytes() == before and run.loads == []
 
 
-def test_coco_bbox_from_reversed_box():
-    line = {
-        "image": "x.png",
-        "size": [100, 50],
-        "results": [{"query": "q", "objects": [{"label": "q", "box": [30.0, 40.0, 10.0, 5.0], "confidence": 0.5}]}],
-    }
+def test_an_inverted_model_box_is_ordered_in_the_line_and_in_coco():
+    written = LocatedObject("q", (30.0, 40.0, 10.0, 5.0), (300, 800, 100, 100), None, None, 0.5)  # as parsed
+    objects = json.loads(json.dumps([written.to_dict()]))
+    assert objects[0]["box"] == [10.0, 5.0, 30.0, 40.0] and objects[0]["box_norm"] == [300, 800, 100, 100]
+    line = {"image": "x.png", "size": [100, 50], "results": [{"query": "q", "objects": objects}]}
     detections = list(batch.coco_detections(line, 7))
     assert detections == [{"image_id": 7, "category_id": 1, "bbox": [10.0, 5.0, 20.0, 35.0], "score": 0.5}]
 
@@ -422,22 +426,40 @@ def test_draw_writes_one_png_per_image_and_never_overwrites(run, folder, finishe
     out = finished[0]
     drawings = tmp_path / "drawn"
     shutil.copytree(finished[2], drawings)
-    assert sorted(p.name for p in drawings.iterdir()) == [f"{name}.png" for name in GOOD]
-    drawn = np.asarray(Image.open(drawings / "a.png.png").convert("RGB"), dtype=np.int16)
+    assert sorted(p.name for p in drawings.iterdir()) == GOOD  # each image's own name: a.png, not a.png.png
+    drawn = np.asarray(Image.open(drawings / "a.png").convert("RGB"), dtype=np.int16)
     assert np.abs(drawn - np.asarray(Image.open(IMAGE).convert("RGB"), dtype=np.int16)).max() > 0
 
     # A missing drawing of a finished image is redrawn from its JSONL line, without the model.
-    before = (drawings / "a.png.png").read_bytes()
-    (drawings / "a.png.png").unlink()
+    before = (drawings / "a.png").read_bytes()
+    (drawings / "a.png").unlink()
     assert run("--images", str(folder), "--out", str(out), "--draw", str(drawings))[0] == 0
-    assert (drawings / "a.png.png").read_bytes() == before and run.loads == []
+    assert (drawings / "a.png").read_bytes() == before and run.loads == []
 
     # An image still to do whose drawing exists: refused before any work unless --overwrite.
     fresh = tmp_path / "fresh.jsonl"
     code, err = run("--images", str(folder / "a.png"), "--out", str(fresh), "--draw", str(drawings))
     assert code == 2 and "--overwrite" in err and not fresh.exists()
     assert run("--images", str(folder / "a.png"), "--out", str(fresh), "--draw", str(drawings), "--overwrite")[0] == 0
-    assert (drawings / "a.png.png").read_bytes() == before
+    assert (drawings / "a.png").read_bytes() == before
+
+
+def test_drawings_keep_the_name_and_format_of_their_image(run, tmp_path):
+    assert batch.drawing_path("d", "photos/x.png") == Path("d/x.png")
+    assert batch.drawing_path("d", "photos/x.JPG") == Path("d/x.JPG")  # saved as a JPEG, as the source is
+    assert batch.drawing_path("d", "scans/page") == Path("d/page.png")  # no image suffix: a PNG
+    folder = tmp_path / "nested"
+    for sub in ("one", "two"):
+        (folder / sub).mkdir(parents=True)
+        Image.open(IMAGE).convert("RGB").save(folder / sub / "x.jpg")
+    code, err = run(
+        "--images", str(folder / "one" / "x.jpg"), "--out", str(tmp_path / "o.jsonl"), "--draw", str(folder)
+    )
+    assert code == 0, err
+    assert Image.open(folder / "x.jpg").format == "JPEG"
+    code, err = run("--images", f"{folder}/**/*.jpg", "--out", str(tmp_path / "p.jsonl"), "--draw", str(tmp_path / "d"))
+    assert code == 2
+    assert f"{folder / 'one' / 'x.jpg'} and {folder / 'two' / 'x.jpg'} would both be drawn as" in err
 
 
 def test_model_defaults_to_demo(run, folder, finished):
@@ -483,19 +505,31 @@ def test_shards_are_disjoint_and_complete_and_merge_equals_one_run(run, folder, 
     assert "7 images from 4 files" in err and "(3 duplicates dropped)" in err
     relative = tmp_path / "relative.jsonl"  # the single run, its paths relative to the working directory
     relative.write_text(finished[0].read_text().replace(f"{folder.parent}/", ""))
-    assert answers(merged) == approx_tree(answers(relative))
-    detections = sorted(json.loads(finished[1].read_text()), key=json.dumps)
-    assert sorted(json.loads(coco.read_text()), key=json.dumps) == approx_tree(detections)
-    tables = json.loads(coco.with_name("merged_coco.images.json").read_text())
-    single_tables = json.loads(finished[1].with_name("coco.images.json").read_text().replace(f"{folder.parent}/", ""))
-    assert sorted(tables["images"], key=json.dumps) == sorted(single_tables["images"], key=json.dumps)
-    assert tables["categories"] == single_tables["categories"]
+    # In the single run's order: its lines, detections and tables in the same sequence (probabilities to BLAS
+    # rounding: the shards decoded in other company).
+    assert list(answers(merged).items()) == approx_tree(list(answers(relative).items()))
+    assert json.loads(coco.read_text()) == approx_tree(json.loads(finished[1].read_text()))
+    tables = coco.with_name("merged_coco.images.json").read_text()
+    assert tables == finished[1].with_name("coco.images.json").read_text().replace(f"{folder.parent}/", "")
     # Each shard's own COCO file uses the image ids of the single run.
     shard_detections = [d for part in parts for d in json.loads(Path(f"{part}.coco.json").read_text())]
-    assert sorted(shard_detections, key=json.dumps) == approx_tree(detections)
+    assert sorted(shard_detections, key=json.dumps) == approx_tree(sorted(json.loads(coco.read_text()), key=json.dumps))
 
     code, err = run("--merge", str(merged), str(parts[0]), questions=[])
     assert code == 2 and "already exists" in err
+
+
+def test_merge_writes_the_single_run_byte_for_byte(run, finished, tmp_path):
+    """Parts holding a single run's lines in any order merge into that run's JSONL and COCO files exactly."""
+    lines = finished[0].read_text().splitlines(keepends=True)
+    parts = [tmp_path / "odd.jsonl", tmp_path / "even.jsonl"]
+    parts[0].write_text("".join(reversed(lines[1::2])))
+    parts[1].write_text("".join(lines[::2]))
+    merged, coco = tmp_path / "merged.jsonl", tmp_path / "merged.json"
+    assert run("--merge", str(merged), *map(str, parts), "--coco", str(coco), questions=[])[0] == 0
+    assert merged.read_bytes() == finished[0].read_bytes()
+    assert coco.read_bytes() == finished[1].read_bytes()
+    assert coco.with_name("merged.images.json").read_bytes() == finished[1].with_name("coco.images.json").read_bytes()
 
 
 def test_merge_prefers_an_answer_to_an_error_line(run, finished, tmp_path):

@@ -121,16 +121,20 @@ def test_run_batches_runs_the_peer_after_our_modes_at_each_batch_size(monkeypatc
         calls.append(("peer", rows))
         return {"images_per_s": 0.5} if rows == 1 else {"error": "boom"}
 
+    class Model:  # the engine's row counts are measured before the runs
+        def measure_rows(self, rows):
+            calls.append(("measure", rows))
+
     monkeypatch.setattr(bench, "folder_run", folder_run)
-    ours, theirs = bench.run_batches(None, [IMAGE], "q", ["fast", "slow"], [1, 4], 48, None, peer)
-    assert calls == [("fast", 1), ("slow", 1), ("peer", 1), ("fast", 4), ("slow", 4), ("peer", 4)]
+    ours, theirs = bench.run_batches(Model(), [IMAGE], "q", ["fast", "slow"], [1, 4], 48, None, peer)
+    assert calls == [("measure", 4), ("fast", 1), ("slow", 1), ("peer", 1), ("fast", 4), ("slow", 4), ("peer", 4)]
     assert theirs == {1: {"images_per_s": 0.5}, 4: {"error": "boom"}}
     assert ours["fast"][1]["vs_mlx_vlm"] == 2.0 and ours["slow"][1]["vs_mlx_vlm"] == 1.0
     assert ours["fast"][4]["mlx_vlm_images_per_s"] is None and ours["fast"][4]["vs_mlx_vlm"] is None
     assert ours["slow"][4]["images_per_s_x"] == 4.0 and ours["fast"][4]["token_ids_equal_batch_1"] is False
     calls.clear()
-    ours, theirs = bench.run_batches(None, [IMAGE], "q", ["fast"], [1], 48)
-    assert calls == [("fast", 1)] and theirs == {} and "vs_mlx_vlm" not in ours["fast"][1]
+    ours, theirs = bench.run_batches(Model(), [IMAGE], "q", ["fast"], [1], 48)
+    assert calls == [("measure", 1), ("fast", 1)] and theirs == {} and "vs_mlx_vlm" not in ours["fast"][1]
 
 
 def test_batch_table_prints_the_peer_and_our_ratio(capsys):

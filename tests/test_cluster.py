@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import stat
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import ray  # the [cluster] extra (in the test extra): without it these tests fail, they do not skip
@@ -110,7 +115,37 @@ def test_interrupted_then_resumed_with_a_worker_killed_it_ends_as_one_process_do
     assert sorted(json.loads(coco.read_text()), key=json.dumps) == approx_tree(
         sorted(json.loads(single[1].read_text()), key=json.dumps)
     )
-    assert sorted(p.name for p in drawings.iterdir()) == sorted(f"{i}.png.png" for i in range(8))
+    assert sorted(p.name for p in drawings.iterdir()) == sorted(f"{i}.png" for i in range(8))
+
+
+def test_a_good_run_logs_no_error_and_keeps_the_token_private(folder, single):
+    """A fresh process that starts its own local cluster: Ray writes its token file owner-only and the run's
+    stderr has no error-level line (Ray's C++ `[... E pid tid]` nor Python's `ERROR`)."""
+    home, ray_dir = Path(tempfile.mkdtemp(prefix="home")), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # sockets: short
+    out = home / "ray.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(home), "RAY_TMPDIR": ray_dir}
+    args = [*RUN, "--images", str(folder), "--out", str(out), "--ray", "local", "--actors", "1", "--no-progress"]
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_locate.batch", *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    errors = [line for line in done.stderr.splitlines() if re.search(r"^\[[^]]* E \d+ \d+\]|\bERROR\b", line)]
+    assert errors == [], done.stderr
+    token = home / ".ray" / "auth_token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(token.parent.stat().st_mode) == 0o700
+    assert answers(out) == approx_tree(answers(single[0]))
+
+
+def test_only_the_known_line_is_dropped_from_stderr(capfd):
+    known = b"[2026-01-01 00:00:00,000 E 1 1] core_worker.cc:2465: Actor with class name: 'MapWorker' and ID: 'x' "
+    known += b"has constructor arguments in the object store and max_restarts > 0. If the arguments ...\n"
+    with cluster.known_lines_dropped():
+        os.write(2, b"[2026-01-01 00:00:00,000 E 1 1] raylet.cc:1: a real error\n" + known + b"progress 50%\r")
+        os.write(2, b"tail, no newline")
+    assert (
+        capfd.readouterr().err
+        == "[2026-01-01 00:00:00,000 E 1 1] raylet.cc:1: a real error\nprogress 50%\rtail, no newline"
+    )
 
 
 def test_a_line_that_comes_back_twice_is_written_once(folder, single, tmp_path, capfd, monkeypatch):

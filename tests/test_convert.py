@@ -171,7 +171,7 @@ def test_preset_needs_divisible_widths(golden_dir, tmp_path):
 
 # --- mlx-vlm layout -----------------------------------------------------------------------------------------
 
-VLM_NAMES = (  # ours -> mlx-vlm (MODEL.md §4), first match wins
+VLM_NAMES = (  # ours -> mlx-vlm (docs/model.md §4), first match wins
     ("vision_model.encoder.", "vision_tower."),
     ("vision_model.", "vision_tower."),
     ("mlp1.0.", "multi_modal_projector.layer_norm."),
@@ -342,3 +342,11 @@ def test_report(golden_dir, tmp_path, image, monkeypatch, capsys):
     assert set(r["modes"]) == set(MODES)
     for m in r["modes"].values():
         assert m["identical_tokens"] == 1.0 and m["box_iou_mean"] == 1.0
+
+
+def test_no_progress_hides_the_bar(golden_dir, tmp_path, capsys):
+    src = golden_dir("tiny_random")
+    assert main(["--hf-path", str(src), "--mlx-path", str(tmp_path / "shown")]) == 0
+    assert "converting" in capsys.readouterr().err
+    assert main(["--hf-path", str(src), "--mlx-path", str(tmp_path / "hidden"), "--no-progress"]) == 0
+    assert "converting" not in capsys.readouterr().err

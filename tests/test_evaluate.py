@@ -240,6 +240,16 @@ def test_resume_skips_answered_samples_and_redoes_a_cut_line(run, bench, tmp_pat
     assert code == 2
 
 
+def test_no_progress_hides_the_bar(run, bench, tmp_path, capsys):
+    out, _ = run
+    for flags, shown in (([], True), (["--no-progress"], False)):
+        folder = tmp_path / str(shown)
+        folder.mkdir()
+        shutil.copy(out / "synthetic_hybrid.jsonl", folder)  # answered: resumed, nothing decoded
+        code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(folder), *flags])
+        assert code == 0 and ("sample" in capsys.readouterr().err) is shown
+
+
 def test_predictions_are_scored_without_a_model(run, bench, tmp_path, monkeypatch):
     out, _ = run
     import mlx_locate.locate

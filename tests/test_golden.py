@@ -112,7 +112,7 @@ CAPPED = [
 
 @pytest.mark.parametrize("name", CAPPED)
 def test_guards_end_greedy_decoding_that_strict_runs_to_the_cap(models, name):
-    """Where the reference's greedy fast mode fabricates tokens to the cap (MODEL.md §10.7), the default guards
+    """Where the reference's greedy fast mode fabricates tokens to the cap (docs/model.md §10.7), the default guards
     stop it early, by the guards' own rules."""
     case = golden_case(name)
     result = models["tiny_peaky"].locate(

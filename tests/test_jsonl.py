@@ -1,4 +1,4 @@
-"""JSON Lines reading: numbered values, errors naming the line, and the cut of an unfinished last line."""
+"""JSON Lines: numbered values, errors naming the line, the cut of an unfinished last line, the first line rewritten."""
 
 from __future__ import annotations
 
@@ -25,3 +25,17 @@ def test_whole_lines_cut_an_unfinished_last_line_off_the_file(tmp_path):
     assert jsonl.whole_lines(path) == '{"a": 1}\n{"b": 2}\n'  # nothing more to cut
     path.write_bytes(b"no newline at all")
     assert jsonl.whole_lines(path) == "" and path.read_bytes() == b""
+
+
+def test_set_first_line_in_place_or_by_rewriting(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"complete": false}\n{"frame": 0}\n')
+    inode = path.stat().st_ino
+    jsonl.set_first_line(path, {"complete": True})  # shorter: padded in place
+    assert path.read_text() == '{"complete": true} \n{"frame": 0}\n' and path.stat().st_ino == inode
+    assert [v for _, v in jsonl.values(path.read_text(), path)] == [{"complete": True}, {"frame": 0}]
+    jsonl.set_first_line(path, {"complete": False})  # the same length again
+    assert path.read_text() == '{"complete": false}\n{"frame": 0}\n' and path.stat().st_ino == inode
+    jsonl.set_first_line(path, {"complete": False, "video": "v.mp4"})  # longer: the file is rewritten
+    assert path.read_text() == '{"complete": false, "video": "v.mp4"}\n{"frame": 0}\n'
+    assert not (tmp_path / "out.jsonl.partial").exists()

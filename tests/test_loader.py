@@ -1,4 +1,4 @@
-"""Strict checkpoint loading (MODEL.md §4): every bad input fails with an error that names the problem, and every
+"""Strict checkpoint loading (docs/model.md §4): every bad input fails with an error that names the problem, and every
 accepted layout (one file, shards + index, mlx-vlm names, no head copy, extra rotary buffers) gives the same model.
 
 Variants are small copies of the golden `tiny_random` weights (10 MB) rewritten with `mx.save_safetensors`.
@@ -223,7 +223,7 @@ def test_shard_named_in_index_but_missing(tmp_path, weights, token_ids):
 
 
 def to_mlx_vlm(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """MODEL.md §4: vision_model.{encoder.,} -> vision_tower., blocks' wqkv/wo -> attn.*, OHWI patch weight,
+    """docs/model.md §4: vision_model.{encoder.,} -> vision_tower., blocks' wqkv/wo -> attn.*, OHWI patch weight,
     mlp1.{0,1,3} -> multi_modal_projector.{layer_norm,linear_1,linear_2}, no head copy."""
     out = {}
     projector = {"mlp1.0.": "layer_norm.", "mlp1.1.": "linear_1.", "mlp1.3.": "linear_2."}

@@ -1,8 +1,8 @@
 """Every numeric piece of the forward pass against an independent float64 numpy version written here.
 
-The numpy code follows MODEL.md §6, §7, §10.2-§10.3 and TRAINING.md §2.2 directly (loops over pixels, pairs, heads
-and mask entries) and calls none of the helpers under test. MLX runs in float32, so the tolerances are float32
-rounding with headroom: 1e-5 absolute on O(1) values unless a test says otherwise.
+The numpy code follows docs/model.md §6, docs/model.md §7, docs/model.md §10.2-§10.3 and docs/training.md §2.2 directly
+(loops over pixels, pairs, heads and mask entries) and calls none of the helpers under test. MLX runs in float32, so the
+tolerances are float32 rounding with headroom: 1e-5 absolute on O(1) values unless a test says otherwise.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ TEXT = TextConfig(
 )
 
 
-# ---------------------------------------------------------------- §6.2 position table
+# ---------------------------------------------------------------- docs/model.md §6.2 position table
 
 
 def test_bicubic_known_weights():
@@ -253,7 +253,7 @@ def test_position_table_resize(h, w):
         np.testing.assert_allclose(expected, table, atol=1e-12)  # the identity at the native size
 
 
-# ---------------------------------------------------------------- §6.3 2D RoPE
+# ---------------------------------------------------------------- docs/model.md §6.3 2D RoPE
 
 
 def test_rope2d_column_on_even_pairs():
@@ -274,7 +274,7 @@ def test_rope2d(h, w, D):
     np.testing.assert_allclose(to_np(got), np_rope2d(x, h, w), atol=ATOL)
 
 
-# ---------------------------------------------------------------- §6.4-§6.7 vision
+# ---------------------------------------------------------------- docs/model.md §6.4-§6.7 vision
 
 
 def test_gelu_tanh_vs_erf():
@@ -416,7 +416,7 @@ def test_merge_2x2_layout():
     np.testing.assert_array_equal(got[1].reshape(4, C)[:, 0], [2 * C, 3 * C, (w + 2) * C, (w + 3) * C])
 
 
-# ---------------------------------------------------------------- §7 language model
+# ---------------------------------------------------------------- docs/model.md §7 language model
 
 
 def test_rmsnorm():
@@ -658,7 +658,7 @@ def test_fuse_linears_quantized_and_unlike_parts():
 
 
 def block_mask_formula(c: int, q: int, Q: int, U: int, block: bool) -> np.ndarray:
-    """MODEL.md §10.3 entry by entry; padding rows (i >= q) see slot 0 only (a harmless non-empty row)."""
+    """docs/model.md §10.3 entry by entry; padding rows (i >= q) see slot 0 only (a harmless non-empty row)."""
     mask = np.zeros((Q, U), dtype=bool)
     n = c + q - BLOCK if block else c + q
     for i in range(Q):
@@ -675,8 +675,8 @@ def block_mask_formula(c: int, q: int, Q: int, U: int, block: bool) -> np.ndarra
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_language_model_forward(fused):
-    """Two layers, a block-step mask and §10.2 positions (anchor shares the last position); hidden and logits,
-    with the checkpoint's projections and with them fused for inference."""
+    """Two layers, a block-step mask and docs/model.md §10.2 positions (anchor shares the last position); hidden and
+    logits, with the checkpoint's projections and with them fused for inference."""
     lm = LanguageModel(TEXT)
     W = randomize(lm, seed=15)
     if fused:
@@ -701,7 +701,7 @@ def test_language_model_forward(fused):
     np.testing.assert_allclose(to_np(logits[0]), expected_logits, atol=1e-4, rtol=1e-5)
 
 
-# ---------------------------------------------------------------- §10.2-§10.3 and TRAINING.md §2.2 masks
+# ------------------------------------------------------------ docs/model.md §10.2-§10.3 and docs/training.md §2.2 masks
 
 
 @pytest.mark.parametrize(
@@ -746,7 +746,7 @@ def test_training_mask(L, anchors):
 
 
 def test_training_block_equals_decoding_block():
-    """TRAINING.md §2.3: block k's rows see what a decoding block step after n = a_k + 1 tokens sees."""
+    """docs/training.md §2.3: block k's rows see what a decoding block step after n = a_k + 1 tokens sees."""
     L, anchors = 12, [3, 7, 11]
     full = np.array(training_mask(L, anchors))
     for k, a in enumerate(anchors):

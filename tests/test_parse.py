@@ -1,4 +1,4 @@
-"""The §9 output parser: table tests, pixel mapping, confidences, robustness and the golden streams."""
+"""The docs/model.md §9 output parser: table tests, pixel mapping, confidences, robustness and the golden streams."""
 
 from __future__ import annotations
 
@@ -134,6 +134,16 @@ def test_negative_answers(tk):
     assert parse(tk, seq(tk, "<box>", "None", "</box>", "<end>")).empty_labels == [None]
 
 
+def test_an_inverted_box_is_ordered_in_pixels_and_kept_as_written_in_values(tk):
+    ids = seq(
+        tk, "<ref>", "car", "</ref>", "<box>", 600, 700, 200, 100, "</box>", "<box>", 100, 900, 300, 800, "</box>"
+    )
+    result = parse(tk, ids, size=(500, 200))
+    assert [o.box for o in result.objects] == [(100.0, 20.0, 300.0, 140.0), (50.0, 160.0, 150.0, 180.0)]
+    assert [o.box_norm for o in result.objects] == [(600, 700, 200, 100), (100, 900, 300, 800)]
+    assert result.objects[0].to_dict()["box"] == (100.0, 20.0, 300.0, 140.0)
+
+
 def test_malformed_boxes_skipped(tk):
     ids = seq(
         tk,
@@ -204,7 +214,8 @@ def test_pixels_use_original_size_and_clamp(tk):
     ids = seq(tk, "<box>", 0, 0, 1000, 1000, "</box>", "<box>", 250, 500, 750, 125, "</box>")
     result = parse(tk, ids, size=(640, 480))  # processed size would be 644 x 504
     assert result.objects[0].box == (0.0, 0.0, 640.0, 480.0)
-    assert result.objects[1].box == (160.0, 240.0, 480.0, 60.0)
+    assert result.objects[1].box == (160.0, 60.0, 480.0, 240.0)  # ordered; box_norm as written
+    assert result.objects[1].box_norm == (250, 500, 750, 125)
     assert to_pixels([1200, -5, 500, 1001], (100, 50)) == (100.0, 0.0, 50.0, 50.0)
 
 

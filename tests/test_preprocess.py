@@ -1,4 +1,4 @@
-"""Preprocessing against MODEL.md §5 and the reference's recorded `pixel_values`."""
+"""Preprocessing against docs/model.md §5 and the reference's recorded `pixel_values`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from PIL import Image
 
 from mlx_locate.preprocess import load_image, preprocess, target_size, to_rgb
 
-# MODEL.md §5 table: original (w, h), the sizes resized to in order, grid (h, w), patches, LM tokens.
+# docs/model.md §5 table: original (w, h), the sizes resized to in order, grid (h, w), patches, LM tokens.
 SIZE_TABLE = [
     ((448, 448), [], (32, 32), 1024, 256),
     ((640, 360), [(644, 364)], (26, 46), 1196, 299),

@@ -1,4 +1,4 @@
-"""Prompts: the §8.3 task table, renderings A and B, placeholder expansion, and the golden prompt ids."""
+"""Prompts: the docs/model.md §8.3 task table, renderings A and B, placeholder expansion, and the golden prompt ids."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def test_sharded_index(tmp_path, monkeypatch):
 
 
 def test_presets_and_errors(tmp_path):
-    specs = tensor_specs(PRESETS["3b"])  # MODEL.md §4: 770 tensors, 7.661 GB in bf16
+    specs = tensor_specs(PRESETS["3b"])  # docs/model.md §4: 770 tensors, 7.661 GB in bf16
     assert len(specs) == 770
     assert sum(int(np.prod(s.shape)) for s in specs) * 2 == 7_661_331_936
     shapes = {s.name: s.shape for s in specs}

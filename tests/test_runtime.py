@@ -1,9 +1,9 @@
-"""The cached, bucketed, compiled runtime against plain full recomputes (MODEL.md §10.1-§10.3, §12).
+"""The cached, bucketed, compiled runtime against plain full recomputes (docs/model.md §10.1-§10.3, docs/model.md §12).
 
 The reference for every step is `LanguageModel` run eagerly without a cache over the whole sequence, with the
-positions of §10.2 and a mask built here entry by entry from §10.3. Checkpoints: the golden `tiny_random`
-(GQA 2:1, head_dim 4) and a random one from `make_random_checkpoint` (3 layers, GQA 4:1, head_dim 4), both in
-float32. Their logits are ~0.4; cached and recomputed paths differ only in summation order: 1e-5 absolute.
+positions of docs/model.md §10.2 and a mask built here entry by entry from docs/model.md §10.3. Checkpoints: the golden
+`tiny_random` (GQA 2:1, head_dim 4) and a random one from `make_random_checkpoint` (3 layers, GQA 4:1, head_dim 4), both
+in float32. Their logits are ~0.4; cached and recomputed paths differ only in summation order: 1e-5 absolute.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def make_prompt(net, length: int, seed: int = 0, n_image: int = 8) -> tuple[list
 
 
 def step_mask_formula(kv_len: int, q_len: int, block: bool) -> np.ndarray:
-    """MODEL.md §10.3 over the last `q_len` of `kv_len` slots: tail rows causal, window rows all but slot n - 1."""
+    """docs/model.md §10.3 over the last `q_len` of `kv_len` slots: tail rows causal, window rows all but slot n - 1."""
     mask = np.zeros((q_len, kv_len), dtype=bool)
     n = kv_len - BLOCK if block else kv_len
     for i in range(q_len):
@@ -161,7 +161,7 @@ def test_block_step_equals_full_recompute(net, tail_len):
 
 
 def test_prefill_then_empty_tail_block_equals_first_call(net):
-    """§10.3: causal prefill + a block step with q_len = 6 == one forward over prompt + window (c = 0)."""
+    """docs/model.md §10.3: causal prefill + a block step with q_len = 6 == one forward over prompt + window (c = 0)."""
     ids, embeds = make_prompt(net, 50, seed=7)
     run = runner(net)
     run.prefill(embeds)
@@ -285,7 +285,7 @@ class NumpySpy:
 @pytest.mark.parametrize("mode", ["hybrid", "fast", "slow"])
 def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image, monkeypatch, mode):
     """Run `locate` twice: the second run traces nothing; each step reads the device exactly once, counted both by
-    the stats and by a spy on the engine's conversions (decide.py and decode.py get host arrays only)."""
+    the stats and by a spy on the engine's conversions (decide.py and row_decoder.py get host arrays only)."""
     golden.steps = CompiledSteps(golden.network)  # count this mode's functions alone
     for run in range(2):
         spy = NumpySpy()

@@ -68,7 +68,7 @@ def np_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def np_transform(logits: np.ndarray, seen: np.ndarray, s: Sampling) -> np.ndarray:
-    """§10.4(a) steps 1-4 in float64; dropped logits are -inf."""
+    """docs/model.md §10.4(a) steps 1-4 in float64; dropped logits are -inf."""
     x = logits.astype(np.float64)
     r = s.repetition_penalty
     x = np.where(seen & (x > 0), x / r, np.where(seen, x * r, x))
@@ -276,7 +276,8 @@ def peaked(probs: dict[int, float], vocab: int = V) -> np.ndarray:
 
 
 def test_top_p_is_what_makes_the_reference_stop():
-    """§10.7: once the model is done, greedy D_box fabricates a box from faint coordinates; top-p removes them."""
+    """docs/model.md §10.7: once the model is done, greedy D_box fabricates a box from faint coordinates; top-p removes
+    them."""
     c = IDS.coord_token
     word = 1000
     faint = {c(100): 0.004, c(700): 0.003, 1037: 0.002, 1074: 0.001}

@@ -1,4 +1,4 @@
-"""Tokenizer: golden prompts, the MODEL.md §8.2 example, added tokens, round trips, and an independent oracle."""
+"""Tokenizer: golden prompts, the docs/model.md §8.2 example, added tokens, round trips, and an independent oracle."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_token_ids_from_checkpoint_config(golden_dir):
     folder = golden_dir("tiny_random")
     tok = Tokenizer.from_folder(folder)
     ids = tok.token_ids(json.loads((folder / "config.json").read_text()))
-    assert ids.cat_sep == tok.added_tokens["</c>"] == 152680  # MODEL.md §14 question 2
+    assert ids.cat_sep == tok.added_tokens["</c>"] == 152680  # docs/model.md §14 question 2
     assert ids.image == tok.added_tokens["<IMG_CONTEXT>"]
     assert ids.coord_start == tok.added_tokens["<0>"] and ids.coord_end == tok.added_tokens["<1000>"]
     assert ids.none == 4064 and ids.none_lower == 6697

@@ -1,4 +1,4 @@
-"""Training (TRAINING.md): block cutting, the training mask against inference steps, a short run, the data."""
+"""Training (docs/training.md): block cutting, the training mask against inference steps, a short run, the data."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_bundled_tokenizer_is_the_built_one(tok):
 
 
 def test_cut_blocks_worked_example(tokenizer, ids):
-    """TRAINING.md §1.3: two red circles."""
+    """docs/training.md §1.3: two red circles."""
     answer = "<ref>red circle</ref><box><120><340><410><620></box><box><600><100><880><390></box>"
     x, s = _sequence(tokenizer, "refer", "red circle", answer)
     assert tokenizer.decode(x[s:]) == f"\n{answer}<|im_end|>\n" and len(x) == s + 19
@@ -160,7 +160,8 @@ def _fixed_sample(seed: int) -> Sample:
 
 
 def test_training_rows_equal_inference_steps(tok, tokenizer, ids, tmp_path):
-    """NTP rows equal prefill/AR logits and block k's rows equal the §10.2 block step after a_k + 1 tokens."""
+    """NTP rows equal prefill/AR logits and block k's rows equal the docs/model.md §10.2 block step after a_k + 1
+    tokens."""
     model = init_model(tok, SIZES["micro"], seed=1, std=0.25)
     save_checkpoint(model, tok, tmp_path)
     runtime = load(tmp_path)

@@ -78,14 +78,17 @@ def read_jsonl(path):
 
 
 def test_frames_are_sampled_by_time(clip):
-    frames = list(video.sample_frames(clip, 2))
+    sampler = video.Sampler(clip, 2)
+    frames = list(sampler)
     assert [f.index for f in frames] == [0, 5, 10, 15, 20, 25]
     assert [f.time for f in frames] == pytest.approx([0, 0.5, 1, 1.5, 2, 2.5])
     assert all(f.image.mode == "RGB" and f.image.size == (224, 224) for f in frames)
-    assert [f.index for f in video.sample_frames(clip, 3)] == [0, 3, 7, 10, 13, 17, 20, 23, 27]  # nearest to k/3
-    assert len(list(video.sample_frames(clip, 100))) == N_FRAMES  # faster than the source: every frame
+    assert sampler.problem() is None and sampler.decoded == N_FRAMES
+    assert [f.index for f in video.Sampler(clip, 3)] == [0, 3, 7, 10, 13, 17, 20, 23, 27]  # nearest to k/3
+    assert len(list(video.Sampler(clip, 100))) == N_FRAMES  # faster than the source: every frame
     info = video.video_info(clip)
     assert info.size == (224, 224) and info.rate == RATE and info.duration == pytest.approx(3.0, abs=0.11)
+    assert info.frames == N_FRAMES
 
 
 def test_tracker_keeps_ids_and_predicts_motion():
@@ -152,6 +155,7 @@ def test_tracks_follow_their_objects(tracked):
     paths = tracked
     header, *lines = read_jsonl(paths["frames.jsonl"])
     assert header["video"].endswith("shapes.mp4") and header["queries"] == ["square"] and header["size"] == [224, 224]
+    assert header["complete"] is True  # every sampled frame was read
     assert [line["frame"] for line in lines] == [0, 5, 10, 15, 20, 25]
     assert [line["time"] for line in lines] == pytest.approx([0, 0.5, 1, 1.5, 2, 2.5])
     owner = {}  # track id -> the mover it follows
@@ -218,7 +222,7 @@ def test_bad_input_is_a_clear_error(run, clip, tmp_path):
     assert code == 2 and err.strip() == f"error: video file not found: {tmp_path / 'missing.mp4'}"
     (tmp_path / "noise.mp4").write_bytes(b"\x00\x01 not a video" * 100)
     code, err = run("--video", str(tmp_path / "noise.mp4"), *out)
-    assert code == 2 and "noise.mp4 is not a readable video" in err and "Traceback" not in err
+    assert code == 2 and "noise.mp4 is not a video: FFmpeg reads no format in it" in err and "Traceback" not in err
     with wave.open(str(tmp_path / "tone.wav"), "wb") as w:
         w.setnchannels(1), w.setsampwidth(2), w.setframerate(8000), w.writeframes(b"\x00\x00" * 800)
     code, err = run("--video", str(tmp_path / "tone.wav"), *out)
@@ -230,6 +234,65 @@ def test_bad_input_is_a_clear_error(run, clip, tmp_path):
     code, err = run("--video", str(clip), *out, "--annotated", str(tmp_path / "clip.notavideo"))
     assert code == 2 and "error: cannot write" in err
     assert run.loads == 0 and not (tmp_path / "out.jsonl").exists()  # all refused before the model loads
+
+
+def test_files_that_are_no_video_are_named_in_words(run, clip, tmp_path):
+    """An empty file, a text file named .mp4 and an MP4 cut before its index: one error line each, exit 2,
+    never FFmpeg's errno."""
+    out = ["--out", str(tmp_path / "out.jsonl"), "--query", "square"]
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    (tmp_path / "notes.mp4").write_text("these are my notes, not a video\n" * 5)
+    data = clip.read_bytes()  # write_clip puts the index at the end: a cut file has none
+    (tmp_path / "cut.mp4").write_bytes(data[: len(data) * 6 // 10])
+    expected = {
+        "empty.mp4": "empty.mp4 is empty (0 bytes); expected a video file (MP4, MKV, WebM, ...)",
+        "notes.mp4": "notes.mp4 is not a video: FFmpeg reads no format in it (Invalid data found when processing "
+        "input; it starts with b'these ar')",
+        "cut.mp4": "cut.mp4 is truncated or damaged: it starts as an MP4 or MOV file, but FFmpeg cannot open it "
+        "(Invalid data found when processing input)",
+    }
+    for name, message in expected.items():
+        code, err = run("--video", str(tmp_path / name), *out)
+        assert code == 2 and err.strip() == f"error: {tmp_path / name} " + message.split(" ", 1)[1]
+        assert "Errno" not in err
+    assert run.loads == 0 and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def front_indexed(tmp_path_factory):
+    """The clip with its index at the front (as for streaming): a cut file still opens."""
+    return write_clip(tmp_path_factory.mktemp("front") / "front.mp4", MOVERS, N_FRAMES, rate=RATE, faststart=True)
+
+
+def test_a_truncated_video_is_located_as_far_as_it_goes(run, front_indexed, tmp_path):
+    data = front_indexed.read_bytes()
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(data[: len(data) * 6 // 10])
+    out = tmp_path / "frames.jsonl"
+    code, err = run(*cli(cut, out))
+    header, *lines = read_jsonl(out)
+    assert code == 1 and header["complete"] is False and 0 < len(lines) < 6
+    (warning,) = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert warning.startswith(f"warning: {cut} is truncated: decoding ended at ")
+    assert f'; {len(lines)} of 6 sampled frames read; the header says "complete": false' in warning
+    assert "Errno" not in err
+    assert [line["frame"] for line in lines] == [0, 5, 10, 15, 20, 25][: len(lines)]
+    code, err = run(*cli(cut, out))  # resumed: still cut, still incomplete
+    assert code == 1 and "0 frames located" in err and read_jsonl(out)[0]["complete"] is False
+    full = tmp_path / "full.jsonl"
+    assert run(*cli(front_indexed, full))[0] == 0 and read_jsonl(full)[0]["complete"] is True
+
+
+def test_a_damaged_video_skips_what_does_not_decode(run, front_indexed, tmp_path):
+    data = bytearray(front_indexed.read_bytes())
+    at = len(data) * 7 // 10
+    data[at : at + 100] = bytes((i * 37) % 256 for i in range(100))
+    damaged = tmp_path / "damaged.mp4"
+    damaged.write_bytes(bytes(data))
+    code, err = run(*cli(damaged, tmp_path / "frames.jsonl"))
+    header, *lines = read_jsonl(tmp_path / "frames.jsonl")
+    assert code == 1 and header["complete"] is False and lines
+    assert f"warning: {damaged} is damaged: " in err and "did not decode" in err and "Errno" not in err
 
 
 def test_missing_pyav_names_the_extra(run, clip, tmp_path, monkeypatch):

@@ -1,9 +1,10 @@
-"""Fine-tune a LocateAnything checkpoint with LoRA on the next-token and block objectives (TRAINING.md).
+"""Fine-tune a LocateAnything checkpoint with LoRA on the next-token and block objectives (docs/training.md).
 
 NVIDIA's LoRA recipe on MLX: LoRA on every decoder projection (`lora.DECODER_KEYS`, rank 64, alpha 128), the
 connector trained whole, the vision tower frozen (or with LoRA of its own), the base float or quantized (a q8 or
 mixed_4_8 conversion) and never written. Each step is `train.Trainer`'s: the NTP and block streams of every
-sample in one sequence under the §2.2 mask, one float32 cross-entropy, AdamW with warmup and cosine decay.
+sample in one sequence under the docs/training.md §2.2 mask, one float32 cross-entropy, AdamW with warmup and cosine
+decay.
 
 A frozen tower runs once per image (its merged rows are cached) and only the connector and the decoder run in
 the step. Every `eval_every` steps the held-out split is scored: its loss per stream, and F1@0.5 per decoding

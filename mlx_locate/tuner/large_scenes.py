@@ -6,7 +6,8 @@
 
 Drawn like `synthetic.make_scene` (same shapes, colours and background), so the demo model knows the shapes;
 only the sizes differ: in a dense scene each shape sits in its own cell and is small next to the image, as
-after the model's resize it is too small to find.
+after the model's resize it is too small to find. A scattered scene places its shapes anywhere (tile seams
+cross some of them); a seam scene puts one square across a seam of a tile grid, cut at a random fraction.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .synthetic import COLORS, Obj, Scene, _draw
+from ..tiles import tile_boxes
+from .synthetic import COLORS, Obj, Scene, _draw, _overlaps
 
 
 def dense_scene(
@@ -46,6 +48,76 @@ def dense_scene(
             obj = Obj(str(rng.choice(shapes)), str(rng.choice(list(COLORS))), (x, y, x + s, y + s))
             _draw(draw, obj, COLORS[obj.color])
             objects.append(obj)
+    return Scene(image, tuple(objects))
+
+
+def scattered_scene(
+    seed: int,
+    size: tuple[int, int] = (1200, 900),
+    count: tuple[int, int] = (20, 30),
+    side: tuple[int, int] = (25, 45),
+    shapes: tuple[str, ...] = ("square", "circle", "triangle"),
+    gap: int = 8,
+) -> Scene:
+    """A `size` image of `count` shapes (sides from `side`) at random places, at least `gap` pixels apart, on
+    no grid: seams of any tiling cross some of them. Deterministic in `seed`."""
+    rng = np.random.default_rng([11, seed])
+    image = Image.new("RGB", size, tuple(int(v) for v in rng.integers(220, 241, size=3)))
+    objects: list[Obj] = []
+    scatter(rng, size, objects, int(rng.integers(count[0], count[1] + 1)), side, shapes, gap)
+    return drawn(image, objects)
+
+
+def seam_scene(
+    seed: int,
+    size: tuple[int, int] = (560, 560),
+    grid: tuple[int, int] = (3, 3),
+    overlap: float = 0.2,
+    side: tuple[int, int] = (40, 45),
+    others: int = 6,
+) -> Scene:
+    """One square (its side from `side`) across a seam (an inner tile edge) of the `grid` of tiles that
+    `tiles.tile_boxes` cuts `size` into, the seam at 15-85 % of its width or height, then `others` circles and
+    triangles away from it. The square is the scene's first object. Deterministic in `seed`."""
+    rng = np.random.default_rng([13, seed])
+    image = Image.new("RGB", size, tuple(int(v) for v in rng.integers(220, 241, size=3)))
+    boxes = tile_boxes(size, *grid, overlap)
+    axis = int(rng.integers(0, 2)) if grid[0] > 1 and grid[1] > 1 else int(grid[1] == 1)  # 0: a vertical seam
+    extent = size[axis]
+    seams = sorted({b[axis + 2] for b in boxes if b[axis + 2] < extent} | {b[axis] for b in boxes if b[axis] > 0})
+    s = int(rng.integers(side[0], side[1] + 1))
+    start = min(max(int(rng.choice(seams)) - round(rng.uniform(0.15, 0.85) * s), 0), extent - s)
+    across = int(rng.integers(0, size[1 - axis] - s + 1))
+    x, y = (start, across) if axis == 0 else (across, start)
+    objects = [Obj("square", str(rng.choice(list(COLORS))), (x, y, x + s, y + s))]
+    scatter(rng, size, objects, others, (side[0] - 15, side[1]), ("circle", "triangle"), 8)
+    return drawn(image, objects)
+
+
+def scatter(
+    rng: np.random.Generator,
+    size: tuple[int, int],
+    objects: list[Obj],
+    n: int,
+    side: tuple[int, int],
+    shapes: tuple[str, ...],
+    gap: int,
+) -> None:
+    """Add `n` shapes of `shapes` (sides from `side`, random colours) to `objects`, each at a random place at
+    least `gap` pixels from the others."""
+    for _ in range(n):
+        while True:
+            s = int(rng.integers(side[0], side[1] + 1))
+            x, y = int(rng.integers(0, size[0] - s + 1)), int(rng.integers(0, size[1] - s + 1))
+            if not any(_overlaps((x, y, x + s, y + s), o.box, gap) for o in objects):
+                break
+        objects.append(Obj(str(rng.choice(shapes)), str(rng.choice(list(COLORS))), (x, y, x + s, y + s)))
+
+
+def drawn(image: Image.Image, objects: list[Obj]) -> Scene:
+    draw = ImageDraw.Draw(image)
+    for obj in objects:
+        _draw(draw, obj, COLORS[obj.color])
     return Scene(image, tuple(objects))
 
 
@@ -95,12 +167,14 @@ def write_clip(
     n_frames: int = 30,
     size: tuple[int, int] = (224, 224),
     rate: int = 10,
+    faststart: bool = False,
 ) -> Path:
-    """An H.264 clip (MPEG-4 part 2 where PyAV has no H.264 encoder) of `moving_frames`; needs PyAV."""
+    """An H.264 clip (MPEG-4 part 2 where PyAV has no H.264 encoder) of `moving_frames`; needs PyAV.
+    `faststart`: the index at the front of the file, as for streaming."""
     from ..video import encodes, import_av
 
     av = import_av()
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as container:
         stream = container.add_stream("libx264" if encodes(av, "libx264") else "mpeg4", rate=rate)
         stream.width, stream.height = size
         stream.pix_fmt = "yuv420p"

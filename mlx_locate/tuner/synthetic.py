@@ -2,7 +2,7 @@
 
 Everything here is deterministic: `make_sample(seed, index, split)` draws from a numpy generator keyed on
 (split, seed, index), so a sample does not depend on how many were drawn before it or by which process.
-Answers follow MODEL.md §9 and TRAINING.md §4.3-§4.4; `cut_blocks` cuts them as TRAINING.md §1.2 says.
+Answers follow docs/model.md §9 and docs/training.md §4.3-§4.4; `cut_blocks` cuts them as docs/training.md §1.2 says.
 
     scene  = 0-4 shapes (circle, square, triangle, diamond, star) x 6 colours on a light background
     tasks  = detect (1-3 shape categories), refer (all matches), single (one match), point, negatives
@@ -52,7 +52,7 @@ BPE_SIZE = 210
 LABEL_WORDS = (*COLORS, *SHAPES, "the", "any")
 EXTRA_WORDS = (" shape", " in", " the", " image", "None", "none", "assistant", "system", "user", "image")
 CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # just below the added-token base S
-# The checkpoint's added tokens from S on (TRAINING.md §4.2, MODEL.md §3).
+# The checkpoint's added tokens from S on (docs/training.md §4.2, docs/model.md §3).
 ADDED_TOKENS = (
     "<IMG_CONTEXT>",
     "<img>",
@@ -230,7 +230,7 @@ def make_scene(
 
 
 def norm_coords(values: tuple[float, ...], size: tuple[int, int]) -> tuple[int, ...]:
-    """Pixels -> 0..1000 (x by width, y by height): `round(v / W * 1000)`, clamped (TRAINING.md §4.3)."""
+    """Pixels -> 0..1000 (x by width, y by height): `round(v / W * 1000)`, clamped (docs/training.md §4.3)."""
     return tuple(min(max(round(v / size[i % 2] * 1000), 0), 1000) for i, v in enumerate(values))
 
 
@@ -274,7 +274,7 @@ class Sample:
 
 
 def _order(objs: list[Obj]) -> list[Obj]:
-    return sorted(objs, key=lambda o: (o.box[0], o.box[1]))  # ascending x1, then y1 (TRAINING.md §4.3)
+    return sorted(objs, key=lambda o: (o.box[0], o.box[1]))  # ascending x1, then y1 (docs/training.md §4.3)
 
 
 def _phrase(rng: np.random.Generator, color: str | None, shape: str | None, allow_long: bool = True) -> Phrase:
@@ -471,7 +471,7 @@ class Block:
 
 
 def cut_blocks(seq: list[int], start: int, ids: TokenIds) -> list[Block]:
-    """Cut the answer `seq[start:]` (through its `<|im_end|>`) into blocks, TRAINING.md §1.2.
+    """Cut the answer `seq[start:]` (through its `<|im_end|>`) into blocks, docs/training.md §1.2.
 
     Block 0 is anchored on `seq[start - 1]` (the `\\n` after `assistant`); each block is cut after the first
     `</ref>` or `</box>` and before `<|im_end|>`, and the answer ends with exactly one end block.

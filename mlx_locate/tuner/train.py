@@ -1,8 +1,8 @@
 """Train a tiny LocateAnything (same architecture, small sizes) from scratch on synthetic shapes.
 
-TRAINING.md §1-§4: every sample is ONE sequence `[x_0 .. x_{L-1}] ++ [block 0] ++ ... ++ [block K-1]` (the NTP
-stream, then 6 rows per block: the clean anchor copy and 5 `<text_mask>`), under the §2.2 mask; one float32
-cross-entropy (token mean) over the supervised rows of both streams; AdamW with warmup and cosine decay.
+docs/training.md §1-§4: every sample is ONE sequence `[x_0 .. x_{L-1}] ++ [block 0] ++ ... ++ [block K-1]` (the NTP
+stream, then 6 rows per block: the clean anchor copy and 5 `<text_mask>`), under the docs/training.md §2.2 mask; one
+float32 cross-entropy (token mean) over the supervised rows of both streams; AdamW with warmup and cosine decay.
 The checkpoint is written in the original Hugging Face layout, so `mlx_locate.load(out)` runs it.
 
     python -m mlx_locate.tuner.train --out runs/demo --steps 20000 --batch-size 64 --workers 12
@@ -47,7 +47,7 @@ from ..tokens import TokenIds
 from ..vision import bicubic_matrix, rope2d_tables
 from .synthetic import SIDES, Sample, build_tokenizer, cut_blocks, make_sample
 
-# TRAINING.md §4.1 (about 4.5 M parameters with the demo vocabulary).
+# docs/training.md §4.1 (about 4.5 M parameters with the demo vocabulary).
 SIZES: dict[str, Preset] = {
     "demo": Preset(128, 4, 4, 512, 256, 4, 4, 2, 768, pos_emb=16),
     "small": Preset(64, 2, 4, 256, 128, 2, 4, 2, 384, pos_emb=16),  # CPU smoke runs
@@ -202,7 +202,7 @@ def coordinate_embeddings(dim: int, std: float) -> np.ndarray:
 def init_model(
     tok: _Tokenizer, sizes: Preset, seed: int, std: float = 0.02, coord_init: str = "sincos"
 ) -> LocateAnything:
-    """A fresh model: N(0, std) weights, zero biases, unit norm weights (TRAINING.md §4.1); with
+    """A fresh model: N(0, std) weights, zero biases, unit norm weights (docs/training.md §4.1); with
     `coord_init="sincos"` the <0>..<1000> embedding rows start from `coordinate_embeddings`."""
     raw = demo_config(tok, sizes)
     config = ModelConfig.from_dict(raw)
@@ -278,7 +278,7 @@ class Encoded:
     targets: np.ndarray  # (R,) int32, IGNORE where unsupervised
     kinds: np.ndarray  # (R,) int32: 0 ignored, 1 NTP, 2 + j block slot j
     clean_lim: np.ndarray  # (R,) row r attends keys t < clean_lim[r] ...
-    own_lo: np.ndarray  # ... and own_lo[r] <= t < own_hi[r] (TRAINING.md §2.2)
+    own_lo: np.ndarray  # ... and own_lo[r] <= t < own_hi[r] (docs/training.md §2.2)
     own_hi: np.ndarray
     image_slot: np.ndarray  # (R,) merged image row spliced at this row, or -1
     length: int  # L
@@ -298,7 +298,7 @@ def patchify(image, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int
 
 def encode_rows(x: list[int], anchors: list[int], ids: TokenIds) -> Encoded:
     """The rows of a token sequence `x` whose answers start after `x[s]` for each s in `anchors` (the "\n"
-    after each turn's `assistant`) and end with their `<|im_end|>` (TRAINING.md §1-§2)."""
+    after each turn's `assistant`) and end with their `<|im_end|>` (docs/training.md §1-§2)."""
     L = len(x)
     turns = [(s, x.index(ids.im_end, s)) for s in anchors]  # the answers' <|im_end|>
     blocks = [block for s, _ in turns for block in cut_blocks(x, s + 1, ids)]
@@ -508,7 +508,7 @@ def loss_and_stats(model: LocateAnything, batch: dict, tables: dict) -> tuple[mx
     """Token-mean float32 cross-entropy over supervised rows.
 
     Stats (3, STAT_COLUMNS): CE sum, count and correct argmax per row kind, then for coordinate targets of
-    the NTP and the block stream (TRAINING.md §5: block coordinates should stay above NTP ones).
+    the NTP and the block stream (docs/training.md §5: block coordinates should stay above NTP ones).
     """
     rows = batch["supervised"]  # (B, S): the head's rows, as fused linear + cross-entropy would skip the rest
     hidden = mx.take_along_axis(forward_hidden(model, batch, tables), rows[..., None], axis=1)

@@ -1,4 +1,4 @@
-"""The generation rules of one sequence (MODEL.md §10): slow (AR), fast and hybrid (block steps).
+"""The generation rules of one sequence (docs/model.md §10): slow (AR), fast and hybrid (block steps).
 
 `RowDecoder` is one sequence's state: which step it needs next (`feed`), and the rules that commit tokens from
 that step's summary (`take_block`, `take_ar`). The engine runs many of them per forward step with one host read
@@ -149,7 +149,7 @@ class RowDecoder:
         return self._commit(d.tokens, d.probs, d.next, d.stop_reason)
 
     def take_ar(self, token: int, p: float) -> list[int]:
-        """Commit one AR token (§10.5); returns the committed ids."""
+        """Commit one AR token (docs/model.md §10.5); returns the committed ids."""
         self.stats.ar_steps += 1
         nxt = classify_ar(token, self.options.mode, self.ids, self.label_redecode)
         stop = StopReason.IM_END if token == self.ids.im_end else StopReason.HYBRID_AR_STOP
