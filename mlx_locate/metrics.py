@@ -353,7 +353,7 @@ def coco_path(per_category: dict[object, dict[float, CocoPR]]) -> CocoPath:
     )
 
 
-# --- Global greedy matching (`tuner.datasets.box_counts`, until fine-tuning scores with `located_f1`) ---------
+# --- Hit counts outside the paper's scores (the tiling tests and benchmark, `tuner.datasets.box_counts`) ------
 
 
 def greedy_match(preds: list[tuple[float, ...]], gts: list[tuple[float, ...]], floor: float) -> list[float]:

@@ -152,27 +152,28 @@ def located(label: str | None, box: list[int]) -> LocatedObject:
 
 def test_located_objects_are_scored_by_the_paper_rules():
     """Per sample, averaged (not pooled): a detection box may match another asked label's GT, a label nobody
-    asked for is a false positive, referring pools the labels, and an empty truth scores 1 when nothing is found."""
+    asked for is a false positive, referring pools the labels; a sample with no box on either side is left out."""
     a, b = [0, 0, 100, 100], [500, 500, 600, 600]
     pairs = [
         ([located("cat", a), located("dog", b)], [located("dog", a), located("cow", b)]),
         ([located("cat", a)], [located("cat", [0, 0, 100, 30])]),  # IoU 0.3
         ([], []),
         ([located("cat", a)], [located("cat", [100, 100, 0, 0])]),  # corners in any order
+        ([], [located("cat", b)]),  # a box where the truth has none: P = R = 0
     ]
-    # Detection: sample 1 matches 1 of 2 (the cow box is unasked), P = R = 1/2; sample 2 P = R = 0; 3 and 4: 1.
+    # Detection: sample 1 matches 1 of 2 (the cow box is unasked), P = R = 1/2; sample 2: 0; 4: 1; 5: 0.
     # Referring: sample 1 matches both.
     scores = score.located_f1(pairs)
-    assert scores == score.LocatedF1(f1=pytest.approx(2.5 / 4), box_f1=pytest.approx(3 / 4), pred=4, gt=4)
+    assert (scores.f1, scores.box_f1, scores.pred, scores.gt) == (pytest.approx(1.5 / 4), pytest.approx(2 / 4), 5, 4)
     lines = [
         {"gt": {"cat": [a], "dog": [b]}, "extracted_predictions": {"dog": [a], "cow": [b]}},
         {"gt": {"cat": [a]}, "extracted_predictions": {"cat": [[0, 0, 100, 30]]}},
-        {"gt": {}, "extracted_predictions": {}},
         {"gt": {"cat": [a]}, "extracted_predictions": {"cat": [a]}},
+        {"gt": {}, "extracted_predictions": {"cat": [b]}},
     ]
     (row,) = score.score_lines([{**ln, "task_name": score.DETECTION, "dataset_name": "x"} for ln in lines], "m")
     assert scores.f1 == row.f1_50
-    assert score.located_f1([]) == score.LocatedF1(None, None, 0, 0)
+    assert score.located_f1([([], [])]) == score.LocatedF1(None, None, 0, 0)
 
 
 @pytest.fixture(scope="module")

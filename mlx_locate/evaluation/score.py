@@ -280,7 +280,7 @@ def score_answers(paths: list[Path], coco: dict | None = None) -> tuple[list[Row
 
 @dataclass(frozen=True)
 class LocatedF1:
-    f1: float | None  # F1@0.5, the detection rule: the truth's labels are the categories (None: no sample)
+    f1: float | None  # F1@0.5, the detection rule: the truth's labels are the categories (None: nothing to score)
     box_f1: float | None  # F1@0.5 with the labels pooled (the referring rule)
     pred: int  # boxes found
     gt: int  # boxes in the truth
@@ -297,8 +297,9 @@ def _boxes_by_label(objects: Sequence[LocatedObject]) -> dict[str, list[list[int
 
 def located_f1(pairs: Sequence[tuple[Sequence[LocatedObject], Sequence[LocatedObject]]]) -> LocatedF1:
     """F1@0.5 of the boxes found against the truth, one (truth, found) pair per sample, in 0..1000 space, scored
-    by `score_lines`. A sample whose truth has no box scores 1 when nothing is found (no category asked)."""
+    by `score_lines`. A sample with no box on either side is left out (the report's `without_empty`)."""
     boxes = [(_boxes_by_label(truth), _boxes_by_label(found)) for truth, found in pairs]
+    boxes = [(g, p) for g, p in boxes if g or p]
 
     def f1(task: str) -> float | None:
         lines = [{"gt": g, "extracted_predictions": p, "task_name": task, "dataset_name": ""} for g, p in boxes]
