@@ -36,7 +36,7 @@ steps) # the step's cost by sequences per step, at 1,024 cached tokens each; the
     $bench --batch 1 2 4 8 16 32 64 --contexts 1024 --folder 0 --modes fast --json "$OUT/gpu_steps_$PRESET.json"
     ;;
 folder) # a folder of 640x480 images, one query each, at 1 and 16 sequences (and between), every mode
-    $bench --batch 1 4 16 --contexts 1024 --iters 3 --folder "$FOLDER" --modes fast hybrid slow mix \
+    $bench --batch 1 4 16 64 --contexts 1024 --iters 3 --folder "$FOLDER" --modes fast hybrid slow \
         --max-tokens 48 --json "$OUT/gpu_folder_$PRESET.json"
     ;;
 quant) # the q8 and mixed_4_8 conversions of the same random weights
@@ -70,7 +70,7 @@ memory) # peak memory above the weights: single images by phase, folders by rows
     for q in none q8 mixed_4_8; do
         quant=$([ $q = none ] || echo "--quantize $q")
         python3 benchmarks/memory_bench.py --preset $PRESET --in-memory $quant --images 640x480 1920x1080 4032x3024 \
-            --rows 1 4 16 --folder "$FOLDER" --folder-sizes 640x480 1920x1080 --json "$OUT/gpu_memory_$PRESET-$q.json"
+            --rows 1 4 16 --folder 16 --folder-sizes 640x480 1920x1080 --json "$OUT/gpu_memory_$PRESET-$q.json"
     done
     ;;
 *)
