@@ -38,7 +38,7 @@ from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
-from mlx_locate.decode import summary_functions  # noqa: E402
+from mlx_locate.row_decoder import summary_functions  # noqa: E402
 from mlx_locate.engine import Schedule  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402

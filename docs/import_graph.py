@@ -31,7 +31,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ),
     ("memory", ("memory",), False),
     ("weights", ("checkpoint", "lora", "loader", "random_checkpoint"), False),
-    ("decoding", ("compiled", "sampling", "decide", "decode"), False),
+    ("decoding", ("compiled", "sampling", "decide", "row_decoder"), False),
     ("requests", ("request", "runtime", "tiles", "engine"), False),
     ("API", ("locate", "__init__"), False),
     ("shared by the commands", ("cli", "annotate", "evaluation"), False),

@@ -41,7 +41,6 @@ from .checkpoint import DTYPES, plan_shards, read_json, read_weights, resolve, s
 from .compiled import StepRunner
 from .config import ModelConfig
 from .decide import Mode
-from .decode import DecodeOptions, decode
 from .loader import assemble_model, rename, sanitize, split_peft_checkpoint
 from .locate import LocateModel, load
 from .lora import apply_adapter, read_adapter
@@ -50,6 +49,7 @@ from .model import LocateAnything
 from .parse import LocatedObject, parse_tokens
 from .preprocess import preprocess, to_rgb
 from .prompts import prompt_ids, task_text
+from .row_decoder import DecodeOptions, decode
 from .tokenizer import Tokenizer
 
 DEFAULT_DTYPE = "bfloat16"

@@ -20,7 +20,7 @@ still raises, the engine puts back what the step changed (the rows' decoder posi
 `seen`) and runs the step again over halves of its rows, down to the row that raises: that row fails with a
 `RequestError` naming the error, the others go on with the tokens they would have had alone.
 
-How a step runs. Every sequence owns a row of the KV cache (`cache.SlotCache`) and a `decode.RowDecoder`.
+How a step runs. Every sequence owns a row of the KV cache (`cache.SlotCache`) and a `row_decoder.RowDecoder`.
 Joining requests are prepared on the host (image, patches, prompt ids), their vision runs batched per patch
 grid, each new image's prompt prefix (everything up to `</img>`) is prefilled once and kept (`prefix store`),
 copied into the rows that ask about that image, and the rows' own words are prefilled together. Then each step
@@ -49,10 +49,10 @@ import numpy as np
 from .cache import SlotCache, rows_bucket
 from .compiled import BLOCK_ROWS, Phase, padded_rows
 from .decide import Mode, Next
-from .decode import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .parse import LocatedObject, parse_tokens
 from .prompts import UserText, user_text
 from .request import PreparedImage, Request, RequestError, Result, parse_mode
+from .row_decoder import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .runtime import Runtime
 from .sampling import Features, RowSampling, Sampling, real_number
 from .tiles import Tile, check_tiling, merge_results, split_request, to_image
@@ -452,11 +452,11 @@ class Engine:
             del self.waiting[group]
         return handle
 
-    def _take(self, out: list[EngineEvent]) -> None:
-        """Waiting handles into `staged`, in turn, up to max_rows of them, once their host work is done (it
+    def _take(self, out: list[EngineEvent], upto: int) -> None:
+        """Waiting handles into `staged`, in turn, until it holds `upto` rows, once their host work is done (it
         started ahead, `_prefetch`; the engine waits for what is not done yet). Which rows stage and join when
         depends on the requests alone, never on the threads' timing, so the compiled shapes do too."""
-        while self.waiting and len(self.staged) < self.max_rows:
+        while self.waiting and len(self.staged) < upto:
             handle = self._next_waiting()
             future = self.prefetch.pop(handle, None) or self.model.host_pool.submit(self._prepare, handle)
             if handle.cancelled:
@@ -482,17 +482,21 @@ class Engine:
             self.staged.append(work)
 
     def _admit(self, out: list[EngineEvent]) -> None:
-        """Stage waiting requests (host work, then vision and prompt prefixes in one batch for every staged row
-        without its prefix when the rows with one would not fill the free rows), then join as many staged rows
-        as the free rows and the KV budget take."""
+        """Stage as many waiting requests as rows are free (their host work is done ahead); when the staged
+        rows holding their prefix would not fill the free rows, run vision and the prompt prefixes in one batch
+        for every staged row without one and for the next waiting requests, up to max_rows rows (ahead of need:
+        a later request waits behind at most one such batch); then join as many staged rows as the free rows
+        and the KV budget take."""
         self._prefetch()
-        self._take(out)
         free = self.max_rows - self.active
-        if not self.staged or free < 1:
+        if free < 1:
             return
-        unstaged = [row for row in self.staged if row.prefix is None]
-        if unstaged and len(self.staged) - len(unstaged) < free:
-            self._isolated(unstaged, self._stage, out)
+        self._take(out, free)
+        if sum(row.prefix is not None for row in self.staged) < free:
+            self._take(out, self.max_rows)
+            unstaged = [row for row in self.staged if row.prefix is None]
+            if unstaged:
+                self._isolated(unstaged, self._stage, out)
         joining = []
         for row in list(self.staged):
             if len(joining) == free or row.prefix is None or not self._fits(joining + [row]):

@@ -224,10 +224,11 @@ class Runtime:
 
     def prefill(self, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
         """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most `prefill_rows` rows
-        (sequences x padded rows; a longer prompt goes in chunks, each evaluated before the next); returns each
-        cache row's last logits (1, V)."""
+        (sequences x padded rows; a longer prompt goes in chunks); each call is evaluated before the next one
+        starts (a GPU releases a call's buffers only when it has run it); returns each cache row's last logits
+        (1, V)."""
         last: dict[int, mx.array] = {}
-        work = list(items)
+        work, calls = list(items), 0
         limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work)) if work else PREFILL_ROWS
         while work:
             by_rows: dict[int, list] = {}
@@ -248,12 +249,13 @@ class Runtime:
                     entries = [slot for slot, _, _ in part] + [cache.scratch] * pad
                     c = [c for _, _, c in part] + [0] * pad
                     q = [x.shape[0] for _, x, _ in part] + [0] * pad
+                    if calls:
+                        self.sync(list(last.values()), cache.kv)
                     logits = self.run(Phase.PREFILL, cache, inputs, entries, c, q, dense=dense)
+                    calls += 1
                     for i, (slot, _, _) in enumerate(part):
                         last[slot] = logits[i]
             work = [(slot, x[limit:], c + limit) for slot, x, c in work if x.shape[0] > limit]
-            if work:  # the next chunk's transients come after this one's are released
-                self.sync(list(last.values()), cache.kv)
         return last
 
     def prefill_rows(self, keys: int) -> int:

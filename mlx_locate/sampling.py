@@ -143,14 +143,6 @@ class Features(NamedTuple):
         )
 
 
-def mark_seen(seen: mx.array, tokens: list[int]) -> mx.array:
-    """Mark `tokens` in `seen` ((V,) bool, updated in place) for the repetition penalty; returns `seen`."""
-    if not tokens:
-        return seen
-    seen[mx.array(tokens)] = True
-    return seen
-
-
 def _per_row(x: mx.array) -> mx.array:
     return x[:, None, None]
 

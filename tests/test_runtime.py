@@ -285,7 +285,7 @@ class NumpySpy:
 @pytest.mark.parametrize("mode", ["hybrid", "fast", "slow"])
 def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image, monkeypatch, mode):
     """Run `locate` twice: the second run traces nothing; each step reads the device exactly once, counted both by
-    the stats and by a spy on the engine's conversions (decide.py and decode.py get host arrays only)."""
+    the stats and by a spy on the engine's conversions (decide.py and row_decoder.py get host arrays only)."""
     golden.steps = CompiledSteps(golden.network)  # count this mode's functions alone
     for run in range(2):
         spy = NumpySpy()

@@ -14,7 +14,7 @@ import pytest
 from conftest import GOLDEN, golden_token_ids
 
 from mlx_locate.decide import Mode
-from mlx_locate.decode import DecodeOptions, decode
+from mlx_locate.row_decoder import DecodeOptions, decode
 
 DECISIONS = json.loads((GOLDEN / "decisions.json").read_text())
 SCENARIOS = {s["name"]: s for s in DECISIONS["scenarios"]}
