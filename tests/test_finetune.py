@@ -300,20 +300,6 @@ def test_record_prompt_matches_inference(tmp_path):
     assert math.isfinite(len(result.prompt_ids))
 
 
-def test_box_counts_match_within_labels():
-    from mlx_locate.parse import LocatedObject
-    from mlx_locate.tuner.datasets import box_counts
-
-    def obj(label, box):
-        return LocatedObject(label, None, box, None, None, None)
-
-    truth = [obj("ring", (0, 0, 100, 100)), obj("ring", (500, 500, 600, 600)), obj("star", (0, 500, 100, 600))]
-    found = [obj("Ring ", (0, 0, 100, 90)), obj("star", (500, 500, 600, 600)), obj("ring", (300, 300, 400, 400))]
-    assert box_counts(truth, found) == (1, 3, 3)  # the star box on a ring does not count
-    assert box_counts(truth, found, labels=False) == (2, 3, 3)
-    assert box_counts(truth, [obj("ring", (0, 0, 100, 40))]) == (0, 1, 3)  # IoU 0.4 < 0.5
-
-
 # --- A real fine-tune: the demo model learns a shape it never saw ---------------------------------------------
 
 TRAIN_SAMPLES, HELD_OUT = 300, 24

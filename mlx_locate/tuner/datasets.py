@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 
 from .. import jsonl
-from ..metrics import greedy_match
 from ..parse import LocatedObject, parse_tokens
 from ..prompts import CATEGORY_SEPARATOR, parse_task_text, prompt_ids, task_text
 from ..tokenizer import Tokenizer
@@ -250,20 +249,3 @@ def record_labels(record: Record) -> set[str]:
         labels |= {norm_label(q) for q in (parsed[1] if parsed else [])}
         labels |= {norm_label(r) for r in REF_RE.findall(turn.answer)}
     return labels - {""}
-
-
-def box_counts(truth: list[LocatedObject], found: list[LocatedObject], labels: bool = True) -> tuple[int, int, int]:
-    """(matched at IoU 0.5, predicted, ground-truth) boxes of one sample in 0..1000 space: matched within each
-    label (case and spaces aside), or with `labels=False` regardless of them."""
-
-    def key(o: LocatedObject) -> str:
-        return norm_label(o.label) if labels else ""
-
-    gts = [o for o in truth if o.box_norm is not None]
-    preds = [o for o in found if o.box_norm is not None]
-    matched = 0
-    for label in {key(o) for o in gts + preds}:
-        g = [o.box_norm for o in gts if key(o) == label]
-        p = [o.box_norm for o in preds if key(o) == label]
-        matched += len(greedy_match(p, g, 0.5))
-    return matched, len(preds), len(gts)

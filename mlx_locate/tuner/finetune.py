@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..cards import KnownCategories, known_categories
 from ..checkpoint import read_json, resolve
 from ..config import ModelConfig
+from ..evaluation.score import located_f1
 from ..loader import build_model
 from ..locate import CPU_DTYPE, LocateModel
 from ..lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
@@ -44,7 +45,7 @@ from ..request import Request, RequestError, Result
 from ..tokenizer import Tokenizer
 from ..vision import rope2d_tables
 from . import replay as rp
-from .datasets import Example, Record, box_counts, encode_record, norm_label, record_labels, truth_of
+from .datasets import Example, Record, encode_record, norm_label, record_labels, truth_of
 from .train import (
     KIND_NTP,
     NUM_KINDS,
@@ -353,34 +354,29 @@ def make_batch(
 # --- Evaluation ------------------------------------------------------------------------------------------------
 
 
-def f1_of(counts) -> float | None:
-    matched, pred, gt = counts
-    return 2 * int(matched) / int(pred + gt) if pred + gt else None
-
-
 def mode_scores(pairs: list[tuple[Example, Result | RequestError]]) -> dict:
-    """F1@0.5 of the boxes matched within their labels (`f1@0.5`, and per label: `per_label`, a label the model
-    wrote instead of the asked one included) and regardless of them (`box_f1@0.5`), the counts, how often decoding
-    ended by itself, and failed requests, over (example, result) pairs."""
-    counts, boxes, ended, errors = np.zeros(3, int), np.zeros(3, int), 0, 0
-    per_label: dict[str, np.ndarray] = {}
-    for e, r in pairs:
-        found = [] if isinstance(r, RequestError) else [o for o in r.objects if o.box_norm is not None]
-        counts += box_counts(e.truth, found)
-        boxes += box_counts(e.truth, found, labels=False)
-        for label in {norm_label(o.label) for o in e.truth + found if o.box_norm is not None}:
-            mine = [[o for o in objects if norm_label(o.label) == label] for objects in (e.truth, found)]
-            per_label[label] = per_label.get(label, np.zeros(3, int)) + box_counts(*mine)
-        errors += isinstance(r, RequestError)
-        ended += not isinstance(r, RequestError) and r.stats["stop_reason"] != "length_cap"
+    """F1@0.5 by the paper's rules (`evaluation.score.located_f1`) within the truth's labels (`f1@0.5`, and per
+    label: `per_label`, a label the model wrote instead of the asked one included) and regardless of them
+    (`box_f1@0.5`), the counts, how often decoding ended by itself, and failed requests, over (example, result)
+    pairs."""
+    located = [(e.truth, [] if isinstance(r, RequestError) else r.objects) for e, r in pairs]
+    scores = located_f1(located)
+    labels = {norm_label(o.label) for truth, found in located for o in (*truth, *found) if o.box_norm is not None}
+    per_label = {
+        label: located_f1(
+            [tuple([o for o in objects if norm_label(o.label) == label] for objects in pair) for pair in located]
+        ).f1
+        for label in sorted(labels)
+    }
+    done = [r for _, r in pairs if not isinstance(r, RequestError)]
     return {
-        "f1@0.5": f1_of(counts),
-        "box_f1@0.5": f1_of((boxes[0], counts[1], counts[2])),
-        "per_label": {label: f1_of(c) for label, c in sorted(per_label.items())},
-        "boxes_pred": int(counts[1]),
-        "boxes_gt": int(counts[2]),
-        "ended_rate": ended / len(pairs) if pairs else None,
-        "errors": errors,
+        "f1@0.5": scores.f1,
+        "box_f1@0.5": scores.box_f1,
+        "per_label": per_label,
+        "boxes_pred": scores.pred,
+        "boxes_gt": scores.gt,
+        "ended_rate": sum(r.stats["stop_reason"] != "length_cap" for r in done) / len(pairs) if pairs else None,
+        "errors": len(pairs) - len(done),
     }
 
 
