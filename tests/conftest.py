@@ -1,4 +1,7 @@
-"""Shared fixtures: the golden reference data and checkpoint folders assembled from tests/data."""
+"""Shared fixtures: the golden reference data and checkpoint folders assembled from tests/data; the two tiers.
+
+`python -m pytest` runs the fast tier (pyproject's addopts: `-m 'not slow'`); `python -m pytest -m slow` the
+slow tier. A hypothesis test belongs to both: a share of its examples in the fast tier, all of them in the slow."""
 
 from __future__ import annotations
 
@@ -7,11 +10,40 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from mlx_locate.tokenizer import Tokenizer
 from mlx_locate.tokens import TokenIds, token_ids_from_config
 
 DATA = Path(__file__).parent / "data"
+FAST_SHARE = 8  # the fast tier runs 1/FAST_SHARE of a property test's examples (its @example cases always run)
+SLOW_TIER = False  # set by pytest_configure: this run is `-m slow`
+
+
+def pytest_configure(config):
+    global SLOW_TIER
+    SLOW_TIER = config.getoption("markexpr") == "slow"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    """In the slow tier every hypothesis test is slow too (it runs there at full size)."""
+    if SLOW_TIER:
+        for item in items:
+            if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+                item.add_marker(pytest.mark.slow)
+
+
+def property_settings(examples: int) -> settings:
+    """Settings of a property test of `examples` examples: all of them in the slow tier, a share in the fast one;
+    derandomized (CI runs the same ones every time), no database, no deadline (a loaded machine varies too much)."""
+    return settings(
+        max_examples=examples if SLOW_TIER else max(2, examples // FAST_SHARE),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
 GOLDEN = DATA / "golden"
 TOKENIZER_DIR = GOLDEN / "tokenizer"
 

@@ -24,6 +24,8 @@ from mlx_locate import cli as cli_module
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.locate import load
 
+pytestmark = pytest.mark.slow  # a local Ray cluster and its actor pools
+
 RUN = ["--query", "square", "--mode", "fast", "--max-tokens", "16"]
 RAY = ["--ray", "--actors", "2", "--images-per-task", "1"]
 

@@ -15,6 +15,8 @@ from PIL import Image
 
 import mlx_locate
 
+pytestmark = pytest.mark.slow  # the examples and the notebook, end to end
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 IMAGE = GOLDEN / "images" / "rgba_400x300.png"  # the smallest golden image, the size of the mock screenshot

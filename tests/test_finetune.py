@@ -331,6 +331,7 @@ def tuned(novel_data, tmp_path_factory):
     return base, result, base_hash
 
 
+@pytest.mark.slow
 def test_finetune_teaches_a_new_shape(tuned):
     """Held-out F1@0.5 (boxes with the right label) about 0 before, at least 0.8 after, in every mode."""
     _, result, _ = tuned
@@ -347,26 +348,48 @@ def test_finetune_teaches_a_new_shape(tuned):
     assert len([p for p in (out / "checkpoints").iterdir()]) == 2
 
 
-def test_adapter_loaded_and_fused_give_training_time_tokens(tuned, novel_data, tmp_path):
+def assert_loaded_and_fused_give_training_time_tokens(base, adapter, requests, tmp_path):
     """The network as trained (LoRA beside the weights), `load(adapter_path=)` (merged) and the checkpoint that
     `mlx-locate-convert --adapter --fuse` writes produce the same tokens; the base files never change."""
     from mlx_locate.convert import main as convert_main
-    from mlx_locate.request import Request
     from mlx_locate.tuner.finetune import inference_model
 
-    base, result, base_hash = tuned
+    base_hash = hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest()
     fused = tmp_path / "fused"
-    argv = ["--hf-path", "demo", "--mlx-path", str(fused), "--dtype", "float32", "--adapter", str(result.out)]
+    argv = ["--hf-path", "demo", "--mlx-path", str(fused), "--dtype", "float32", "--adapter", str(adapter)]
     assert convert_main([*argv, "--fuse"]) == 0
-    models = [inference_model(base), load("demo", "float32", adapter_path=result.out), load(fused)]
-    requests = [
-        Request(r.image, prompt=r.turns[0].user, mode=mode, max_tokens=64)
-        for r in novel_data[1][:8]
-        for mode in ("slow", "fast", "hybrid")
-    ]
+    models = [inference_model(base), load("demo", "float32", adapter_path=adapter), load(fused)]
     tokens = [[r.token_ids for r in m.locate_many(requests)] for m in models]
     assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
     assert hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest() == base_hash
+    return tokens[0]
+
+
+def held_out_requests(records, max_tokens: int) -> list:
+    from mlx_locate.request import Request
+
+    return [
+        Request(r.image, prompt=r.turns[0].user, mode=mode, max_tokens=max_tokens)
+        for r in records
+        for mode in ("slow", "fast", "hybrid")
+    ]
+
+
+@pytest.mark.slow
+def test_adapter_loaded_and_fused_give_training_time_tokens(tuned, novel_data, tmp_path):
+    base, result, base_hash = tuned
+    requests = held_out_requests(novel_data[1][:8], 64)
+    assert_loaded_and_fused_give_training_time_tokens(base, result.out, requests, tmp_path)
+    assert hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest() == base_hash
+
+
+def test_a_short_runs_adapter_loaded_and_fused_give_its_tokens(novel_data, tmp_path):
+    """The fast tier's check of the rule above: the adapter of a few steps (which changes the answers)."""
+    spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.0))
+    base, result = _small_run(novel_data, tmp_path / "a", spec, 3, compile=False)
+    requests = held_out_requests(novel_data[1][:2], 48)
+    tokens = assert_loaded_and_fused_give_training_time_tokens(base, result.out, requests, tmp_path)
+    assert [r.token_ids for r in load("demo", "float32").locate_many(requests)] != tokens
 
 
 def _small_run(novel_data, out, spec, steps, base=None, resume=False, **options):

@@ -16,6 +16,8 @@ from mcp.client.stdio import stdio_client
 
 import mlx_locate
 
+pytestmark = pytest.mark.slow  # the MCP server as a subprocess
+
 IMAGE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 
 

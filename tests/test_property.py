@@ -12,7 +12,8 @@ import zlib
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from conftest import property_settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -25,16 +26,6 @@ from mlx_locate.prompts import TASKS
 
 EXAMPLE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 HANG_S = 300  # an example still running after this long dumps every thread's stack and ends the run
-
-
-def fast(examples: int):
-    return settings(
-        max_examples=examples,
-        deadline=None,  # a loaded CI machine varies too much; the watchdog below catches real hangs
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-    )
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +110,7 @@ def image_bytes(draw) -> bytes:
     return bytes(data[: draw(st.integers(0, len(data)))])
 
 
-@fast(150)
+@property_settings(150)
 @given(data=image_bytes())
 def test_any_bytes_as_an_image_decode(workdir, data):
     """Opening and preprocessing (no model): an image or a `ValueError`, nothing else."""
@@ -135,7 +126,7 @@ def test_any_bytes_as_an_image_decode(workdir, data):
         load_image(io.BytesIO(data))
 
 
-@fast(12)
+@property_settings(12)
 @given(data=image_bytes(), name=st.sampled_from(["x.png", "x.jpg", "x", "x.txt"]))
 def test_any_bytes_as_an_image_cli(main, workdir, data, name):
     path = workdir / name
@@ -154,7 +145,7 @@ queries = st.one_of(
 )
 
 
-@fast(25)
+@property_settings(25)
 @given(query=queries, task=st.sampled_from(TASKS))
 @example(query="\udcff", task="detect")  # a byte that is not UTF-8, as Python hands it over from a command line
 @example(query="word " * 20_000, task="detect")  # once a segmentation fault
@@ -201,7 +192,7 @@ def flag_pool(workdir: Path) -> list[tuple[str, list[str] | None]]:
     ]
 
 
-@fast(40)
+@property_settings(40)
 @given(data=st.data())
 def test_any_flags(main, workdir, data):
     pool = flag_pool(workdir)

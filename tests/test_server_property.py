@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import approx_tree
-from hypothesis import HealthCheck, example, given, settings
+from conftest import approx_tree, property_settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import mlx_locate
@@ -164,13 +164,7 @@ def issue(route: str, **fields) -> tuple[str, dict]:
     return route, {"image": IMAGE_B64, **base, **fields}
 
 
-@settings(
-    max_examples=80,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@property_settings(80)
 @given(
     case=st.sampled_from(sorted(FIELDS)).flatmap(lambda route: st.tuples(st.just(route), bodies(route))),
     get=st.none() | st.sampled_from(GETS),

@@ -22,6 +22,8 @@ import mlx_locate
 from mlx_locate.server.app import create_app, serve_in_thread
 from mlx_locate.server.protocol import Settings
 
+pytestmark = pytest.mark.slow  # Chromium driving the web page
+
 IMAGE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
