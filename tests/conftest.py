@@ -34,6 +34,11 @@ def pytest_collection_modifyitems(items):
                 item.add_marker(pytest.mark.slow)
 
 
+def slow_but(params: list, fast: list) -> list:
+    """`params` for `pytest.mark.parametrize`, each marked slow but those in `fast` (the fast tier's cases)."""
+    return [p if p in fast else pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=pytest.mark.slow) for p in params]
+
+
 def property_settings(examples: int) -> settings:
     """Settings of a property test of `examples` examples: all of them in the slow tier, a share in the fast one;
     derandomized (CI runs the same ones every time), no database, no deadline (a loaded machine varies too much)."""

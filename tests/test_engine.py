@@ -13,7 +13,7 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import GOLDEN, approx_tree, golden_case, golden_cases
+from conftest import GOLDEN, approx_tree, golden_case, golden_cases, slow_but
 from PIL import Image
 
 import mlx_locate
@@ -61,9 +61,13 @@ def check_golden(engine, pairs, handles):
     assert engine.host_reads == engine.steps
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("modes", [*MODES, "mixed"])
-@pytest.mark.parametrize("checkpoint", ["tiny_random", "tiny_peaky"])
+BATCHES = [(c, m, s) for c in ("tiny_random", "tiny_peaky") for m in [*MODES, "mixed"] for s in SCHEDULES]
+
+
+@pytest.mark.parametrize(
+    "checkpoint, modes, schedule",
+    slow_but(BATCHES, [("tiny_peaky", "mixed", "split-gathered"), ("tiny_random", "fast", "mixed-dense")]),
+)
 def test_every_golden_case_in_one_batch(models, checkpoint, modes, schedule):
     cases = [n for n in golden_cases() if n.startswith(checkpoint)]
     pairs = [(n, m) for n in cases for m in (MODES if modes == "mixed" else [modes])]

@@ -491,7 +491,11 @@ def test_cli_runs_and_refuses_to_overwrite(novel_files, tmp_path, capsys):
     from mlx_locate.finetune import main
 
     out = tmp_path / "out"
-    argv = ["--data", str(novel_files[0]), "--val-data", str(novel_files[1]), "--out", str(out), "--dtype", "float32"]
+    data = []  # the first samples of each file, beside it (image paths are relative to the data file)
+    for path, n in zip(novel_files, (8, 2), strict=True):
+        data.append(path.with_name(f"first_{path.name}"))
+        data[-1].write_text("".join(path.read_text().splitlines(keepends=True)[:n]))
+    argv = ["--data", str(data[0]), "--val-data", str(data[1]), "--out", str(out), "--dtype", "float32"]
     small = ["--steps", "2", "--batch-size", "2", "--rank", "4", "--eval-samples", "2", "--eval-modes", "fast"]
     assert main([*argv, *small, "--eval-max-tokens", "16", "--no-progress", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)

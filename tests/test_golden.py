@@ -23,7 +23,8 @@ CASES = golden_cases()
 IMAGES = sorted({name.split("__")[1] for name in CASES})
 
 
-@pytest.fixture(scope="module", params=["input-major head", "head in panels"])
+# The panel layout's own tests (test_numerics) are fast; its golden sweep is slow.
+@pytest.fixture(scope="module", params=["input-major head", pytest.param("head in panels", marks=pytest.mark.slow)])
 def models(golden_dir, request):
     with pytest.MonkeyPatch.context() as patch:  # the layout `cpu_head` picks where OpenBLAS runs on AVX-512, or not
         patch.setattr(cpu, "openblas_core", lambda: "skylakex" if request.param == "head in panels" else None)

@@ -383,6 +383,7 @@ def test_tile_objects_are_the_single_request_answers_of_their_crops(model, seam)
         assert o.confidence >= max(s.confidence for s in sources) - 1e-6
 
 
+@pytest.mark.slow  # many-view scenes; test_objects_cut_by_a_seam_come_back_once is the fast check
 def test_a_square_across_a_seam_comes_back_once(model32):
     """Ten placements of a 40-45 px square across a seam of the 3 x 3 tiles, cut at 15-85 %: each is one
     box (measured: 10 of 10; 4 of 10 before pieces deferred and duplicates of one view merged)."""
@@ -394,6 +395,7 @@ def test_a_square_across_a_seam_comes_back_once(model32):
         assert len(overlapping) == 1 and iou(overlapping[0], square) >= 0.5, (square, overlapping)
 
 
+@pytest.mark.slow  # many-view scenes; test_objects_cut_by_a_seam_come_back_once is the fast check
 def test_scattered_scenes_precision_and_recall(model32):
     """Two 1200 x 900 scenes of 25-45 px shapes anywhere (5 x 7 tiles), each shape asked: the issue's bars."""
     requests = [
