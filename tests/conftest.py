@@ -36,7 +36,9 @@ def pytest_collection_modifyitems(items):
 
 def slow_but(params: list, fast: list) -> list:
     """`params` for `pytest.mark.parametrize`, each marked slow but those in `fast` (the fast tier's cases)."""
-    return [p if p in fast else pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=pytest.mark.slow) for p in params]
+    return [
+        p if p in fast else pytest.param(*(p if isinstance(p, tuple) else (p,)), marks=pytest.mark.slow) for p in params
+    ]
 
 
 def property_settings(examples: int) -> settings:
@@ -49,6 +51,8 @@ def property_settings(examples: int) -> settings:
         database=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
+
+
 GOLDEN = DATA / "golden"
 TOKENIZER_DIR = GOLDEN / "tokenizer"
 

@@ -164,7 +164,7 @@ def test_cancel_frees_the_row():
     assert second.result.token_ids == model.locate(image, "circle", mode="slow").token_ids
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", slow_but(list(MODES), ["slow"]))
 def test_sampling_with_a_seed_per_row_is_the_same_batched_and_alone(mode):
     """Each row draws with its own seed: batched with other seeds (and a greedy row with a repetition penalty)
     it writes what it writes alone, and other seeds write other tokens."""

@@ -79,6 +79,7 @@ def test_export_writes_the_benchmark_in_each_format(bench):
         synthetic.export_benchmark(bench, 1)
 
 
+@pytest.mark.slow  # every dataset in every mode
 def test_cli_reports_every_dataset_in_every_mode(run):
     out, printed = run
     report = json.loads((out / "report.json").read_text())
@@ -111,6 +112,7 @@ def test_cli_reports_every_dataset_in_every_mode(run):
 TIMINGS = ("boxes_per_s", "s_per_image")  # wall-clock figures: the only ones two runs may differ in
 
 
+@pytest.mark.slow  # every dataset in every mode
 def test_the_synthetic_source_scores_as_its_exported_files(run, tmp_path):
     """`--synthetic N` (scenes in memory) gives the rows and answers of `--export` + `--data` on the same scenes,
     and names the COCO instances of its answers for `--predictions`."""

@@ -402,6 +402,7 @@ def _small_run(novel_data, out, spec, steps, base=None, resume=False, **options)
     return base, result
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_run(novel_data, tmp_path, monkeypatch):
     """Stopped after 2 of 4 steps and resumed (dropout on: the random state is restored; replay on), the run ends
     with the same adapter as one that never stopped, and reads the base's answers back instead of labelling."""
@@ -432,6 +433,7 @@ def test_resume_continues_the_same_run(novel_data, tmp_path, monkeypatch):
         _small_run(novel_data, stopped, spec, 4)
 
 
+@pytest.mark.slow
 def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
     """A mixed_4_8+vision8 base: LoRA trains through the quantized layers (the connector dequantized to train),
     the quantized weights stay as they were, and loading keeps the pairs beside them, q|k|v and gate|up fused,
@@ -466,7 +468,7 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
     assert [r.token_ids for r in load(q).locate_many(requests)] != want
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_gradient_checkpointing_gives_the_same_step(novel_data, compiled):
     from mlx_locate.tuner.finetune import TowerRows, encode_examples, make_batch
     from mlx_locate.tuner.train import Trainer, TrainOptions
@@ -531,6 +533,7 @@ def test_trained_tower_inputs_match_the_frozen_tower(novel_data):
     np.testing.assert_allclose(np.array(a)[np.array(rows)], np.array(b)[np.array(rows)], atol=2e-4)
 
 
+@pytest.mark.slow
 def test_vision_lora_trains_and_loads(novel_data, tmp_path):
     spec = AdapterSpec(LoRASpec(rank=2, alpha=4, dropout=0.0), LoRASpec(rank=2, alpha=4, keys=lora.VISION_KEYS))
     base, result = _small_run(novel_data, tmp_path / "v", spec, 2, compile=False)
@@ -716,6 +719,7 @@ def test_batches_mix_the_replay_share_and_resume_alike():
     assert all(r == [] and len(d) == 4 for d, r in map(Batches(10, 4, 0, 0, 0.3).indices, range(5)))
 
 
+@pytest.mark.slow
 def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, monkeypatch):
     """Default options: before training the base labels the training images for its known shapes, and the
     batches hold those answers, encoded like the data (the base asked again gives the same boxes and Nones); no

@@ -197,6 +197,7 @@ def test_short_training_run_lowers_loss(tok, tokenizer, ids):
     assert losses[0] > 6.0 and losses[-1] < losses[0] - 2.0, losses
 
 
+@pytest.mark.slow  # 30 scenes in three modes
 @pytest.mark.skipif(not (DEMO_DIR / "model.safetensors").is_file(), reason="no bundled demo model")
 def test_bundled_demo_model_finds_shapes(tmp_path):
     """End to end (preprocessing, vision, splice, decoding, parsing): the bundled model's boxes are right.
