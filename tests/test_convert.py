@@ -7,7 +7,7 @@ import shutil
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import TOKENIZER_DIR
+from conftest import TOKENIZER_DIR, slow_but
 from PIL import Image, ImageDraw
 
 from mlx_locate import checkpoint, load
@@ -138,7 +138,7 @@ def small_logits(small, image):
     return logits(load(small), image)
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", slow_but(list(PRESETS), ["q8", "mixed_4_8+vision8"]))
 def test_preset_loads_and_runs(converted, small_logits, image, name):
     preset = PRESETS[name]
     model = load(converted(name))

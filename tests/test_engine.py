@@ -66,7 +66,7 @@ BATCHES = [(c, m, s) for c in ("tiny_random", "tiny_peaky") for m in [*MODES, "m
 
 @pytest.mark.parametrize(
     "checkpoint, modes, schedule",
-    slow_but(BATCHES, [("tiny_peaky", "mixed", "split-gathered"), ("tiny_random", "fast", "mixed-dense")]),
+    slow_but(BATCHES, [("tiny_peaky", "mixed", "split-gathered")]),  # mixed-dense: the warm-up test below
 )
 def test_every_golden_case_in_one_batch(models, checkpoint, modes, schedule):
     cases = [n for n in golden_cases() if n.startswith(checkpoint)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import GOLDEN, golden_case, golden_cases
+from conftest import GOLDEN, golden_case, golden_cases, slow_but
 
 import mlx_locate
 from mlx_locate import cpu
@@ -83,8 +83,16 @@ def test_prompt_and_first_logits(models, name):
         assert abs(lse - gold["logsumexp"]) <= logit_tolerance(name, values)
 
 
+# The fast tier's cases: both checkpoints, rendering B, a refer and a point prompt (all of them in the slow tier).
+FAST_CASES = [
+    "tiny_random__shapes_448x448__detect__jinja",
+    "tiny_peaky__shapes_640x480__refer",
+    "tiny_peaky__shapes_448x448__point",
+]
+
+
 @pytest.mark.parametrize("mode", ["slow", "fast", "hybrid"])
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", slow_but(CASES, FAST_CASES))
 def test_greedy_tokens(models, name, mode):
     case = golden_case(name)
     gold = case["generation"][mode]
@@ -111,7 +119,7 @@ CAPPED = [
 ]
 
 
-@pytest.mark.parametrize("name", CAPPED)
+@pytest.mark.parametrize("name", slow_but(CAPPED, CAPPED[:1]))
 def test_guards_end_greedy_decoding_that_strict_runs_to_the_cap(models, name):
     """Where the reference's greedy fast mode fabricates tokens to the cap (docs/model.md §10.7), the default guards
     stop it early, by the guards' own rules."""
