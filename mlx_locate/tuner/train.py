@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten, tree_map
 from tokenizers import AddedToken, models, trainers
 from tokenizers import Tokenizer as _Tokenizer
 
+from .. import cli
 from ..cards import CONFIG_KEY, KnownCategories
 from ..checkpoint import DEMO_DIR, DTYPES, read_weights
 from ..config import ModelConfig
@@ -842,15 +843,18 @@ def train(args: argparse.Namespace) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlx_locate.tuner.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint folder to write (original HF layout)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument(
-        "--warmup", type=int, default=500, help="warmup steps (at most half of --steps; at least 21 with --minutes)"
+    cli.add_training(
+        p,
+        steps=1000,
+        batch_size=32,
+        lr=TrainOptions.lr,
+        weight_decay=TrainOptions.weight_decay,
+        clip=TrainOptions.clip,
+        warmup=500,
+        warmup_help="warmup steps (at most half of --steps; at least 21 with --minutes)",
+        save_every=0,
+        save_help="also save every N steps (0: only at the end)",
     )
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="initialisation and training-data seed")
     p.add_argument("--sizes", choices=list(SIZES), default="demo")
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (same --sizes)")
     p.add_argument("--coord-init", choices=("sincos", "normal"), default="sincos", help="<0>..<1000> embeddings")
@@ -858,10 +862,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--workers", type=int, default=0, help="data-generation processes (0: in this process)")
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     p.add_argument("--log", default=None, help="append JSON log lines to this file")
     p.add_argument("--minutes", type=float, default=0, help="fit the run into this many minutes (0: no limit)")
-    p.add_argument("--no-compile", action="store_true")
     return p
 
 
