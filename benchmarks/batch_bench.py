@@ -74,7 +74,7 @@ def peer_run(args: argparse.Namespace, model: mlx_locate.LocateModel, images: li
     folder = checkpoint_folder(args)
     for image in images:
         ids = prompt_ids(model.tokenizer, text, [preprocess(image, model.in_token_limit).grid])
-        out = peer_request(args.peer, folder, image, ids, args.mode, args.max_tokens, args.dtype or "stored")
+        out = peer_request(args.peer, folder, [image], ids, args.mode, args.max_tokens, args.dtype or "stored")
         seconds += out["timings_s"]["total"]
         steps += out["forwards"]["total"]
     return {"seconds": seconds, "images_per_s": len(images) / seconds, "steps": steps}

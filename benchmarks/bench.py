@@ -9,7 +9,7 @@ Prints a table last and writes full results as JSON. Random weights (a preset) m
 and AR step costs, prefill and vision times are what matter; decisions still run the real rules. A trained
 checkpoint (`--model`, e.g. the bundled demo) writes real boxes, so time to first box and boxes/s mean
 something. With --peer, the same inputs go through mlx-vlm (benchmarks/peer_mlxvlm.py) in that interpreter,
-in the same run.
+in the same run; with --batch, the folder goes through its `batch_generate` at each batch size.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -38,13 +40,13 @@ from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
-from mlx_locate.row_decoder import summary_functions  # noqa: E402
 from mlx_locate.engine import Schedule  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
-from mlx_locate.request import Request  # noqa: E402
+from mlx_locate.request import DEFAULT_TASK, Request  # noqa: E402
+from mlx_locate.row_decoder import summary_functions  # noqa: E402
 from mlx_locate.sampling import Features, RowSampling, Sampling  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 
@@ -205,6 +207,43 @@ def folder_images(model_arg: str | None, size: tuple[int, int], n: int, work: Pa
     return paths, QUERY
 
 
+def folder_run(model: LocateModel, requests: list[Request], rows: int, schedule: Schedule | None) -> dict:
+    """`requests` through one engine of `rows` rows, twice (the first run compiles every shape it meets): the
+    second run's images/s end to end (load, vision, prefill, decode), steps, blocks/s, boxes/s, compilations,
+    reads, peak memory and token ids."""
+    runs = []
+    for _ in range(2):
+        model.clear_caches()
+        mx.reset_peak_memory()
+        before = model.compilations
+        engine = model.engine(rows, schedule)
+        handles = [engine.submit(r) for r in requests]
+        t0 = time.perf_counter()
+        engine.run()
+        runs.append((time.perf_counter() - t0, engine, handles, model.compilations - before))
+    seconds, engine, handles, compiled = runs[1]
+    results = [h.result for h in handles]
+    blocks = sum(r.stats["block_steps"] for r in results)
+    boxes = sum(len(r.objects) for r in results)
+    return {
+        "images_per_s": len(requests) / seconds,
+        "seconds": seconds,
+        "tokens_per_image": sum(len(r.token_ids) for r in results) / len(results),
+        "engine_steps": engine.steps,
+        "ms_per_engine_step": 1e3 * seconds / max(engine.steps, 1),  # admission (vision, prefill) included
+        "seq_steps_per_s": sum(r.stats["steps"] for r in results) / seconds,
+        "blocks_per_s": blocks / seconds,
+        "boxes": boxes,
+        "boxes_per_s": boxes / seconds,
+        "host_reads_per_step": engine.host_reads / max(engine.steps, 1),
+        "compilations_warmup": runs[0][3],
+        "compilations_after": compiled,
+        "peak_memory_mb": mx.get_peak_memory() / 2**20,
+        "engine_seconds": engine.seconds,
+        "tokens": [r.token_ids for r in results],
+    }
+
+
 def run_batches(
     model: LocateModel,
     paths: list[Path],
@@ -213,58 +252,41 @@ def run_batches(
     batches: list[int],
     max_tokens: int,
     schedule: Schedule | None = None,
-) -> dict:
-    """A folder of images, one query each, through one engine per batch size: images/s end to end (load,
-    vision, prefill, decode), steps, blocks/s, boxes/s, compilations after a warm-up run, reads, peak memory.
-    The engine's row counts are measured first (`Runtime.measure_rows`), as the server's warm-up does."""
+    peer: Callable[[int], dict] | None = None,
+) -> tuple[dict, dict]:
+    """A folder of images, one query each, through one engine per mode and batch size (`folder_run`), and the
+    speed-up over the first batch size; with `peer` (batch size -> its row), the peer runs after our modes at
+    each batch size, so a slow spell of the machine hits both sides of a ratio. Returns our rows by mode and
+    batch size, and the peer's by batch size (each of ours then has the peer's images/s and ours over it). The
+    engine's row counts are measured first (`Runtime.measure_rows`), as the server's warm-up does."""
     model.measure_rows(max(batches))
-    out = {}
-    for mode in modes:
-        out[mode] = {}
-        for B in batches:
-            # "mix": slow and fast requests alternate, so every step has AR rows and block rows
-            kinds = ["slow", "fast"] if mode == "mix" else [mode]
+    out: dict = {mode: {} for mode in modes}
+    theirs = {}
+    for B in batches:
+        for mode in modes:
+            kinds = ["slow", "fast"] if mode == "mix" else [mode]  # "mix": every step has AR and block rows
             requests = [
                 Request(p, query, mode=kinds[i % len(kinds)], max_tokens=max_tokens) for i, p in enumerate(paths)
             ]
-            runs = []
-            for _ in range(2):  # the first run compiles every shape this batch size meets
-                model.clear_caches()
-                mx.reset_peak_memory()
-                before = model.compilations
-                engine = model.engine(B, schedule)
-                handles = [engine.submit(r) for r in requests]
-                t0 = time.perf_counter()
-                engine.run()
-                runs.append((time.perf_counter() - t0, engine, handles, model.compilations - before))
-            seconds, engine, handles, compiled = runs[1]
-            results = [h.result for h in handles]
-            blocks = sum(r.stats["block_steps"] for r in results)
-            boxes = sum(len(r.objects) for r in results)
-            out[mode][B] = {
-                "images_per_s": len(paths) / seconds,
-                "seconds": seconds,
-                "engine_steps": engine.steps,
-                "ms_per_engine_step": 1e3 * seconds / max(engine.steps, 1),  # admission (vision, prefill) included
-                "seq_steps_per_s": sum(r.stats["steps"] for r in results) / seconds,
-                "blocks_per_s": blocks / seconds,
-                "boxes": boxes,
-                "boxes_per_s": boxes / seconds,
-                "host_reads_per_step": engine.host_reads / max(engine.steps, 1),
-                "compilations_warmup": runs[0][3],
-                "compilations_after": compiled,
-                "peak_memory_mb": mx.get_peak_memory() / 2**20,
-                "engine_seconds": engine.seconds,
-                "token_ids_equal_batch_1": None,
-                "tokens": [r.token_ids for r in results],
-            }
-        base = out[mode][batches[0]]
-        for row in out[mode].values():
+            out[mode][B] = folder_run(model, requests, B, schedule)
+        if peer is not None:
+            theirs[B] = peer(B)
+            for mode in modes:
+                out[mode][B] |= versus_peer(out[mode][B], theirs[B])
+    for rows in out.values():
+        base = rows[batches[0]]
+        for row in rows.values():
             row["images_per_s_x"] = row["images_per_s"] / base["images_per_s"]
             row["token_ids_equal_batch_1"] = row["tokens"] == base["tokens"]
-        for row in out[mode].values():
+        for row in rows.values():
             del row["tokens"]
-    return out
+    return out, theirs
+
+
+def versus_peer(ours: dict, peer: dict) -> dict:
+    """The peer's images/s beside one of our folder rows, and ours over it (> 1: ours is faster)."""
+    theirs = peer.get("images_per_s")
+    return {"mlx_vlm_images_per_s": theirs, "vs_mlx_vlm": ours["images_per_s"] / theirs if theirs else None}
 
 
 def request_ms(stats: dict, key: str) -> float | None:
@@ -355,7 +377,7 @@ def whole_process(
                         answer = json.loads(proc.stdout.strip().splitlines()[-1])
                         ids, tokens = answer["prompt_ids"], len(answer["token_ids"])
                     else:
-                        tokens = peer_request(peer, model_dir, image, ids, mode, n, dtype)["num_generated"]
+                        tokens = peer_request(peer, model_dir, [image], ids, mode, n, dtype)["num_generated"]
                     seconds = time.perf_counter() - t0
                     best[side, n] = min(best.get((side, n), (seconds, tokens)), (seconds, tokens))
         result = {}
@@ -374,19 +396,59 @@ def whole_process(
 
 
 def peer_request(
-    python: str, model_dir: Path, image: Path, ids: list[int], mode: str, max_tokens: int, dtype: str, repeat: int = 1
+    python: str,
+    model_dir: Path,
+    images: list[Path],
+    prompt: list[int] | str,
+    mode: str,
+    max_tokens: int,
+    dtype: str,
+    repeat: int = 1,
+    batch_size: int | None = None,
 ) -> dict:
-    """One request through mlx-vlm 0.7.10 (`peer_mlxvlm.py` in its own process) on our prompt ids: its JSON
-    report; `RuntimeError` with its last error line if it fails."""
-    ids_file = Path(os.environ.get("TMPDIR", "/tmp")) / "mlx_locate_bench_prompt.json"
-    ids_file.write_text(json.dumps(ids))
-    cmd = [python, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(model_dir), "--image", str(image)]
-    cmd += ["--prompt-ids", str(ids_file), "--mode", mode, "--max-tokens", str(max_tokens), "--repeat", str(repeat)]
-    cmd += ["--dtype", dtype]
+    """One run of mlx-vlm 0.7.10 (`peer_mlxvlm.py` in its own process): `prompt` is our prompt ids, or user text
+    that mlx-vlm renders its own way; mode "batch" runs `images` through `batch_generate` in calls of
+    `batch_size`. Its JSON report; `RuntimeError` with its last error line if it fails."""
+    cmd = [python, str(ROOT / "benchmarks" / "peer_mlxvlm.py"), "--model", str(model_dir), "--image"]
+    cmd += [str(image) for image in images]
+    if isinstance(prompt, str):
+        cmd += ["--query", prompt]
+    else:
+        ids_file = Path(os.environ.get("TMPDIR", "/tmp")) / "mlx_locate_bench_prompt.json"
+        ids_file.write_text(json.dumps(prompt))
+        cmd += ["--prompt-ids", str(ids_file)]
+    cmd += ["--mode", mode, "--max-tokens", str(max_tokens), "--repeat", str(repeat), "--dtype", dtype]
+    if batch_size is not None:
+        cmd += ["--batch-size", str(batch_size)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError((proc.stderr.strip().splitlines() or ["failed"])[-1])
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_peer_batch(
+    python: str, model_dir: Path, paths: list[Path], query: str, max_tokens: int, dtype: str, batch_size: int
+) -> dict:
+    """The folder through mlx-vlm's `batch_generate` at `batch_size`, with the user text our engine's requests
+    get (the default task's, rendered the mlx-vlm way), normalised to our folder columns; `error` if it fails."""
+    text = task_text(DEFAULT_TASK, query)
+    try:
+        peer = peer_request(python, model_dir, paths, text, "batch", max_tokens, dtype, batch_size=batch_size)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    tokens = peer["tokens_per_image"]
+    return {
+        "images_per_s": peer["images_per_s"],
+        "seconds": peer["seconds"],
+        "warmup_seconds": peer["warmup_seconds"],
+        "tokens_per_image": sum(tokens) / len(tokens),
+        "prompt_tokens_per_image": peer["mlxvlm_stats"]["prompt_tokens"] / len(tokens),
+        "peak_memory_mb": peer["peak_memory_bytes"] / 2**20,
+        "prompt_text": peer["prompt_text"],
+        "versions": peer["versions"],
+        "blas": peer["blas"]["effective"],
+        "token_ids": peer["generated_ids"],
+    }
 
 
 def run_peer(python: str, model_dir: Path, image: Path, ours: dict, dtype: str, max_tokens: int, repeat: int) -> dict:
@@ -394,7 +456,7 @@ def run_peer(python: str, model_dir: Path, image: Path, ours: dict, dtype: str, 
     out = {}
     for mode, mine in ours.items():
         try:
-            peer = peer_request(python, model_dir, image, mine["prompt_ids"], mode, max_tokens, dtype, repeat)
+            peer = peer_request(python, model_dir, [image], mine["prompt_ids"], mode, max_tokens, dtype, repeat)
         except RuntimeError as e:
             out[mode] = {"error": str(e)}
             continue
@@ -439,7 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--contexts", type=int, nargs="+", default=[512], help="cached lengths for step costs")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--peer", help="python of a venv with mlx-vlm 0.7.10: run the peer side by side")
+    parser.add_argument(
+        "--peer", help="python of a venv with mlx-vlm 0.7.10: run the peer side by side (with --batch, the folder)"
+    )
     parser.add_argument("--batch", type=int, nargs="+", help="batch sizes: the engine's scaling instead")
     parser.add_argument("--prompt", help="raw user text instead of --query (the whole-process run uses it too)")
     parser.add_argument(
@@ -451,6 +515,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=str(ROOT / ".bench"))
     parser.add_argument("--json", default=None, help="write results here (default benchmarks/results/<preset>.json)")
     args = parser.parse_args(argv)
+    if args.peer and args.in_memory:
+        parser.error("--peer loads a checkpoint on disk: drop --in-memory (a preset's is written under --workdir)")
+    if args.peer and args.batch and not args.folder:
+        parser.error("--peer with --batch runs the folder through mlx-vlm: give --folder N (N > 0)")
 
     work = Path(args.workdir)
     t0 = time.perf_counter()
@@ -497,7 +565,14 @@ def main(argv: list[str] | None = None) -> int:
             size = tuple(int(v) for v in args.images[0].split("x")) if "x" in args.images[0] else (640, 480)
             paths, query = folder_images(args.model, size, args.folder, work)
             report["folder"] = {"images": len(paths), "size": list(size), "query": query}
-            report["batches"] = run_batches(model, paths, query, args.modes, args.batch, args.max_tokens, schedule)
+            peer = None
+            if args.peer:
+                peer = partial(run_peer_batch, args.peer, model_dir, paths, query, args.max_tokens, args.dtype)
+            report["batches"], theirs = run_batches(
+                model, paths, query, args.modes, args.batch, args.max_tokens, schedule, peer
+            )
+            if theirs:
+                report["mlx_vlm_batches"] = theirs
         out = (
             Path(args.json)
             if args.json
@@ -514,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         ours, peer = {}, {}
         for mode in args.modes:  # each mode's two sides back to back, so a slow spell of the machine hits both
             ours |= run_modes(model, path, args.query, [mode], args.max_tokens, args.repeat, args.prompt)
-            if args.peer and model_dir is not None:
+            if args.peer:
                 peer |= run_peer(
                     args.peer, model_dir, path, {mode: ours[mode]}, args.dtype, args.max_tokens, args.repeat
                 )
@@ -580,12 +655,25 @@ def print_batch_table(report: dict) -> None:
         return
     f = report["folder"]
     print(f"\nfolder of {f['images']} images {f['size'][0]}x{f['size'][1]}, query {f['query']!r}")
-    cols = ["images_per_s", "images_per_s_x", "ms_per_engine_step", "blocks_per_s", "boxes_per_s",
-            "host_reads_per_step", "compilations_after", "peak_memory_mb", "token_ids_equal_batch_1"]  # fmt: skip
+    cols = ["images_per_s", "images_per_s_x", "tokens_per_image", "ms_per_engine_step", "blocks_per_s",
+            "boxes_per_s", "host_reads_per_step", "compilations_after", "peak_memory_mb",
+            "token_ids_equal_batch_1"]  # fmt: skip
     print(f"{'mode':7} {'B':>3} " + " ".join(f"{c:>14.14}" for c in cols))
     for mode, rows in report["batches"].items():
         for B, r in rows.items():
             print(f"{mode:7} {B:>3} " + " ".join(f"{fmt(r[c], 2):>14}" for c in cols))
+    if "mlx_vlm_batches" not in report:
+        return
+    modes = list(report["batches"])
+    print("\nmlx-vlm batch_generate (greedy AR) over the same folder, prompt and max tokens; ours / mlx-vlm images/s")
+    print(f"{'B':>3} {'images_per_s':>14} {'tokens_per_image':>16} {'peak_memory_mb':>14} "
+          + " ".join(f"{m:>8}" for m in modes))  # fmt: skip
+    for B, r in report["mlx_vlm_batches"].items():
+        if "error" in r:
+            print(f"{B:>3} error: {r['error']}")
+            continue
+        ratios = " ".join(f"{fmt(report['batches'][m][B]['vs_mlx_vlm'], 2) + 'x':>8}" for m in modes)
+        print(f"{B:>3} {r['images_per_s']:14.2f} {r['tokens_per_image']:16.1f} {r['peak_memory_mb']:14.1f} {ratios}")
 
 
 def print_table(report: dict) -> None:

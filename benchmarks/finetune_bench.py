@@ -1,11 +1,15 @@
 """Fine-tuning figures: the demo model learning a new shape end to end, and LoRA steps at LocateAnything-3B's shapes.
 
-    python benchmarks/finetune_bench.py                       # both; JSON in benchmarks/results/finetune_<device>.json
-    python benchmarks/finetune_bench.py --only demo           # or --only inference, --only 3b
+    python benchmarks/finetune_bench.py                       # all; JSON in benchmarks/results/finetune_<device>.json
+    python benchmarks/finetune_bench.py --only demo           # or --only forgetting, --only inference, --only 3b
 
 - demo: the README's walk-through (the test's run, `tuner.finetune.DEMO_SPEC` / `DEMO_OPTIONS`): the bundled demo
   model learns "ring" from 300 synthetic scenes; held-out F1@0.5 per mode before and after, steps/s, samples/s,
   peak memory.
+- forgetting: the user's case of issue 26 (`synthetic.write_word_only_data`): 300 scenes of a new word, "cross",
+  among circles and squares, only the crosses labelled; the walk-through's settings, with replay (the default share)
+  and without (`replay=0`). Held-out F1@0.5 per mode before and after, of the new word (48 scenes) and of the kept
+  words (each held-out scene asked for circles and for squares, answered from the scene): the slow test's run.
 - inference: decode step costs (`bench.step_costs`: AR and block step at 512 cached tokens) of the 3B shapes
   without an adapter and with a rank-64 one on every projection: merged into the bf16 weights (what `load`
   does for a float base: the same cost by construction), and beside q8 / mixed_4_8 weights, fused
@@ -22,6 +26,7 @@ Needs numpy, safetensors, tokenizers, pillow and mlx (and tqdm, which `mlx_locat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -63,12 +68,14 @@ from mlx_locate.tuner.finetune import (  # noqa: E402
     DEMO_OPTIONS,
     DEMO_SPEC,
     DEMO_WORD,
+    WORD_ONLY,
+    WORD_ONLY_HELD_OUT,
     Base,
     FinetuneOptions,
     finetune,
     load_base,
 )
-from mlx_locate.tuner.synthetic import write_novel_data  # noqa: E402
+from mlx_locate.tuner.synthetic import DISTRACTORS, write_novel_data, write_word_only_data  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -115,6 +122,44 @@ def run_demo(work: Path, dtype: str) -> dict:
         "before": result.before,
         "after": result.after,
     }
+
+
+def run_forgetting(work: Path, dtype: str) -> list[dict]:
+    from mlx_locate.tuner.datasets import read_data
+
+    data = write_word_only_data(work / WORD_ONLY, WORD_ONLY, DISTRACTORS, held_out=WORD_ONLY_HELD_OUT)
+    train, held = read_data(data / "train.jsonl"), read_data(data / "eval.jsonl")
+    rows = []
+    for replay in (DEMO_OPTIONS.replay, 0.0):
+        options = dataclasses.replace(DEMO_OPTIONS, replay=replay, eval_samples=len(held))
+        t0 = time.perf_counter()
+        result = finetune(
+            load_base("demo", dtype), train, held, work / f"cross_{replay}", DEMO_SPEC, options,
+            progress=False, draw=False, say=quiet,
+        )  # fmt: skip
+        row = {"replay": replay, "wall_s": time.perf_counter() - t0, "replay_samples": result.replay_samples}
+        row["steps_per_s"] = result.steps_per_s
+        for mode in options.eval_modes:
+            for group, key in (("f1", "cross"), ("kept", "kept")):
+                row[f"{mode} {key}"] = [result.before[group][mode]["f1@0.5"], result.after[group][mode]["f1@0.5"]]
+            for word in DISTRACTORS:
+                row[f"{mode} {word}"] = [result.before["kept"][mode]["per_label"].get(word),
+                                         result.after["kept"][mode]["per_label"].get(word)]  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
+def forgetting_table(rows: list[dict]) -> str:
+    lines = [
+        "| replay | mode | cross before -> after | circle before -> after | square before -> after |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for mode in DEMO_OPTIONS.eval_modes:
+            cells = [" -> ".join(f"{v:.2f}" for v in row[f"{mode} {k}"]) for k in ("cross", *DISTRACTORS)]
+            lines.append(f"| {row['replay']} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def random_model(preset: str, quantize: str | None, dtype: str = "bfloat16") -> Base:
@@ -231,7 +276,7 @@ def run_inference(preset: str, dtype: str, iters: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=("demo", "inference", "3b"), help="one part only")
+    p.add_argument("--only", choices=("demo", "forgetting", "inference", "3b"), help="one part only")
     p.add_argument("--demo-dtype", default="float32", help="the demo base's dtype (default float32)")
     p.add_argument("--checkpointed-only", action="store_true", help="3b: only the gradient-checkpointing rows")
     p.add_argument("--steps", type=int, default=8, help="3b: steps per configuration (the first 2 are warm-up)")
@@ -251,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"demo {mode}: F1@0.5 {report['demo']['before']['f1'][mode]['f1@0.5']:.3f} -> {after['f1@0.5']:.3f}"
                 )
+        if args.only in (None, "forgetting"):
+            report["forgetting"] = run_forgetting(work, args.demo_dtype)
         if args.only in (None, "inference"):
             report["inference"] = run_inference(args.preset, args.dtype, args.iters)
         if args.only in (None, "3b"):
@@ -267,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out}")
+    if "forgetting" in report:
+        print(forgetting_table(report["forgetting"]))
     return 0
 
 

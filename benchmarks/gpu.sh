@@ -5,13 +5,22 @@
 #   bash benchmarks/gpu.sh install .whl/cuda.part03 .whl/mlx-0.32.4-*.whl .whl/tqdm-*.whl   # carries 64 MiB a call)
 #   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory
 #
+# The folder beside mlx-vlm's batch_generate: its 21 wheels (21 MB; benchmarks/peer-gpu-requirements.txt says how
+# to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first (after
+# install):
+#   mv .gpu/peer/transformers-*.whl .gpu/                                         # once, here
+#   bash benchmarks/gpu.sh peer-part .gpu/transformers-5.24.0-py3-none-any.whl    # carry that file (13.5 MB)
+#   bash benchmarks/gpu.sh peer .gpu/peer/*.whl                                   # carry .gpu/peer (7.5 MB)
+#
 # Every step writes its JSON under $OUT (the device tool brings it back). PRESET (default 3b) and FOLDER (default
-# 64 images) may be set to dry-run a step on a CPU with a small preset.
+# 64 images) may be set to dry-run a step on a CPU with a small preset; PEER (a python with mlx-vlm 0.7.10, such as
+# .bench/venv/bin/python) skips the peer's wheels, PEER_BATCH (default 16) sets the peer step's batch sizes.
 set -euo pipefail
 W=/root/w
 SITE=/root/site
 PRESET=${PRESET:-3b}
 FOLDER=${FOLDER:-64}
+PEER_BATCH=${PEER_BATCH:-16}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 step=$1
@@ -26,6 +35,20 @@ install)
     cat $W/cuda.part* >$W/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl && rm $W/cuda.part*
     python3 -m pip install -q --no-deps --no-index --no-compile --target $SITE $W/*.whl
     ;;
+peer-part)
+    mkdir -p $W/peer && cp "$@" $W/peer/
+    exit 0
+    ;;
+peer)
+    if [ -z "${PEER:-}" ]; then # mlx-vlm in its own folder, beside MLX's: our side never imports it
+        mkdir -p $W/peer
+        [ $# -eq 0 ] || cp "$@" $W/peer/ # a rerun on the same machine brings none
+        python3 -m pip install -q --no-deps --no-index --no-compile --upgrade --target /root/peer $W/peer/*.whl
+        printf '#!/bin/sh\nPYTHONPATH=%s:/root/peer exec python3 "$@"\n' $SITE >$W/peer-python
+        chmod +x $W/peer-python
+        PEER=$W/peer-python
+    fi
+    ;;
 esac
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 python3 -c "import mlx.core as mx; print(mx.__version__, mx.default_device())"
@@ -38,6 +61,12 @@ steps) # the step's cost by sequences per step, at 1,024 cached tokens each; the
 folder) # a folder of 640x480 images, one query each, at 1 and 16 sequences (and between), every mode
     $bench --batch 1 4 16 64 --contexts 1024 --iters 3 --folder "$FOLDER" --modes fast hybrid slow \
         --max-tokens 48 --json "$OUT/gpu_folder_$PRESET.json"
+    ;;
+peer) # the folder beside mlx-vlm's batch_generate: the same random checkpoint (written to disk for both), images,
+    # prompt and 48 new tokens at most
+    python3 benchmarks/bench.py --preset "$PRESET" --dtype bfloat16 --batch $PEER_BATCH --contexts 1024 --iters 3 \
+        --folder "$FOLDER" --modes fast hybrid slow --max-tokens 48 --peer "$PEER" \
+        --json "$OUT/gpu_folder_peer_$PRESET.json"
     ;;
 quant) # the q8 and mixed_4_8 conversions of the same random weights
     for q in q8 mixed_4_8; do

@@ -4,13 +4,17 @@ Run with the peer virtualenv's python (benchmarks/README.md), not ours:
 
     LD_PRELOAD=$OPENBLAS .bench/venv/bin/python benchmarks/peer_mlxvlm.py --model DIR --image IMG \
         (--prompt-ids IDS | --query TEXT) --mode slow|fast|hybrid|generate [--max-tokens 64] [--repeat 3]
+    .bench/venv/bin/python benchmarks/peer_mlxvlm.py --model DIR --image IMG... --query TEXT --mode batch \
+        --batch-size 4 [--max-tokens 48]
 
 `--model` is a checkpoint in the original Hugging Face layout (mlx-vlm's `load` renames it in `sanitize`).
 Modes slow/fast/hybrid drive mlx-vlm's own `PBDDecoder` (what `Model.pbd_generate` runs), with its language model
 wrapped to count forwards and its decision methods wrapped to record what each step committed. `generate` is
 mlx-vlm's plain `stream_generate` (what `python -m mlx_vlm.generate` runs: greedy AR, stops on every eos id).
-`--prompt-ids` (a JSON list, or a JSON file holding a list or an object with `input_ids`, such as a golden case)
-feeds exactly our prompt; `--query` renders it the mlx-vlm way (Jinja template, no `<image K>`).
+`batch` is mlx-vlm's `batch_generate` (greedy AR) over the images in calls of `--batch-size` images, each with
+the same `--query`, after one warm-up call. `--prompt-ids` (a JSON list, or a JSON file holding a list or an
+object with `input_ids`, such as a golden case) feeds exactly our prompt; `--query` renders it the mlx-vlm way
+(Jinja template, no `<image K>`).
 """
 
 from __future__ import annotations
@@ -24,17 +28,18 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("slow", "fast", "hybrid", "generate")
+MODES = ("slow", "fast", "hybrid", "generate", "batch")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, type=Path, help="checkpoint folder, original HF layout")
-    p.add_argument("--image", required=True, type=Path)
+    p.add_argument("--image", required=True, type=Path, nargs="+", help="one image; with --mode batch, the folder")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", help="JSON list of ids, or a JSON file (list or object with input_ids)")
     src.add_argument("--query", help="task text, e.g. 'Locate all the instances that matches ...: red box.'")
     p.add_argument("--mode", choices=MODES, default="hybrid")
+    p.add_argument("--batch-size", type=int, help="with --mode batch: images per batch_generate call (default 1)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=1, help="requests after load; timings are the median run")
     p.add_argument("--dtype", choices=("stored", "float32", "bfloat16"), default="stored")
@@ -202,14 +207,153 @@ def run_plain(model, processor, prompt, image_path, max_tokens, t_request):
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.mode == "generate" and args.query is None:
-        raise SystemExit("--mode generate needs --query (stream_generate renders and tokenizes the prompt itself)")
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what a mode cannot do (through `parser.error`: usage, the reason, exit status 2)."""
+    batch = args.mode == "batch"
+    if args.mode in ("generate", "batch") and args.query is None:
+        parser.error(f"--mode {args.mode} needs --query (mlx-vlm renders and tokenizes the prompt itself)")
+    if len(args.image) > 1 and not batch:
+        parser.error(f"--mode {args.mode} takes one --image; several are for --mode batch")
+    if args.batch_size is not None and not batch:
+        parser.error("--batch-size is for --mode batch")
+    if batch and (args.repeat != 1 or args.trace):
+        parser.error("--mode batch times one run over every image after a warm-up call: no --repeat or --trace")
+    if args.batch_size is not None and args.batch_size < 1:
+        parser.error(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    missing = [str(path) for path in args.image if not path.is_file()]
+    if missing:
+        parser.error(f"--image: no such file: {', '.join(missing)}")
 
+
+def batches(items: list, size: int) -> list[list]:
+    """`items` in consecutive calls of `size` (the last one shorter)."""
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def ids_by_image(groups: list[list[int]], rows: list[list[list[int]]]) -> list[list[int]]:
+    """Token ids per image in the caller's order, from `batch_generate`'s shape groups (image indices, in the
+    order it ran them) and each group's rows (in the order it inserted them)."""
+    if [len(g) for g in groups] != [len(r) for r in rows]:
+        raise ValueError(f"batch_generate ran groups of {[len(r) for r in rows]} rows for images {groups}")
+    out: list[list[int] | None] = [None] * sum(len(g) for g in groups)
+    for group, group_rows in zip(groups, rows, strict=True):
+        for index, ids in zip(group, group_rows, strict=True):
+            out[index] = ids
+    return out
+
+
+def recording_generator(base: type, made: list) -> type:
+    """A subclass of mlx-vlm's `BatchGenerator` that keeps the token ids it hands `batch_generate` (which keeps
+    only text): each instance, one per shape group, joins `made` with its rows in insertion order."""
+
+    class Recording(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.uids: list[int] = []
+            self.ids: dict[int, list[int]] = {}
+            made.append(self)
+
+        def insert(self, *args, **kwargs):
+            uids = super().insert(*args, **kwargs)
+            self.uids += list(uids)
+            return uids
+
+        def next(self, **kwargs):
+            prompts, generated = super().next(**kwargs)
+            for r in generated:
+                if r.finish_reason != "stop":  # batch_generate's own rule: the stop token is not output
+                    self.ids.setdefault(r.uid, []).append(int(r.token))
+            return prompts, generated
+
+        def rows(self) -> list[list[int]]:
+            return [self.ids.get(uid, []) for uid in self.uids]
+
+    return Recording
+
+
+def run_batch(model, processor, images: list[Path], query: str, batch_size: int, max_tokens: int) -> dict:
+    """mlx-vlm's `batch_generate` over `images` in calls of `batch_size`, one `query` each, greedy (its default
+    sampler), after one warm-up call on the first batch: seconds and images/s over the whole run, peak memory,
+    the token ids per image."""
+    import mlx.core as mx
+    from mlx_vlm.generate import ar
+    from mlx_vlm.utils import load_image
+
+    made: list = []
+    ar.BatchGenerator = recording_generator(ar.BatchGenerator, made)  # what batch_generate builds, per group
+
+    def call(chunk: list[Path]):
+        return ar.batch_generate(
+            model, processor, images=[str(p) for p in chunk], prompts=[query] * len(chunk), max_tokens=max_tokens
+        )
+
+    chunks = batches(images, batch_size)
+    t = time.perf_counter()
+    call(chunks[0])
+    warmup = time.perf_counter() - t
+    made.clear()
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    responses = [call(chunk) for chunk in chunks]
+    seconds = time.perf_counter() - t
+    peak = int(mx.get_peak_memory())
+    ids: list[list[int]] = []
+    for chunk in chunks:  # the groups batch_generate formed, from its own loader and grouping
+        _, grouped = ar.group_images_by_shape([load_image(str(p)) for p in chunk])
+        groups = list(grouped.values())
+        ids += ids_by_image(groups, [made.pop(0).rows() for _ in groups])
+    stats = [r.stats for r in responses]
+    return {
+        "batch_size": batch_size,
+        "batch_calls": len(chunks),
+        "images": len(images),
+        "images_per_s": len(images) / seconds,
+        "seconds": seconds,
+        "warmup_seconds": warmup,
+        "tokens_per_image": [len(x) for x in ids],
+        "generated_ids": ids,
+        "peak_memory_bytes": peak,
+        "mlxvlm_stats": {
+            "prompt_tokens": sum(s.prompt_tokens for s in stats),
+            "prompt_s": sum(s.prompt_time for s in stats),
+            "generation_tokens": sum(s.generation_tokens for s in stats),
+            "generation_s": sum(s.generation_time for s in stats),
+        },
+    }
+
+
+def describe(model, args: argparse.Namespace) -> dict:
+    """What every report starts with: the peer, its versions, device, BLAS, checkpoint and dtype."""
     import mlx.core as mx
     import mlx_vlm
     import transformers
+
+    return {
+        "peer": "mlx-vlm",
+        "versions": {
+            "mlx_vlm": mlx_vlm.__version__,
+            "mlx": mx.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "device": str(mx.default_device()),
+        "blas": blas_info(),
+        "model": str(args.model),
+        "dtype": args.dtype,
+        "weights_dtype": str(model.language_model.model.embed_tokens.weight.dtype),
+        "mode": args.mode,
+        "max_tokens": args.max_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+
+    import mlx.core as mx
     from mlx_vlm import load
     from mlx_vlm.prompt_utils import apply_chat_template
     from PIL import Image
@@ -227,15 +371,24 @@ def main(argv: list[str] | None = None) -> int:
     prompt_text = None
     if args.query is not None:
         prompt_text = apply_chat_template(processor, cfg, args.query, num_images=1)
+    if args.mode == "batch":  # batch_generate renders each prompt as above
+        out = run_batch(model, processor, args.image, args.query, args.batch_size or 1, args.max_tokens)
+        out = describe(model, args) | {"query": args.query, "prompt_text": prompt_text} | out
+        out["timings_s"] = {"load": t_load}
+        out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    image_path = args.image[0]
 
     runs = []
     for _ in range(max(1, args.repeat)):
         mx.reset_peak_memory()
         t_request = time.perf_counter()
-        image = Image.open(args.image)
+        image = Image.open(image_path)
         info = {"image_size": list(image.size)}
         if args.mode == "generate":
-            res = run_plain(model, processor, prompt_text, args.image, args.max_tokens, t_request)
+            res = run_plain(model, processor, prompt_text, image_path, args.max_tokens, t_request)
             t_pre = t_vis = None
         else:
             if prompt_ids is None:
@@ -274,22 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     n_gen = len(best["generated_ids"])
     n_boxes = count_boxes(best["generated_ids"], cfg)
     decode = best["t_decode"]
-    out = {
-        "peer": "mlx-vlm",
-        "versions": {
-            "mlx_vlm": mlx_vlm.__version__,
-            "mlx": mx.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
-        "device": str(mx.default_device()),
-        "blas": blas_info(),
-        "model": str(args.model),
-        "dtype": args.dtype,
-        "weights_dtype": str(model.language_model.model.embed_tokens.weight.dtype),
-        "image": str(args.image),
-        "mode": args.mode,
-        "max_tokens": args.max_tokens,
+    out = describe(model, args) | {
+        "image": str(image_path),
         "prompt_source": "ids" if prompt_ids else "query",
         **{k: best.get(k) for k in ("image_size", "grid_hw", "num_image_tokens", "prompt_len")},
         "generated_ids": best["generated_ids"],

@@ -30,7 +30,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
         False,
     ),
     ("memory", ("memory",), False),
-    ("weights", ("checkpoint", "lora", "loader", "random_checkpoint"), False),
+    ("weights", ("checkpoint", "lora", "loader", "random_checkpoint", "cards"), False),
     ("decoding", ("compiled", "sampling", "decide", "row_decoder"), False),
     ("requests", ("request", "runtime", "tiles", "engine"), False),
     ("API", ("locate", "__init__"), False),
@@ -38,7 +38,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("training", ("tuner",), False),
     (
         "commands and servers",
-        ("generate", "batch", "cluster", "video", "convert", "finetune", "eval", "evaluate", "server"),
+        ("generate", "batch", "cluster", "video", "convert", "finetune", "evaluate", "server"),
         True,
     ),
 )

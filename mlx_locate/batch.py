@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help=f"keep {' and '.join(LEAN_DROPPED)} in the JSONL")
     p.add_argument("--coco", metavar="PATH", help="also write COCO detection results (and PATH's .images.json)")
     p.add_argument("--draw", metavar="DIR", help="save each image with its objects drawn as DIR/<name>.png")
-    p.add_argument("--overwrite", action="store_true", help="let --coco and --draw replace existing files")
+    cli.add_overwrite(p, "existing --coco files and --draw drawings")
 
     m = p.add_argument_group("many machines")
     m.add_argument("--shard", type=shard_spec, metavar="I/N", help="run only part I of N (1-based; a hash of the path)")

@@ -94,9 +94,22 @@ def add_model(p: argparse.ArgumentParser, adapter: bool = True) -> None:
         help="checkpoint folder, Hugging Face hub id (e.g. nvidia/LocateAnything-3B) or 'demo' (default: demo, "
         "the bundled tiny model trained on synthetic shapes)",
     )
-    p.add_argument("--dtype", choices=list(DTYPES), help="cast the weights (default: as stored; float32 on a CPU)")
+    add_dtype(p)
     if adapter:
         p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder on top of --model (ours or PEFT's)")
+
+
+def add_dtype(p, default: str | None = None, what: str = "cast the weights (default: as stored; float32 on a CPU)"):
+    p.add_argument("--dtype", choices=list(DTYPES), default=default, help=what)
+
+
+def add_overwrite(p, what: str) -> None:
+    """--overwrite (alias --force): let the command replace `what`; nothing the user owns is replaced without it."""
+    p.add_argument("--overwrite", "--force", dest="overwrite", action="store_true", help=f"replace {what}")
+
+
+def add_json(p, what: str = "print one JSON object instead of text") -> None:
+    p.add_argument("--json", action="store_true", help=what)
 
 
 def load_model(args: argparse.Namespace):

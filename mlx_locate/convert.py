@@ -616,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--hf-path", required=True, help="source folder or Hugging Face hub id")
     parser.add_argument("--mlx-path", required=True, type=Path, help="destination folder")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=DEFAULT_DTYPE, help="float dtype of the output")
+    cli.add_dtype(parser, DEFAULT_DTYPE, "float dtype of the output (default: %(default)s)")
     parser.add_argument(
         "-q",
         "--quantize",
@@ -626,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantization preset (see below)",
     )
     parser.add_argument("--report", action="store_true", help="compare the result with the source; writes report.json")
-    parser.add_argument("--force", action="store_true", help="replace an existing --mlx-path")
+    cli.add_overwrite(parser, "an existing --mlx-path")
     parser.add_argument("--adapter", help="LoRA adapter folder (mlx-locate-finetune's or PEFT's); needs --fuse")
     parser.add_argument("--fuse", action="store_true", help="merge --adapter into the written weights")
     cli.add_progress(parser)
@@ -640,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--adapter and --fuse go together (to run an unmerged adapter: mlx-locate --adapter)")
     try:
         dst = convert(
-            args.hf_path, args.mlx_path, args.dtype, args.quantize, args.force, args.adapter, not args.no_progress
+            args.hf_path, args.mlx_path, args.dtype, args.quantize, args.overwrite, args.adapter, not args.no_progress
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,7 +4,7 @@
     mlx-locate --model demo --adapter adapters/ --image shot.png --query "my part"
 
 `--data` is LocateAnything SFT JSONL, a recipe JSON of such files, or COCO instances (`tuner/datasets.py`).
-The training itself is `tuner/finetune.py`.
+The training itself is `tuner/finetune.py`; replay, which keeps what the base knew, `tuner/replay.py`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ import argparse
 import json
 import sys
 
+from tqdm import tqdm
+
 from . import cli
 from .lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
-from .tuner.datasets import read_data, split
-from .tuner.finetune import MODES, FinetuneOptions, finetune, load_base
+from .tuner.datasets import norm_label, read_data, split
+from .tuner.finetune import MODES, FinetuneOptions, finetune, fmt, load_base
 
 DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_DROPOUT = 64, 128.0, 0.05  # NVIDIA's LoRA script
 DEFAULT_HELD_OUT = 0.1
+DEFAULT_REPLAY = FinetuneOptions.replay
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--grad-checkpoint", action="store_true", help="recompute decoder activations (less memory)")
     t.add_argument("--no-compile", action="store_true")
+
+    r = p.add_argument_group("replay: keep what the base knew")
+    r.add_argument(
+        "--replay",
+        type=float,
+        default=DEFAULT_REPLAY,
+        metavar="FRACTION",
+        help=f"share of each batch that replays the base's own answers about the kept categories (default: "
+        f"{DEFAULT_REPLAY}; 0: off)",
+    )
+    r.add_argument(
+        "--keep-categories",
+        metavar="A,B,...",
+        help="categories to keep, comma-separated (default: those the model card names: the demo's shapes, "
+        "COCO's 80 for LocateAnything-3B)",
+    )
 
     lo = p.add_argument_group("LoRA")
     lo.add_argument("--rank", type=int, default=DEFAULT_RANK, help="decoder LoRA rank (default: 64)")
@@ -96,15 +115,29 @@ def options(args: argparse.Namespace) -> FinetuneOptions:
         eval_modes=tuple(args.eval_modes),
         eval_max_tokens=args.eval_max_tokens,
         save_every=args.save_every,
+        replay=args.replay,
+        keep_categories=None if args.keep_categories is None else tuple(args.keep_categories.split(",")),
     )
 
 
 def summary_table(result) -> str:
-    lines = ["mode      F1@0.5 before   after"]
+    """Held-out F1@0.5 per mode before and after, of the data and of the kept categories (the forgetting line)."""
+    kept = bool(result.after.get("kept"))
+    lines = ["mode      data F1@0.5 before  after" + ("   kept F1@0.5 before  after" if kept else "")]
     for mode, after in result.after["f1"].items():
-        before = result.before["f1"].get(mode, {}).get("f1@0.5")
-        cells = [f"{v:>13.3f}" if v is not None else f"{'-':>13}" for v in (before, after["f1@0.5"])]
-        lines.append(f"{mode:<8}" + "".join(cells))
+        cells = [result.before["f1"].get(mode, {}).get("f1@0.5"), after["f1@0.5"]]
+        if kept:
+            cells += [result.before["kept"][mode]["f1@0.5"], result.after["kept"][mode]["f1@0.5"]]
+        lines.append(
+            f"{mode:<8}" + "".join(f"{fmt(v):>{w}}" for v, w in zip(cells, (20, 7, 21, 7)[: len(cells)], strict=True))
+        )
+    if kept:  # the forgetting line, per kept category that the held-out set has (or the model answered)
+        mode = next(iter(result.after["kept"]))
+        before, after = (r["kept"][mode]["per_label"] for r in (result.before, result.after))
+        names = [c for c in result.kept if norm_label(c) in before or norm_label(c) in after]
+        cells = [f"{c} {fmt(before.get(norm_label(c)))} -> {fmt(after.get(norm_label(c)))}" for c in names[:8]]
+        more = f", ... ({len(names)})" if len(names) > 8 else ""
+        lines.append(f"kept categories, {mode}, F1 against {result.kept_truth}: {', '.join(cells)}{more}")
     return "\n".join(lines)
 
 
@@ -129,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             force=args.force,
             progress=not args.no_progress,
             draw=not args.no_plot,
-            say=lambda line: print(line, file=sys.stderr),
+            say=lambda line: tqdm.write(line, file=sys.stderr),
         )
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -142,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         "samples_per_s": result.samples_per_s,
         "peak_memory_bytes": result.peak_memory_bytes,
         "trainable_parameters": result.trainable_parameters,
+        "replay_samples": result.replay_samples,
+        "kept_categories": list(result.kept),
+        "kept_truth": result.kept_truth,
     }
     if args.json:
         print(json.dumps(summary, indent=1))

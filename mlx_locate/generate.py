@@ -47,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_sampling(p)
     cli.add_tiling(p)
     o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    cli.add_json(o)
     o.add_argument("--draw", metavar="PATH", help="save the image with the boxes, points and labels drawn")
-    o.add_argument("--overwrite", action="store_true", help="let --draw replace an existing file")
+    cli.add_overwrite(o, "an existing --draw file")
     return p
 
 

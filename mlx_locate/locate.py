@@ -39,13 +39,19 @@ class LocateModel(Runtime):
         return Engine(self, max_rows, schedule)
 
     def locate_many(
-        self, requests: Iterable[Request], *, max_rows: int | None = None, progress: bool = False
+        self,
+        requests: Iterable[Request],
+        *,
+        max_rows: int | None = None,
+        progress: bool = False,
+        desc: str | None = None,
     ) -> list[Result | RequestError]:
         """Run every request through one batched engine; results in request order. A request that cannot run
-        gives its `RequestError` in its place and the others go on. `progress` shows a bar on stderr."""
+        gives its `RequestError` in its place and the others go on. `progress` shows a bar on stderr, named
+        `desc`."""
         engine = self.engine(max_rows)
         handles = [engine.submit(r) for r in requests]
-        with tqdm(total=len(handles), disable=not progress, unit="req") as bar:
+        with tqdm(total=len(handles), disable=not progress, unit="req", desc=desc) as bar:
             while not engine.idle:
                 bar.update(sum(e.kind in (EventKind.DONE, EventKind.ERROR) for e in engine.step()))
         return [h.result if h.result is not None else h.error for h in handles]

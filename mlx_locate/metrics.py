@@ -353,7 +353,7 @@ def coco_path(per_category: dict[object, dict[float, CocoPR]]) -> CocoPath:
     )
 
 
-# --- The synthetic evaluation's pooled rules (`mlx_locate.eval`) -----------------------------------------
+# --- Hit counts outside the paper's scores (the tiling tests and benchmark) ---------------------------------------
 
 
 def greedy_match(preds: list[tuple[float, ...]], gts: list[tuple[float, ...]], floor: float) -> list[float]:
@@ -373,18 +373,3 @@ def greedy_match(preds: list[tuple[float, ...]], gts: list[tuple[float, ...]], f
             used_g.add(j)
             matched.append(value)
     return matched
-
-
-def match_points(points: list[tuple[float, float]], boxes: list[tuple[float, ...]]) -> int:
-    """Points inside a ground-truth box, matched greedily by distance to the box centre, each box once."""
-    pairs = []
-    for i, (x, y) in enumerate(points):
-        for j, (x1, y1, x2, y2) in enumerate(boxes):
-            if x1 <= x <= x2 and y1 <= y <= y2:
-                pairs.append((np.hypot(x - (x1 + x2) / 2, y - (y1 + y2) / 2), i, j))
-    used_p, used_g = set(), set()
-    for _, i, j in sorted(pairs):
-        if i not in used_p and j not in used_g:
-            used_p.add(i)
-            used_g.add(j)
-    return len(used_p)

@@ -111,6 +111,17 @@ def task_text(task: str, query: str | list[str] | None = None) -> str:
     return user_text(task, query).text
 
 
+def parse_task_text(text: str) -> tuple[str, list[str]] | None:
+    """The task and query of a user text that `task_text` builds (`detect`: its categories), or None for any
+    other text."""
+    for task, template in TASK_TEMPLATES.items():
+        head, mark, tail = template.partition("{}")
+        if mark and text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail):
+            query = text[len(head) : len(text) - len(tail)]
+            return task, query.split(CATEGORY_SEPARATOR) if task == "detect" else [query]
+    return None
+
+
 def _chat_head(grammar: str, num_images: int, rendering: str) -> str:
     """What comes before the user text: the system turn and the images not placed in `grammar` already."""
     if rendering not in _SYSTEM:

@@ -292,12 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, type=Path, help="destination folder (must be empty)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="(default: %(default)s)")
     parser.add_argument(
         "--tokenizer", type=Path, default=None, help=f"tokenizer folder (default {DEFAULT_TOKENIZER_DIR})"
     )
     parser.add_argument("--layer-std", type=float, default=None, help="std of the LM linear weights (preset default)")
-    parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    parser.add_argument(
+        "--overwrite", "--force", dest="overwrite", action="store_true", help="replace a non-empty --out"
+    )
     return parser
 
 
@@ -306,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {"layer_std": args.layer_std} if args.layer_std is not None else None
     try:
         out = make_random_checkpoint(
-            args.out, args.preset, args.seed, args.dtype, args.tokenizer, overrides=overrides, force=args.force
+            args.out, args.preset, args.seed, args.dtype, args.tokenizer, overrides=overrides, force=args.overwrite
         )
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)

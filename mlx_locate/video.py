@@ -561,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="JSONL, one line per sampled frame; an existing file is resumed")
     p.add_argument("--annotated", metavar="PATH", help="write the sampled frames with boxes and track ids drawn")
     p.add_argument("--mot", metavar="PATH", help="write the tracks in MOT Challenge format")
-    p.add_argument("--overwrite", action="store_true", help="let --annotated and --mot replace existing files")
+    cli.add_overwrite(p, "existing --annotated and --mot files")
     cli.add_progress(p)
     cli.add_decoding(p)
     cli.add_sampling(p)

@@ -11,9 +11,10 @@ import faster_coco_eval
 import numpy as np
 import pytest
 
-from mlx_locate import evaluate as ev
-from mlx_locate import load, metrics
+from mlx_locate import RequestError, load, metrics
 from mlx_locate.evaluate import main
+from mlx_locate.evaluation import formats, predict, score, synthetic
+from mlx_locate.parse import LocatedObject
 from mlx_locate.tuner.synthetic import make_sample
 
 N_SCENES = 6
@@ -42,7 +43,7 @@ def data_args(bench, names=DATA) -> list[str]:
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
-    ev.export_benchmark(folder, N_SCENES)
+    synthetic.export_benchmark(folder, N_SCENES)
     return folder
 
 
@@ -56,16 +57,16 @@ def run(bench, tmp_path_factory):
 
 
 def test_export_writes_the_benchmark_in_each_format(bench):
-    jsonl = ev.load_benchmark(bench / "synthetic.jsonl")
-    coco = ev.load_benchmark(bench / "synthetic_coco.json")
-    gui = ev.load_benchmark(bench / "synthetic_screenspot.json")
+    jsonl = formats.load_benchmark(bench / "synthetic.jsonl")
+    coco = formats.load_benchmark(bench / "synthetic_coco.json")
+    gui = formats.load_benchmark(bench / "synthetic_screenspot.json")
     assert (jsonl.kind, coco.kind, gui.kind) == ("jsonl", "coco", "screenspot")
     assert {s.task_name for s in jsonl.samples} == {"common_object_detection", "pointing", "referring_object_detection"}
     for s in jsonl.samples:
         sample = make_sample(0, s.index, "eval")
         assert s.image_path == f"images/{s.index:05d}.png" and (bench / s.image_path).is_file()
         if s.task_name == "pointing":  # masks: the shape's pixels, inside its box
-            regions = ev.decode_regions(s.gt)[s.categories[0]]
+            regions = formats.decode_regions(s.gt)[s.categories[0]]
             assert len(regions) == len(sample.task.targets)
             for mask, t in zip(regions, sample.task.targets, strict=True):
                 x1, y1, x2, y2 = t.box
@@ -73,9 +74,9 @@ def test_export_writes_the_benchmark_in_each_format(bench):
         else:
             assert sorted(b for v in s.gt.values() for b in v) == sorted(list(t.box) for t in sample.task.targets)
     assert len(coco.coco["images"]) == N_SCENES and coco.samples[0].task_name == "common_object_detection"
-    assert all(set(s.fields) == set(ev.GUI_FIELDS) and len(s.gt) == 4 for s in gui.samples)
+    assert all(set(s.fields) == set(formats.GUI_FIELDS) and len(s.gt) == 4 for s in gui.samples)
     with pytest.raises(ValueError, match="--overwrite"):
-        ev.export_benchmark(bench, 1)
+        synthetic.export_benchmark(bench, 1)
 
 
 def test_cli_reports_every_dataset_in_every_mode(run):
@@ -107,6 +108,74 @@ def test_cli_reports_every_dataset_in_every_mode(run):
     assert rows[("common_object_detection_synthetic_coco", "fast")]["passes_per_box"] < slow / 2
 
 
+TIMINGS = ("boxes_per_s", "s_per_image")  # wall-clock figures: the only ones two runs may differ in
+
+
+def test_the_synthetic_source_scores_as_its_exported_files(run, tmp_path):
+    """`--synthetic N` (scenes in memory) gives the rows and answers of `--export` + `--data` on the same scenes,
+    and names the COCO instances of its answers for `--predictions`."""
+    out, _ = run
+    code, _ = run_main(["--synthetic", str(N_SCENES), "--out", str(tmp_path / "mem")])
+    assert code == 0
+    report = json.loads((tmp_path / "mem" / "report.json").read_text())
+    assert report["synthetic"] == {"n": N_SCENES, "seed": 0}
+    files = {(r["dataset"], r["mode"]): r for r in json.loads((out / "report.json").read_text())["rows"]}
+    assert {(r["dataset"], r["mode"]) for r in report["rows"]} == {(d, "hybrid") for d in DATASETS}
+    for r in report["rows"]:
+        expected = files[(r["dataset"], r["mode"])]
+        assert {k: v for k, v in r.items() if k not in TIMINGS} == {
+            k: v for k, v in expected.items() if k not in TIMINGS
+        }, r["dataset"]
+    for name in DATA:
+        stem = name.split(".")[0]
+        mine, theirs = (formats.read_answers(folder / f"{stem}_hybrid.jsonl") for folder in (tmp_path / "mem", out))
+        for a, b in zip(mine, theirs, strict=True):
+            del a["stats"]["wall_s"], b["stats"]["wall_s"]
+        assert mine == theirs
+    answers = str(tmp_path / "mem" / "synthetic_coco_hybrid.jsonl")
+    code, printed = run_main(["--predictions", answers, "--synthetic", str(N_SCENES)])
+    assert code == 0 and "common_object_detection_synthetic_coco (COCO path) | hybrid" in printed
+
+
+def test_requests_at_the_token_cap_are_counted(tmp_path):
+    code, printed = run_main(["--synthetic", "2", "--max-tokens", "4", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    rows = {r["dataset"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    coco = rows["common_object_detection_synthetic_coco"]  # every scene has shapes: no answer fits in 4 tokens
+    assert coco["capped"] == coco["samples"] == 2 and rows["pointing_Synthetic"]["capped"] == 0  # it said None
+    assert "requests stopped at the --max-tokens cap" in printed
+
+
+def located(label: str | None, box: list[int]) -> LocatedObject:
+    return LocatedObject(label, None, tuple(box), None, None, None)
+
+
+def test_located_objects_are_scored_by_the_paper_rules():
+    """Per sample, averaged (not pooled): a detection box may match another asked label's GT, a label nobody
+    asked for is a false positive, referring pools the labels; a sample with no box on either side is left out."""
+    a, b = [0, 0, 100, 100], [500, 500, 600, 600]
+    pairs = [
+        ([located("cat", a), located("dog", b)], [located("dog", a), located("cow", b)]),
+        ([located("cat", a)], [located("cat", [0, 0, 100, 30])]),  # IoU 0.3
+        ([], []),
+        ([located("cat", a)], [located("cat", [100, 100, 0, 0])]),  # corners in any order
+        ([], [located("cat", b)]),  # a box where the truth has none: P = R = 0
+    ]
+    # Detection: sample 1 matches 1 of 2 (the cow box is unasked), P = R = 1/2; sample 2: 0; 4: 1; 5: 0.
+    # Referring: sample 1 matches both.
+    scores = score.located_f1(pairs)
+    assert (scores.f1, scores.box_f1, scores.pred, scores.gt) == (pytest.approx(1.5 / 4), pytest.approx(2 / 4), 5, 4)
+    lines = [
+        {"gt": {"cat": [a], "dog": [b]}, "extracted_predictions": {"dog": [a], "cow": [b]}},
+        {"gt": {"cat": [a]}, "extracted_predictions": {"cat": [[0, 0, 100, 30]]}},
+        {"gt": {"cat": [a]}, "extracted_predictions": {"cat": [a]}},
+        {"gt": {}, "extracted_predictions": {"cat": [b]}},
+    ]
+    (row,) = score.score_lines([{**ln, "task_name": score.DETECTION, "dataset_name": "x"} for ln in lines], "m")
+    assert scores.f1 == row.f1_50
+    assert score.located_f1([([], [])]) == score.LocatedF1(None, None, 0, 0)
+
+
 @pytest.fixture(scope="module")
 def model():
     return load("demo")
@@ -114,10 +183,10 @@ def model():
 
 def test_answer_lines_are_the_single_request_answers(run, bench, model):
     out, _ = run
-    answers = ev.read_answers(out / "synthetic_hybrid.jsonl") + ev.read_answers(
+    answers = formats.read_answers(out / "synthetic_hybrid.jsonl") + formats.read_answers(
         out / "synthetic_screenspot_hybrid.jsonl"
     )
-    assert all(set(ev.GUI_FIELDS) <= set(a) for a in answers[N_SCENES:])
+    assert all(set(formats.GUI_FIELDS) <= set(a) for a in answers[N_SCENES:])
     for a in answers[:3] + answers[N_SCENES:][:1]:
         for key in (
             "image_path",
@@ -134,7 +203,7 @@ def test_answer_lines_are_the_single_request_answers(run, bench, model):
         task = {"common_object_detection": "detect", "referring_object_detection": "refer"}.get(a["task_name"], "point")
         query = "</c>".join(a["categories"])
         result = model.locate(
-            bench / a["image_path"], query, task=task, mode="hybrid", max_tokens=ev.DEFAULT_MAX_TOKENS
+            bench / a["image_path"], query, task=task, mode="hybrid", max_tokens=predict.DEFAULT_MAX_TOKENS
         )
         expected: dict[str, list] = {}
         for o in result.objects:
@@ -148,7 +217,7 @@ def library_pr(coco: dict, results: list[dict]) -> dict[int, dict[float, metrics
     """faster-coco-eval's own recall and precision at that recall, per category and threshold, from its
     accumulated arrays (area 'all', 100 detections), with the constant score."""
     gt = faster_coco_eval.COCO(coco, use_deepcopy=True)
-    results = [{**r, "score": ev.CONSTANT_SCORE} for r in results]
+    results = [{**r, "score": score.CONSTANT_SCORE} for r in results]
     e = faster_coco_eval.COCOeval_faster(gt, gt.loadRes(results), iouType="bbox", print_function=lambda *a: None)
     e.run()
     precision, recall = e.eval["precision"], e.eval["recall"]  # (T, R, K, A, M), (T, K, A, M)
@@ -206,15 +275,15 @@ def harder(coco: dict) -> list[dict]:
 
 def test_coco_path_matches_the_coco_library(run, bench):
     out, _ = run
-    lines = ev.read_answers(out / "synthetic_coco_hybrid.jsonl")
+    lines = formats.read_answers(out / "synthetic_coco_hybrid.jsonl")
     checked = 0
     for gt, answers in (
         (gt, answers)
         for gt in harder(json.loads((bench / DATA[1]).read_text()))
         for answers in (lines, perturbed(lines))
     ):
-        per_category, results, _ = ev.coco_inputs(gt, answers)
-        ours, theirs = ev.coco_pr(per_category), library_pr(gt, results)
+        per_category, results, _ = score.coco_inputs(gt, answers)
+        ours, theirs = score.coco_pr(per_category), library_pr(gt, results)
         assert set(ours) == set(theirs)
         for cat in ours:
             for t in metrics.IOU_THRESHOLDS:
@@ -286,7 +355,7 @@ def test_an_answer_file_of_another_tool(tmp_path):
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     code, printed = run_main(["--predictions", str(path)])
     assert code == 0
-    rows = {r.dataset: r for r in ev.score_lines(ev.read_answers(path), "answer")}
+    rows = {r.dataset: r for r in score.score_lines(formats.read_answers(path), "answer")}
     det = rows["common_object_detection_Toy"]
     assert det.f1_50 == det.f1_mean == 0.5 and det.empty_scored_zero == 1  # P = R = (1 + 0) / 2
     assert det.without_empty == {"f1@0.5": 1.0, "f1@mean": 1.0, "samples": 1}
@@ -338,12 +407,12 @@ def test_bad_input_is_one_error_line(tmp_path, monkeypatch, capsys, argv, messag
 
 
 def test_a_failed_request_is_an_error_line_left_out_of_the_scores():
-    sample = ev.BenchSample(0, "gone.png", ["cat"], {"cat": [[0, 0, 10, 10]]}, "common_object_detection", "Toy")
-    asked = ev.queries(sample)
-    assert asked == [ev.Query("detect", "cat", None)]
-    line = ev.answer_line(sample, asked, [ev.RequestError("cannot read gone.png")], "hybrid", 0.01)
+    sample = formats.BenchSample(0, "gone.png", ["cat"], {"cat": [[0, 0, 10, 10]]}, "common_object_detection", "Toy")
+    asked = predict.queries(sample)
+    assert asked == [predict.Query("detect", "cat", None)]
+    line = predict.answer_line(sample, asked, [RequestError("cannot read gone.png")], "hybrid", 0.01)
     assert line["error"] == "cannot read gone.png" and line["extracted_predictions"] == {}
     good = {**line, "extracted_predictions": {"cat": [[0, 0, 10, 10]]}}
     del good["error"]
-    (row,) = ev.score_lines([line, good], "hybrid")
+    (row,) = score.score_lines([line, good], "hybrid")
     assert (row.samples, row.errors, row.f1_50) == (1, 1, 1.0)

@@ -178,3 +178,13 @@ def test_a_raw_prompt_keeps_the_grammar(tok):
     ids = prompt_ids(tok, text, [(2, 2)])
     assert ids == tok.encode(prompt_string(chat_text(text), [(2, 2)]))
     assert tok.added_tokens["<1000>"] in ids and tok.added_tokens["<ref>"] in ids
+
+
+def test_parse_task_text_inverts_task_text():
+    from mlx_locate.prompts import parse_task_text
+
+    assert parse_task_text(task_text("detect", ["red circle", "square"])) == ("detect", ["red circle", "square"])
+    assert parse_task_text(task_text("refer", "the blue star")) == ("refer", ["the blue star"])
+    assert parse_task_text(task_text("point", "star")) == ("point", ["star"])
+    assert parse_task_text("What is in the image?") is None
+    assert parse_task_text(task_text("ocr")) is None  # no query

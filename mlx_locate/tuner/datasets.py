@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import jsonl
 from ..parse import LocatedObject, parse_tokens
-from ..prompts import CATEGORY_SEPARATOR, prompt_ids, task_text
+from ..prompts import CATEGORY_SEPARATOR, parse_task_text, prompt_ids, task_text
 from ..tokenizer import Tokenizer
 from ..tokens import TokenIds
 from .synthetic import norm_coords
@@ -237,19 +237,15 @@ def norm_label(label: str | None) -> str:
     return (label or "").strip().lower()
 
 
-def box_counts(truth: list[LocatedObject], found: list[LocatedObject], labels: bool = True) -> tuple[int, int, int]:
-    """(matched at IoU 0.5, predicted, ground-truth) boxes of one sample in 0..1000 space: matched within each
-    label (case and spaces aside), or with `labels=False` regardless of them."""
-    from ..eval import greedy_match
+REF_RE = re.compile(r"<ref>(.*?)</ref>", re.DOTALL)
 
-    def key(o: LocatedObject) -> str:
-        return norm_label(o.label) if labels else ""
 
-    gts = [o for o in truth if o.box_norm is not None]
-    preds = [o for o in found if o.box_norm is not None]
-    matched = 0
-    for label in {key(o) for o in gts + preds}:
-        g = [o.box_norm for o in gts if key(o) == label]
-        p = [o.box_norm for o in preds if key(o) == label]
-        matched += len(greedy_match(p, g, 0.5))
-    return matched, len(preds), len(gts)
+def record_labels(record: Record) -> set[str]:
+    """What a record asks about (`norm_label`): the queries of its template prompts (each detection category)
+    and the `<ref>` labels of its answers."""
+    labels = set()
+    for turn in record.turns:
+        parsed = parse_task_text(turn.user)
+        labels |= {norm_label(q) for q in (parsed[1] if parsed else [])}
+        labels |= {norm_label(r) for r in REF_RE.findall(turn.answer)}
+    return labels - {""}

@@ -6,11 +6,13 @@ mixed_4_8 conversion) and never written. Each step is `train.Trainer`'s: the NTP
 sample in one sequence under the docs/training.md §2.2 mask, one float32 cross-entropy, AdamW with warmup and cosine
 decay.
 
-A frozen tower runs once per image (its merged rows are cached) and only the connector and the decoder run in
-the step. Every `eval_every` steps the held-out split is scored: its loss per stream, and F1@0.5 per decoding
-mode through the engine (`LocateModel.locate_many`) on a view of the network being trained. The output folder
-gets the adapter (`adapters.safetensors` + `adapter_config.json`), checkpoints to resume from, `log.jsonl`
-and `training.png`.
+By default a share of every batch replays the base's own answers about the categories it should keep
+(`replay.py`), so that it does not forget them. A frozen tower runs once per image (its merged rows are cached)
+and only the connector and the decoder run in the step. Every `eval_every` steps the held-out split is scored:
+its loss per stream, and F1@0.5 per decoding mode through the engine (`LocateModel.locate_many`) on a view of
+the network being trained, for the data's records and for the kept categories. The output folder gets the
+adapter (`adapters.safetensors` + `adapter_config.json`), checkpoints to resume from, `log.jsonl`,
+`replay.jsonl` and `training.png`.
 """
 
 from __future__ import annotations
@@ -29,18 +31,21 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..cards import KnownCategories, known_categories
 from ..checkpoint import read_json, resolve
 from ..config import ModelConfig
+from ..evaluation.score import located_f1
 from ..loader import build_model
 from ..locate import CPU_DTYPE, LocateModel
 from ..lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
 from ..model import LocateAnything
 from ..preprocess import IN_TOKEN_LIMIT, preprocess
 from ..projector import merge_2x2
-from ..request import Request, RequestError
+from ..request import Request, RequestError, Result
 from ..tokenizer import Tokenizer
 from ..vision import rope2d_tables
-from .datasets import Example, Record, box_counts, encode_record, truth_of
+from . import replay as rp
+from .datasets import Example, Record, encode_record, norm_label, record_labels, truth_of
 from .train import (
     KIND_NTP,
     NUM_KINDS,
@@ -79,6 +84,8 @@ class FinetuneOptions:
     eval_modes: tuple[str, ...] = MODES
     eval_max_tokens: int = 256
     save_every: int | None = None  # checkpoints; None: at every evaluation
+    replay: float = 0.3  # share of each batch answered by the base on kept categories (0: off)
+    keep_categories: tuple[str, ...] | None = None  # None: the checkpoint's (`cards.known_categories`)
     feature_cache_mb: int = 4096  # frozen-tower rows kept in memory
     row_bucket: int = 32  # sequences are padded to a multiple of this (each length compiles once)
 
@@ -93,6 +100,10 @@ DEMO_SPEC = AdapterSpec(LoRASpec(rank=8, alpha=16, dropout=0.0), trainable=())
 DEMO_OPTIONS = FinetuneOptions(
     steps=150, batch_size=8, lr=1e-3, warmup=15, eval_every=0, eval_samples=24, eval_max_tokens=64, save_every=75
 )
+# The README's forgetting table, its test and the benchmark: data that labels only "cross" among circles and
+# squares (`synthetic.write_word_only_data`: 300 scenes, and held-out ones each also asked for every shape).
+WORD_ONLY = "cross"
+WORD_ONLY_HELD_OUT = 48
 
 
 @dataclass
@@ -107,6 +118,9 @@ class FinetuneResult:
     trainable_parameters: int
     train_samples: int
     eval_samples: int
+    replay_samples: int  # the base's answers mixed into the batches
+    kept: tuple[str, ...]  # the kept categories
+    kept_truth: str | None  # what the kept categories' F1 is measured against (None: not measured)
     skipped: dict = field(default_factory=dict)  # records left out, by reason
 
 
@@ -119,6 +133,7 @@ class Base:
     tokenizer: Tokenizer
     in_token_limit: int
     path: str
+    known: KnownCategories | None = None  # what the checkpoint was trained to find (`cards`)
 
     def max_length(self) -> int:
         """Rows a sample may have: as `LocateModel.max_length` (tokenizer and position limits)."""
@@ -138,7 +153,7 @@ def load_base(path_or_hub_id: str | Path, dtype: str | None = None) -> Base:
     limit = IN_TOKEN_LIMIT
     if (folder / "preprocessor_config.json").is_file():
         limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
-    return Base(network, tokenizer, limit, str(path_or_hub_id))
+    return Base(network, tokenizer, limit, str(path_or_hub_id), known_categories(raw))
 
 
 def module_view(module):
@@ -268,18 +283,31 @@ def encode_examples(base: Base, records: list[Record], max_length: int) -> tuple
 
 
 class Batches:
-    """Batch `step` of an epoch-wise seeded shuffle: the same steps give the same batches after a resume."""
+    """Batch `step`: the share `replay` of its samples from the replay pool (`replay.replayed`), the rest from the
+    data, each read from a stream of epoch-wise seeded shuffles, so the same steps give the same batches after a
+    resume."""
 
-    def __init__(self, n: int, batch_size: int, seed: int):
+    def __init__(self, n: int, batch_size: int, seed: int, n_replay: int = 0, replay: float = 0.0):
         if n < batch_size:
             raise ValueError(f"{n} training samples are fewer than the batch size {batch_size}")
-        self.n, self.batch_size, self.seed = n, batch_size, seed
-        self.per_epoch = n // batch_size
+        self.n, self.n_replay, self.batch_size, self.seed = n, n_replay, batch_size, seed
+        self.replay = replay if n_replay else 0.0
+        self.orders: dict[int, tuple[int, np.ndarray]] = {}  # per stream: its current epoch's order
 
-    def indices(self, step: int) -> list[int]:
-        epoch, k = divmod(step, self.per_epoch)
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return order[k * self.batch_size : (k + 1) * self.batch_size].tolist()
+    def _take(self, stream: int, n: int, start: int, stop: int) -> list[int]:
+        out = []
+        for j in range(start, stop):
+            epoch, k = divmod(j, n)
+            if self.orders.get(stream, (None,))[0] != epoch:
+                self.orders[stream] = (epoch, np.random.default_rng([self.seed, stream, epoch]).permutation(n))
+            out.append(int(self.orders[stream][1][k]))
+        return out
+
+    def indices(self, step: int) -> tuple[list[int], list[int]]:
+        """(data indices, replay indices) of batch `step`."""
+        r0, r1 = (rp.replayed(s, self.batch_size, self.replay) for s in (step, step + 1))
+        d0, d1 = step * self.batch_size - r0, (step + 1) * self.batch_size - r1
+        return self._take(0, self.n, d0, d1), self._take(1, self.n_replay, r0, r1)
 
 
 def frozen_layers(base: Base, spec: AdapterSpec) -> int:
@@ -326,35 +354,54 @@ def make_batch(
 # --- Evaluation ------------------------------------------------------------------------------------------------
 
 
-def f1_scores(model: LocateModel, examples: list[Example], modes: tuple[str, ...], max_tokens: int) -> dict:
-    """Per mode, through the engine: F1@0.5 of the boxes matched within their labels (`f1@0.5`) and regardless of
-    them (`box_f1@0.5`), the counts, how often decoding ended by itself, and failed requests."""
+def mode_scores(pairs: list[tuple[Example, Result | RequestError]]) -> dict:
+    """F1@0.5 by the paper's rules (`evaluation.score.located_f1`) within the truth's labels (`f1@0.5`, and per
+    label: `per_label`, a label the model wrote instead of the asked one included) and regardless of them
+    (`box_f1@0.5`), the counts, how often decoding ended by itself, and failed requests, over (example, result)
+    pairs."""
+    located = [(e.truth, [] if isinstance(r, RequestError) else r.objects) for e, r in pairs]
+    scores = located_f1(located)
+    labels = {norm_label(o.label) for truth, found in located for o in (*truth, *found) if o.box_norm is not None}
+    per_label = {
+        label: located_f1(
+            [tuple([o for o in objects if norm_label(o.label) == label] for objects in pair) for pair in located]
+        ).f1
+        for label in sorted(labels)
+    }
+    done = [r for _, r in pairs if not isinstance(r, RequestError)]
+    return {
+        "f1@0.5": scores.f1,
+        "box_f1@0.5": scores.box_f1,
+        "per_label": per_label,
+        "boxes_pred": scores.pred,
+        "boxes_gt": scores.gt,
+        "ended_rate": sum(r.stats["stop_reason"] != "length_cap" for r in done) / len(pairs) if pairs else None,
+        "errors": len(pairs) - len(done),
+    }
+
+
+def f1_scores(
+    model: LocateModel,
+    groups: dict[str, list[Example]],
+    modes: tuple[str, ...],
+    max_tokens: int,
+    progress: bool = False,
+    desc: str | None = None,
+) -> dict[str, dict[str, dict]]:
+    """Per group of examples and per mode, `mode_scores` of their answers, all decoded in one batch by the engine
+    (a progress bar named `desc`)."""
+    jobs = [(g, mode, e) for g, examples in groups.items() for mode in modes for e in examples]
     requests = [
-        Request(e.record.image, prompt=e.record.turns[0].user, mode=mode, max_tokens=max_tokens)
-        for mode in modes
-        for e in examples
+        Request(e.record.image, prompt=e.record.turns[0].user, mode=m, max_tokens=max_tokens) for _, m, e in jobs
     ]
-    results = model.locate_many(requests)
-    out = {}
-    for m, mode in enumerate(modes):
-        counts, boxes, ended, errors = np.zeros(3, int), np.zeros(3, int), 0, 0
-        for k, e in enumerate(examples):
-            r = results[m * len(examples) + k]
-            found = [] if isinstance(r, RequestError) else r.objects
-            counts += box_counts(e.truth, found)
-            boxes += box_counts(e.truth, found, labels=False)
-            errors += isinstance(r, RequestError)
-            ended += not isinstance(r, RequestError) and r.stats["stop_reason"] != "length_cap"
-        matched, pred, gt = (int(v) for v in counts)
-        out[mode] = {
-            "f1@0.5": 2 * matched / (pred + gt) if pred + gt else None,
-            "box_f1@0.5": 2 * int(boxes[0]) / (pred + gt) if pred + gt else None,
-            "boxes_pred": pred,
-            "boxes_gt": gt,
-            "ended_rate": ended / len(examples) if examples else None,
-            "errors": errors,
+    results = model.locate_many(requests, progress=progress, desc=desc)
+    return {
+        g: {
+            mode: mode_scores([(e, r) for (h, m, e), r in zip(jobs, results, strict=True) if (h, m) == (g, mode)])
+            for mode in modes
         }
-    return out
+        for g in groups
+    }
 
 
 def held_out_loss(
@@ -369,6 +416,87 @@ def held_out_loss(
     ce, n, _ = np.array(stats)
     d["loss"] = float(ce[KIND_NTP:NUM_KINDS].sum() / max(n[KIND_NTP:NUM_KINDS].sum(), 1))
     return d
+
+
+def is_kept(record: Record, keep: rp.Keep) -> bool:
+    """The record asks about kept categories only."""
+    labels = record_labels(record)
+    return bool(labels) and all(keep.keeps(label) for label in labels)
+
+
+def base_answers(
+    base: Base,
+    keep: rp.Keep,
+    train_records: list[Record],
+    held: list[Example],
+    options: FinetuneOptions,
+    out: Path,
+    resume: bool,
+    progress: bool,
+    say,
+) -> tuple[list[Example], list[Example], str | None]:
+    """The replay pool (the base's answers on the training images, `replay.py`) and the held-out examples of kept
+    categories with what their truth is: the held-out data's own records about kept categories only, else the
+    base's answers on the held-out images. Both are labelled in one batch by the network as it is now (LoRA at
+    zero: the base), or read back from the cache by a resumed run."""
+    if not keep.categories:
+        if options.replay:
+            say("[WARN] replay is off: the checkpoint names no categories it knows; pass --keep-categories")
+        return [], [], None
+    new = f"; new in the data, never asked: {', '.join(keep.new)}" if keep.new else ""
+    shown = ", ".join(keep.categories[:8]) + (f", ... ({len(keep.categories)})" if len(keep.categories) > 8 else "")
+    say(f"[INFO] kept categories ({keep.source}): {shown}{new}")
+    kept_held = [e for e in held if is_kept(e.record, keep)]
+    train_asks = rp.plan_asks(train_records, keep, options.seed, 0) if options.replay else []
+    held_asks = []
+    if not kept_held:
+        images = list(dict.fromkeys(e.record.image for e in held))[: options.eval_samples]
+        held_asks = rp.plan_asks([e.record for e in held], keep, options.seed, 1, images)
+    if not train_asks + held_asks:
+        return [], kept_held, "the held-out data" if kept_held else None
+    answers = rp.label(
+        inference_model(base),
+        train_asks + held_asks,
+        out / rp.CACHE_FILE,
+        rp.cache_key(base.path),
+        resume,
+        progress,
+        say,
+    )
+    new_boxes = rp.new_word_boxes(
+        train_records + [e.record for e in held], keep, base.tokenizer, base.network.token_ids
+    )
+    max_length = base.max_length()
+    pool = []
+    if train_asks:
+        records, n = rp.replay_set(train_asks, answers[: len(train_asks)], new_boxes, keep.per_prompt, options.seed, 0)
+        pool, _ = encode_examples(base, records, max_length)
+        say(
+            f"[INFO] replay: {len(pool)} samples from the base's answers ({n['found']} categories found, "
+            f"{n['absent']} answered None; {n['cut']} answers cut or failed, {n['dropped']} boxes on new words "
+            "dropped)"
+        )
+    if not held_asks:
+        return pool, kept_held, "the held-out data" if kept_held else None
+    records, _ = rp.replay_set(held_asks, answers[len(train_asks) :], new_boxes, keep.per_prompt, options.seed, 1)
+    kept_held, _ = encode_examples(base, records, max_length)
+    return pool, kept_held, "the base's answers"
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def eval_line(entry: dict) -> str:
+    """One evaluation for the console: held-out loss, F1@0.5 per mode of the data and of the kept categories."""
+    e = entry["eval"]
+    parts = [f"[EVAL] step {entry['step']}"]
+    if e["loss"] is not None:
+        parts.append(f"held-out loss {e['loss']:.4f}")
+    for group, name in (("f1", "F1@0.5"), ("kept", "kept categories F1@0.5")):
+        if e.get(group):
+            parts.append(f"{name} " + " ".join(f"{m} {fmt(v['f1@0.5'])}" for m, v in e[group].items()))
+    return "; ".join(parts)
 
 
 # --- Checkpoints ------------------------------------------------------------------------------------------------
@@ -424,7 +552,8 @@ def require_matplotlib():
 
 
 def plot(history: list[dict], path: Path) -> None:
-    """Training and held-out loss, and held-out F1@0.5 per mode, against the step (matplotlib, `[finetune]`)."""
+    """Training and held-out loss, and held-out F1@0.5 per mode (the data's and the kept categories'), against the
+    step (matplotlib, `[finetune]`)."""
     plt = require_matplotlib()
     train = [h for h in history if "loss" in h]
     evals = [h for h in history if "eval" in h and h["eval"]["loss"] is not None]
@@ -434,9 +563,10 @@ def plot(history: list[dict], path: Path) -> None:
     left.plot([h["step"] for h in evals], [h["eval"]["loss"] for h in evals], "o-", label="held-out", lw=1.5)
     left.set(xlabel="step", ylabel="cross-entropy", yscale="log", title="loss")
     left.legend()
-    for mode in evals[0]["eval"]["f1"] if evals else ():
-        values = [h["eval"]["f1"][mode]["f1@0.5"] or 0.0 for h in evals]
-        right.plot([h["step"] for h in evals], values, "o-", label=mode)
+    for group, style, suffix in (("f1", "o-", ""), ("kept", "s--", " (kept categories)")):
+        for k, mode in enumerate(evals[0]["eval"].get(group, {}) if evals else ()):
+            values = [h["eval"][group][mode]["f1@0.5"] or 0.0 for h in evals]
+            right.plot([h["step"] for h in evals], values, style, color=f"C{k}", label=mode + suffix)
     right.set(xlabel="step", ylabel="F1@0.5", ylim=(-0.02, 1.02), title="held-out F1@0.5")
     if evals:
         right.legend()
@@ -482,6 +612,8 @@ def finetune(
     for mode in options.eval_modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if not 0 <= options.replay < 1:
+        raise ValueError(f"replay must be a share of the batch in [0, 1), got {options.replay}")
     mx.random.seed(options.seed)
     trainable = add_lora(base.network, spec)
     max_length = base.max_length()
@@ -489,7 +621,10 @@ def finetune(
     held, held_skipped = encode_examples(base, eval_records, max_length)
     for reason, n in {**skipped, **held_skipped}.items():
         say(f"[INFO] left out {n} sample(s): {reason}")
-    batches = Batches(len(train), options.batch_size, options.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    keep = rp.resolve_keep(options.keep_categories, base.known, train_records)
+    pool, kept_held, kept_truth = base_answers(base, keep, train_records, held, options, out, resume, progress, say)
+    batches = Batches(len(train), options.batch_size, options.seed, len(pool), options.replay)
     pad = base.tokenizer.added_tokens.get("<|endoftext|>", base.network.token_ids.im_end)  # padding rows' input
     budget = options.feature_cache_mb * 2**20
     tower = None if spec.vision is not None else TowerRows(base, budget)
@@ -514,18 +649,32 @@ def finetune(
             raise ValueError(f"{last}: saved with other LoRA settings ({saved['spec']})")
         state["history"], start = saved["history"], saved["step"]
         say(f"[INFO] resuming from {last} (step {start})")
-    out.mkdir(parents=True, exist_ok=True)
+    share = f", {batches.replay:.0%} of them the base's answers" if batches.replay else ""
     say(
         f"[INFO] {len(train)} training and {len(held)} held-out samples; {trainable / 1e6:.2f} M trainable "
-        f"parameters; {options.steps} steps x {options.batch_size}"
+        f"parameters; {options.steps} steps x {options.batch_size}{share}"
     )
-    scored = held[: options.eval_samples]
+    kept_ids = {id(e) for e in kept_held}
+    groups = {"f1": [e for e in held if id(e) not in kept_ids][: options.eval_samples]}
+    if kept_held:
+        groups["kept"] = kept_held[: options.eval_samples]
 
     def evaluate(step: int) -> dict:
-        entry = {"step": step, "eval": {"loss": None, "f1": {}}}
+        entry = {"step": step, "eval": {"loss": None, **{g: {} for g in groups}}}
         if held:
             entry["eval"].update(held_out_loss(trainer, held, base, inputs, options, pad))
-            entry["eval"]["f1"] = f1_scores(inference_model(base), scored, options.eval_modes, options.eval_max_tokens)
+        if any(groups.values()):
+            scores = f1_scores(
+                inference_model(base),
+                groups,
+                options.eval_modes,
+                options.eval_max_tokens,
+                progress,
+                f"held-out F1, step {step}",
+            )
+            entry["eval"].update(scores)
+        if held or kept_held:
+            say(eval_line(entry))
         return entry
 
     def record(entry: dict) -> None:
@@ -547,7 +696,9 @@ def finetune(
     previous = None
     mx.reset_peak_memory()
     for step in range(start, options.steps):
-        batch = make_batch([train[i] for i in batches.indices(step)], base, inputs, pad, options.row_bucket)
+        data, replayed = batches.indices(step)
+        examples = [train[i] for i in data] + [pool[i] for i in replayed]
+        batch = make_batch(examples, base, inputs, pad, options.row_bucket)
         lr = learning_rate(step, options.steps, options.lr, warmup)
         mx.random.seed(options.seed * 1_000_003 + step)  # dropout: the same draws after a resume
         loss, stats, norm = trainer.step(batch, lr)
@@ -589,5 +740,8 @@ def finetune(
         trainable_parameters=trainable,
         train_samples=len(train),
         eval_samples=len(held),
+        replay_samples=len(pool),
+        kept=keep.categories,
+        kept_truth=kept_truth,
         skipped={**skipped, **held_skipped},
     )

@@ -44,6 +44,7 @@ MAX_OBJECTS = 4
 SIZE_RANGE = (0.18, 0.40)  # object side, as a fraction of the image's shorter side
 COLOR_JITTER = 18
 TASK_SHARES = {"detect": 0.35, "refer": 0.25, "single": 0.10, "point": 0.15, "negative": 0.15}
+DETECT_CATEGORY_COUNTS = {1: 0.5, 2: 0.35, 3: 0.15}  # categories per detection prompt
 SPLITS = {"train": 0, "eval": 1}
 
 # The demo tokenizer: a byte-level BPE over printable ASCII whose merges make every word below one token,
@@ -190,7 +191,7 @@ def make_scene(
         n_objects = int(rng.integers(1, MAX_OBJECTS + 1))
     # A small palette per scene, so that colours and shapes repeat and "all the red circles" means several.
     palette_colors = rng.choice(list(colors), size=int(rng.integers(1, 4)), replace=False).tolist()
-    palette_shapes = rng.choice(shapes, size=int(rng.integers(1, 4)), replace=False).tolist()
+    palette_shapes = rng.choice(shapes, size=int(rng.integers(1, min(4, len(shapes) + 1))), replace=False).tolist()
     palette_shapes += [s for s in required if s in shapes and s not in palette_shapes]
     palette_colors += [c for c in required if c in colors and c not in palette_colors]
     short = min(width, height)
@@ -343,7 +344,7 @@ def _grounding(task: str, phrase: Phrase, scene: Scene) -> Task:
 def _detection(rng: np.random.Generator, scene: Scene, negative: bool) -> Task:
     present = sorted({o.shape for o in scene.objects}, key=SHAPES.index)
     absent = [s for s in SHAPES if s not in present]
-    n = int(rng.choice([1, 2, 3], p=[0.5, 0.35, 0.15]))
+    n = int(rng.choice(list(DETECT_CATEGORY_COUNTS), p=list(DETECT_CATEGORY_COUNTS.values())))
     if negative or not present:
         chosen = rng.choice(absent, size=min(n, len(absent)), replace=False).tolist()
     else:
@@ -441,23 +442,73 @@ def make_novel_sample(seed: int, index: int, split: str = "train", word: str = "
     return Sample(scene, Task("detect", categories, *_detection_answer(scene, categories), negative))
 
 
+WORD_ONLY_SPLITS = {"train": 4, "eval": 5}
+DISTRACTORS = ("circle", "square")
+
+
+def make_word_only_sample(
+    seed: int, index: int, split: str = "train", word: str = "cross", distractors: tuple[str, ...] = DISTRACTORS
+) -> Sample:
+    """A scene of `word` (a shape of `NOVEL_SHAPES`) among `distractors` (known shapes) in which only `word` is
+    labelled: detection of `word` alone, 15 % of the training samples without any (`<box>None</box>`). Data as a
+    user has it: nothing in it reminds the model of the distractors' names. 112 x 112 images of 1-3 objects."""
+    if word not in NOVEL_SHAPES or not distractors or not set(distractors) <= set(SHAPES):
+        raise ValueError(f"word must be one of {NOVEL_SHAPES} and distractors known shapes ({', '.join(SHAPES)})")
+    rng = np.random.default_rng([WORD_ONLY_SPLITS[split], seed, index])
+    n = int(rng.integers(1, 4))
+    if split == "train" and rng.random() < 0.15:
+        scene = make_scene(rng, n, distractors, (), NOVEL_SIDES)
+    else:
+        while True:  # the placement may drop every `word` object; draw again
+            scene = make_scene(rng, n, (word, *distractors), (word,), NOVEL_SIDES)
+            if any(o.shape == word for o in scene.objects):
+                break
+    return Sample(scene, Task("detect", [word], *_detection_answer(scene, [word]), False))
+
+
+def kept_tasks(scene: Scene, categories: tuple[str, ...]) -> list[Task]:
+    """Detection of each of `categories` alone, answered from the scene (`<box>None</box>` when absent)."""
+    return [Task("detect", [c], *_detection_answer(scene, [c]), False) for c in categories]
+
+
+def _write_split(folder: Path, split: str, samples: list[tuple[Scene, list[Task]]]) -> None:
+    from ..prompts import task_text
+
+    (folder / split).mkdir(parents=True, exist_ok=True)
+    with (folder / f"{split}.jsonl").open("w") as f:
+        for i, (scene, tasks) in enumerate(samples):
+            name = f"{split}/{i:05d}.png"
+            scene.image.save(folder / name)
+            for task in tasks:
+                human = {"from": "human", "value": task_text(task.task, task.query)}
+                answer = {"from": "gpt", "value": task.answer}
+                f.write(json.dumps({"image": name, "conversations": [human, answer]}) + "\n")
+
+
 def write_novel_data(folder: Path, word: str = "ring", train: int = 300, held_out: int = 24, seed: int = 0) -> Path:
     """`make_novel_sample`s as fine-tuning data: `train.jsonl` and `eval.jsonl` in LocateAnything's SFT format,
     images under `train/` and `eval/`. Returns `folder`."""
-    from ..prompts import task_text
-
     for split, n in (("train", train), ("eval", held_out)):
-        (folder / split).mkdir(parents=True, exist_ok=True)
-        with (folder / f"{split}.jsonl").open("w") as f:
-            for i in range(n):
-                sample = make_novel_sample(seed, i, split, word)
-                name = f"{split}/{i:05d}.png"
-                sample.scene.image.save(folder / name)
-                human = {"from": "human", "value": task_text(sample.task.task, sample.task.query)}
-                f.write(
-                    json.dumps({"image": name, "conversations": [human, {"from": "gpt", "value": sample.task.answer}]})
-                    + "\n"
-                )
+        samples = [make_novel_sample(seed, i, split, word) for i in range(n)]
+        _write_split(folder, split, [(s.scene, [s.task]) for s in samples])
+    return folder
+
+
+def write_word_only_data(
+    folder: Path,
+    word: str = "cross",
+    distractors: tuple[str, ...] = DISTRACTORS,
+    train: int = 300,
+    held_out: int = 24,
+    seed: int = 0,
+) -> Path:
+    """`make_word_only_sample`s as fine-tuning data (`train.jsonl`, `eval.jsonl`, images under `train/`, `eval/`).
+    Each held-out image also asks for every distractor alone, answered from the scene: those records measure what
+    the model forgets. Returns `folder`."""
+    train_samples = [make_word_only_sample(seed, i, "train", word, distractors) for i in range(train)]
+    _write_split(folder, "train", [(s.scene, [s.task]) for s in train_samples])
+    held = [make_word_only_sample(seed, i, "eval", word, distractors) for i in range(held_out)]
+    _write_split(folder, "eval", [(s.scene, [s.task, *kept_tasks(s.scene, distractors)]) for s in held])
     return folder
 
 
@@ -507,11 +558,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", type=int, default=300, help="training samples")
     p.add_argument("--eval", type=int, default=24, help="held-out samples")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--only-word",
+        nargs="*",
+        metavar="SHAPE",
+        help="label only --word (a shape) among these known shapes (default: circle square); eval.jsonl also asks "
+        "for each of them, to measure forgetting",
+    )
     args = p.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
         print(f"error: {args.out} already exists and is not empty", file=sys.stderr)
         return 2
-    write_novel_data(args.out, args.word, args.train, args.eval, args.seed)
+    if args.only_word is None:
+        write_novel_data(args.out, args.word, args.train, args.eval, args.seed)
+    else:
+        try:
+            words = tuple(args.only_word or DISTRACTORS)
+            write_word_only_data(args.out, args.word, words, args.train, args.eval, args.seed)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(f"wrote {args.train} + {args.eval} samples about {args.word!r} to {args.out}")
     return 0
 

@@ -31,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from tokenizers import Tokenizer as _Tokenizer
 
+from ..cards import CONFIG_KEY, KnownCategories
 from ..checkpoint import DEMO_DIR, DTYPES, read_weights
 from ..config import ModelConfig
 from ..language import DecoderLayer
@@ -45,7 +46,7 @@ from ..random_checkpoint import Preset
 from ..tokenizer import Tokenizer
 from ..tokens import TokenIds
 from ..vision import bicubic_matrix, rope2d_tables
-from .synthetic import SIDES, Sample, build_tokenizer, cut_blocks, make_sample
+from .synthetic import DETECT_CATEGORY_COUNTS, SHAPES, SIDES, Sample, build_tokenizer, cut_blocks, make_sample
 
 # docs/training.md §4.1 (about 4.5 M parameters with the demo vocabulary).
 SIZES: dict[str, Preset] = {
@@ -99,6 +100,7 @@ def demo_config(tok: _Tokenizer, sizes: Preset, dtype: str = "float32") -> dict:
     config["text_config"].pop("_name_or_path", None)
     config["vision_config"].pop("_name_or_path", None)
     config["vision_config"].pop("auto_map", None)
+    config[CONFIG_KEY] = KnownCategories(SHAPES, max(DETECT_CATEGORY_COUNTS)).to_config()
     return config
 
 
