@@ -39,7 +39,7 @@ from mlx_locate import batch  # noqa: E402
 from mlx_locate.preprocess import preprocess  # noqa: E402
 from mlx_locate.prompts import prompt_ids, task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
-from mlx_locate.tuner.synthetic import make_sample  # noqa: E402
+from mlx_locate.synthetic.scenes import make_sample  # noqa: E402
 
 TOKENIZER_DIR = ROOT / "tests" / "data" / "golden" / "tokenizer"
 

@@ -189,7 +189,7 @@ def folder_images(model_arg: str | None, size: tuple[int, int], n: int, work: Pa
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     if model_arg == "demo":
-        from mlx_locate.tuner.synthetic import make_sample
+        from mlx_locate.synthetic.scenes import make_sample
 
         for i in range(n):
             path = folder / f"scene{i:03d}.png"

@@ -62,6 +62,7 @@ from mlx_locate.lora import (  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import DEFAULT_TOKENIZER_DIR, PRESETS  # noqa: E402
+from mlx_locate.synthetic.scenes import DISTRACTORS, write_novel_data, write_word_only_data  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 from mlx_locate.tuner.datasets import Record, Turn  # noqa: E402
 from mlx_locate.tuner.finetune import (  # noqa: E402
@@ -75,7 +76,6 @@ from mlx_locate.tuner.finetune import (  # noqa: E402
     finetune,
     load_base,
 )
-from mlx_locate.tuner.synthetic import DISTRACTORS, write_novel_data, write_word_only_data  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

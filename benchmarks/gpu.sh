@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu.sh part .whl/cuda.part00     # x4: the MLX CUDA wheel arrives in parts (the device tool
 #   bash benchmarks/gpu.sh install .whl/cuda.part03 .whl/mlx-0.32.4-*.whl .whl/tqdm-*.whl   # carries 64 MiB a call)
-#   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory
+#   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory | budget
 #
 # The folder beside mlx-vlm's batch_generate: its 21 wheels (21 MB; benchmarks/peer-gpu-requirements.txt says how
 # to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first (after
@@ -101,6 +101,11 @@ memory) # peak memory above the weights: single images by phase, folders by rows
         python3 benchmarks/memory_bench.py --preset $PRESET --in-memory $quant --images 640x480 1920x1080 4032x3024 \
             --rows 1 4 16 --folder 16 --folder-sizes 640x480 1920x1080 --json "$OUT/gpu_memory_$PRESET-$q.json"
     done
+    ;;
+budget) # a folder of 64 at 16 rows by working memory (bf16, or QUANT), each phase's peak
+    quant=$([ -z "${QUANT:-}" ] || echo "--quantize $QUANT")
+    python3 benchmarks/memory_bench.py --preset $PRESET --in-memory $quant --images --rows 16 --folder "$FOLDER" \
+        --max-tokens 48 --working 2 1 0.5 --json "$OUT/gpu_budget_$PRESET-${QUANT:-bf16}.json"
     ;;
 *)
     echo "unknown step $step" >&2

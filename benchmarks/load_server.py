@@ -64,7 +64,7 @@ class Ask:
 
 
 def demo_images() -> dict[str, Image.Image]:
-    from mlx_locate.tuner.synthetic import make_sample
+    from mlx_locate.synthetic.scenes import make_sample
 
     images = {"example": Image.open(ROOT / "mlx_locate" / "demo" / "example.png").convert("RGB")}
     for i in range(3):

@@ -13,6 +13,7 @@ Memory is MLX's own account (`mx.get_peak_memory`, reset before each measurement
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -87,20 +88,57 @@ def attention_probe(model, lengths: list[int]) -> dict:
     return out
 
 
+class PhasePeaks:
+    """The engine's phases (vision, prompt prefixes, prefills, decode steps) wrapped on one engine: each phase's
+    highest peak above the weights, and what was held when it began."""
+
+    PHASES = {"vision": "features_for", "prefix": "compute_prefixes", "prefill": "prefill"}
+
+    def __init__(self, model, engine, weights: int):
+        self.weights, self.peak = weights, 0
+        self.phases: dict[str, dict[str, float]] = {}
+        for name, attr in self.PHASES.items():
+            setattr(model, attr, self.wrap(name, getattr(model, attr)))
+        engine._decode = self.wrap("decode", engine._decode)
+
+    def wrap(self, name: str, fn):
+        def run(*args, **kwargs):
+            self.peak = max(self.peak, mx.get_peak_memory())
+            held = mx.get_active_memory()
+            mx.reset_peak_memory()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                peak = mx.get_peak_memory()
+                self.peak = max(self.peak, peak)
+                phase = self.phases.setdefault(name, {"peak_gb": 0.0, "held_gb": 0.0})
+                phase["peak_gb"] = max(phase["peak_gb"], (peak - self.weights) / GB)
+                phase["held_gb"] = max(phase["held_gb"], (held - self.weights) / GB)
+
+        return run
+
+
 def folder(model, paths: list[Path], rows: int, max_tokens: int) -> dict:
-    """A folder through one engine of `rows` rows (a warm-up run first): peak above the weights, images/s."""
+    """A folder through one engine of `rows` rows (a warm-up run first): peak above the weights, images/s, and
+    each phase's peak (`PhasePeaks`)."""
     weights = mx.get_active_memory()
     requests = [Request(p, QUERY, mode="fast", max_tokens=max_tokens) for p in paths]
     model.clear_caches()
     model.locate_many(requests, max_rows=rows)
     model.clear_caches()
     engine = model.engine(rows)
-    peak, seconds = peak_of(lambda: [engine.submit(r) for r in requests] and engine.run())
+    phases = PhasePeaks(model, engine, weights)
+    try:
+        peak, seconds = peak_of(lambda: [engine.submit(r) for r in requests] and engine.run())
+    finally:
+        for attr in PhasePeaks.PHASES.values():
+            delattr(model, attr)  # the class's methods again
     return {
         "rows": engine.max_rows,
-        "peak_gb": (peak - weights) / GB,
+        "peak_gb": (max(peak, phases.peak) - weights) / GB,
         "images_per_s": len(paths) / seconds,
         "engine_seconds": engine.seconds,
+        "phases": phases.phases,
     }
 
 
@@ -118,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--work", default=".bench", help="folder for generated images")
     p.add_argument("--attention", nargs="*", type=int, default=[], help="sequence lengths for attention_probe")
+    p.add_argument(
+        "--working",
+        nargs="*",
+        type=float,
+        default=[],
+        help="GB of working memory for the folder runs, each in turn (default: the budget measured at load)",
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -147,9 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         w, h = (int(v) for v in size.split("x"))
         paths, _ = folder_images(None, (w, h), args.folder, work)
         report["folder"][size] = {}
-        for rows in args.rows:
-            report["folder"][size][rows] = folder(model, paths, rows, args.max_tokens)
-            print(size, rows, report["folder"][size][rows], flush=True)
+        measured = model.budget
+        for working in args.working or [None]:
+            if working is not None:
+                model.budget = dataclasses.replace(measured, working=int(working * GB))
+            for rows in args.rows:
+                key = f"{rows}" if working is None else f"{rows}@{working:g}GB"
+                report["folder"][size][key] = folder(model, paths, rows, args.max_tokens)
+                print(size, key, report["folder"][size][key], flush=True)
+        model.budget = measured
     print(f"\nweights {report['weights_gb']:.2f} GB on {report['device']} ({report['preset']}, {args.dtype})")
     print("| image | image tokens | vision GB | prefix GB | request GB | request s |\n|---|---|---|---|---|---|")
     for size, r in report["images"].items():
@@ -158,10 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['request_s']:.2f} |"
         )
     if report["folder"]:
-        print(f"\n| images ({args.folder} a folder) | rows | peak GB above weights | images/s |\n|---|---|---|---|")
+        print(
+            f"\n| images ({args.folder} a folder) | rows | peak GB above weights | images/s | by phase |\n"
+            "|---|---|---|---|---|"
+        )
         for size, runs in report["folder"].items():
             for rows, r in runs.items():
-                print(f"| {size} | {rows} | {r['peak_gb']:.2f} | {r['images_per_s']:.2f} |")
+                phases = ", ".join(f"{k} {v['peak_gb']:.2f}" for k, v in r["phases"].items())
+                print(f"| {size} | {rows} | {r['peak_gb']:.2f} | {r['images_per_s']:.2f} | {phases} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

@@ -3,7 +3,7 @@
     python benchmarks/tiles_video_bench.py [--scenes 8] [--scattered 12] [--seams 20] [--frames 24] \
         [--note "idle machine"] [--json out.json]
 
-Tiling, on three kinds of synthetic scene (`tuner.large_scenes`), each configuration's requests through one
+Tiling, on three kinds of synthetic scene (`synthetic.large_scenes`), each configuration's requests through one
 batched engine (`locate_many`), boxes matched to the truth greedily at IoU 0.5 (recall, precision, F1, seconds
 per image):
 - dense: 560 x 560 pixels, a shape of 36-56 px in most cells of a 112 px grid (14-22 px after the resize to the
@@ -64,7 +64,7 @@ except ImportError:  # progress bars are not measured here; the offline GPU mach
 from mlx_locate import Request, video  # noqa: E402
 from mlx_locate.locate import load  # noqa: E402
 from mlx_locate.metrics import greedy_match, iou  # noqa: E402
-from mlx_locate.tuner.large_scenes import (  # noqa: E402
+from mlx_locate.synthetic.large_scenes import (  # noqa: E402
     DEMO_MOVERS,
     dense_scene,
     moving_frames,
@@ -72,6 +72,7 @@ from mlx_locate.tuner.large_scenes import (  # noqa: E402
     seam_scene,
     write_clip,
 )
+from mlx_locate.tiles import tile_boxes  # noqa: E402
 
 QUERIES = ("square", "circle")
 SCATTERED_QUERIES = ("square", "circle", "triangle")
@@ -121,7 +122,7 @@ def scored(model, scenes: list, queries: tuple[str, ...], configs: list[str], ba
 
 def seam_placements(model, n: int, batch_size, max_tokens: int) -> dict:
     """How often a square across a seam comes back as one box, as several, or not at all."""
-    scenes = [seam_scene(seed) for seed in range(n)]
+    scenes = [seam_scene(seed, tile_boxes((560, 560), 3, 3, 0.2)) for seed in range(n)]
     requests = [Request(s.image, "square", tiles="auto", max_tokens=max_tokens) for s in scenes]
     counts = {"once": 0, "more": 0, "missed": 0}
     for scene, result in zip(scenes, model.locate_many(requests, max_rows=batch_size), strict=True):

@@ -1,5 +1,5 @@
 """The command-line vocabulary the commands share, each flag declared once: the model to load, the questions,
-decoding and sampling, tiling, image limits, engine rows, progress, and the checked argument types.
+decoding and sampling, tiling, image limits, engine rows, training, progress, and the checked argument types.
 
 A command builds its parser from these groups (`add_model(p)`, `add_decoding(p)`, ...) and reads them back
 with the matching functions (`load_model(args)`, `request_options(args)`, ...); its own flags stay in its
@@ -299,6 +299,44 @@ def apply_memory_limit(args: argparse.Namespace) -> None:
     """Set MLX's memory limit from --memory-limit (before the model loads: its budget is measured then)."""
     if getattr(args, "memory_limit", None) is not None:
         mx.set_memory_limit(int(args.memory_limit * 1e9))
+
+
+# --- data files ---
+
+
+def add_images_root(p, what: str = "the data file's") -> None:
+    """--images: the folder a data file's relative image paths start from."""
+    p.add_argument("--images", metavar="DIR", help=f"root of {what} image paths (default: the data file's folder)")
+
+
+# --- training ---
+
+
+def add_training(
+    p,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    weight_decay: float,
+    clip: float,
+    warmup: int | None,
+    warmup_help: str,
+    save_every: int | None,
+    save_help: str,
+) -> None:
+    """The flags both trainers take (the demo's `tuner.train` and `mlx-locate-finetune`), with each one's defaults:
+    --steps, --batch-size (samples per step), --lr, --warmup, --weight-decay, --clip, --seed (initialisation and
+    data order), --save-every and --no-compile."""
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="samples per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    p.add_argument("--weight-decay", type=float, default=weight_decay, help="AdamW weight decay (default: %(default)s)")
+    p.add_argument("--clip", type=float, default=clip, help="gradient norm clip (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="initialisation and data-order seed (default: 0)")
+    p.add_argument("--save-every", type=int, default=save_every, help=save_help)
+    p.add_argument("--no-compile", action="store_true", help="run the training step uncompiled")
 
 
 def add_progress(p: argparse.ArgumentParser) -> None:

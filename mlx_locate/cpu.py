@@ -40,8 +40,7 @@ def stream_spans(n: int) -> list[tuple[mx.Stream, int, int]]:
 def transposed(w: mx.array, rows: int = 256, panel: int | None = None) -> mx.array:
     """`w.T` made contiguous, (D, V) for `w` (V, D); with `panel`, (ceil(V / panel), D, panel): the transposes
     of each `panel` rows one after another, the last zero-padded. numpy copies the blocks, one thread per core,
-    straight into the buffer of the new MLX array (MLX's CPU copy of a transposed view runs at about 0.2 GB/s:
-    3.6 s for the medium checkpoint's 625 MB head; this way about 1 GB/s on this project's 2 cores)."""
+    straight into the buffer of the new MLX array (MLX's own CPU copy of a transposed view is the slower way)."""
     V, D = w.shape
     if w.dtype not in (mx.float32, mx.float16):  # numpy has no bfloat16
         if panel is None:
@@ -69,9 +68,8 @@ def transposed(w: mx.array, rows: int = 256, panel: int | None = None) -> mx.arr
 
 class InputMajorLinear(nn.Module):
     """A float Linear stored input-major, (in, out). On MLX's CPU backend a product of a few rows with a weight at
-    least as wide as it is deep runs faster against this layout: measured on this project's CPU, 1.2-2.6x with
-    OpenBLAS (a 1,536 x 1,024 projection of one row: 0.70 -> 0.27 ms) and about 1.9x with the bundled BLAS; a
-    deep one (down_proj) runs slower with OpenBLAS and keeps its layout."""
+    least as wide as it is deep runs faster against this layout, with OpenBLAS and with the bundled BLAS; a deep
+    one (down_proj) runs slower against it with OpenBLAS and keeps its layout."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -85,8 +83,8 @@ class InputMajorLinear(nn.Module):
 
 
 class InputMajorEmbedding(nn.Module):
-    """The tied embedding stored (D, V): a lookup takes columns, the head is `x @ weight_t` (one row against the
-    medium checkpoint's 152,681 x 1,024 head in float32: 84 -> 63 ms with OpenBLAS on this project's CPU)."""
+    """The tied embedding stored (D, V): a lookup takes columns, the head is `x @ weight_t` (the faster layout for
+    a few rows against the head with OpenBLAS)."""
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
@@ -140,10 +138,9 @@ def panel_product(
 class PanelEmbedding(nn.Module):
     """The tied embedding stored as panels (P, D, 64) of 64 vocabulary rows each (`transposed`): the head runs
     as products of a panel and at most `group_rows` rows, small enough for OpenBLAS's direct sgemm, which
-    neither packs the head nor reads it twice. Against the medium checkpoint's head in float32 on this project's
-    2 cores (the panels split over 2 streams): one row 43 -> 19 ms, 6 rows 55 -> 25 ms, 24 rows 80 -> 43 ms, 48
-    rows 110 -> 108 ms. A row's logits are the same bits in any group (`rows_alike`), so a sequence's answer does
-    not depend on its batch."""
+    neither packs the head nor reads it twice (the panels split over the CPU streams). The gain is largest for a
+    step's few rows and fades as the rows grow. A row's logits are the same bits in any group (`rows_alike`), so a
+    sequence's answer does not depend on its batch."""
 
     def __init__(self, embedding: nn.Embedding, panel: int = PANEL):
         super().__init__()

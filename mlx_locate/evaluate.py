@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--predictions", action="extend", nargs="+", metavar="FILE", help="answer JSONL files to score")
     what.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two report.json files: print the differences")
     what.add_argument("--export", metavar="DIR", help="write the synthetic benchmark in every input format")
-    p.add_argument("--images", help="root of the benchmark's image paths (default: the data file's folder)")
+    cli.add_images_root(p, "the benchmarks'")
     p.add_argument("--format", choices=FORMATS, default="auto", help="input format of --data (default: by content)")
     cli.add_model(p)
     p.add_argument("--modes", nargs="+", choices=MODES, default=["hybrid"], help="decoding modes (default: hybrid)")

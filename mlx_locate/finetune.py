@@ -29,22 +29,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-locate-finetune", description=__doc__.split("\n\n")[0])
     cli.add_model(p, adapter=False)
     p.add_argument("--data", required=True, help="training data: SFT .jsonl, recipe .json or COCO instances .json")
-    p.add_argument("--images", help="folder the data's image paths are relative to (default: the data's folder)")
+    cli.add_images_root(p, "--data's and --val-data's")
     p.add_argument("--out", required=True, help="output folder: adapter, checkpoints, log.jsonl, training.png")
     p.add_argument("--val-data", help="held-out data (default: a --val-fraction of --data's images)")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_HELD_OUT, help="held-out share (default: 0.1)")
     p.add_argument("--categories-per-prompt", type=int, default=10, help="COCO: categories per detection prompt")
 
     t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--batch-size", type=int, default=4)
-    t.add_argument("--lr", type=float, default=1e-4)
-    t.add_argument("--warmup", type=int, help="warmup steps (default: a tenth of --steps, at most 500)")
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
-    t.add_argument("--seed", type=int, default=0)
+    cli.add_training(
+        t,
+        steps=FinetuneOptions.steps,
+        batch_size=FinetuneOptions.batch_size,
+        lr=FinetuneOptions.lr,
+        weight_decay=FinetuneOptions.weight_decay,
+        clip=FinetuneOptions.clip,
+        warmup=FinetuneOptions.warmup,
+        warmup_help="warmup steps (default: a tenth of --steps, at most 500)",
+        save_every=FinetuneOptions.save_every,
+        save_help="checkpoint every N steps (default: at every evaluation)",
+    )
     t.add_argument("--grad-checkpoint", action="store_true", help="recompute decoder activations (less memory)")
-    t.add_argument("--no-compile", action="store_true")
 
     r = p.add_argument_group("replay: keep what the base knew")
     r.add_argument(
@@ -78,12 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-samples", type=int, default=64, help="held-out samples decoded for F1")
     e.add_argument("--eval-modes", nargs="+", choices=MODES, default=list(MODES))
     e.add_argument("--eval-max-tokens", type=int, default=256)
-    e.add_argument("--save-every", type=int, help="checkpoint every N steps (default: at every evaluation)")
     e.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    e.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    cli.add_overwrite(e, "a non-empty --out")
     e.add_argument("--no-plot", action="store_true", help="do not draw training.png (needs matplotlib)")
     cli.add_progress(e)
-    e.add_argument("--json", action="store_true", help="print the summary as JSON")
+    cli.add_json(e, "print the summary as JSON")
     return p
 
 
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             spec,
             opts,
             resume=args.resume,
-            force=args.force,
+            force=args.overwrite,
             progress=not args.no_progress,
             draw=not args.no_plot,
             say=lambda line: tqdm.write(line, file=sys.stderr),

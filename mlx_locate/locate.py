@@ -131,8 +131,7 @@ def load(path_or_hub_id: str | Path, dtype: str | None = None, adapter_path: str
 
     `dtype` ("bfloat16", "float16", "float32") casts the weights. By default they stay as stored, except on
     MLX's CPU backend, where they become float32: there half-precision matmuls and attention run MLX's own
-    kernels instead of BLAS (a 1152 x 3456 projection of 1,656 vision rows: 2.5 s in bf16 against 0.15 s in
-    float32), so float32 is the fast path (CPU_DTYPE).
+    kernels instead of BLAS, many times slower than float32's, so float32 is the fast path (CPU_DTYPE).
     `adapter_path`: a LoRA adapter folder (`mlx-locate-finetune`'s, or a PEFT one) applied on top
     (`lora.apply_adapter`: merged into a float base, kept beside a quantized one); the base's files are
     only read.

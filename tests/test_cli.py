@@ -257,3 +257,67 @@ def test_every_command_with_a_progress_bar_takes_no_progress():
         assert "tqdm" not in inspect.getsource(module) or module.__name__ in with_bar, module.__name__
     for name in with_bar:
         assert "--no-progress" in importlib.import_module(name).build_parser().format_help(), name
+
+
+# Flags declared in more than one place on purpose: the name means something else in each command, or the module
+# sits on a floor below cli.py (random_checkpoint: weights; synthetic.scenes: host-side data) and cannot import it.
+SAME_NAME_OTHER_MEANING = {
+    "--out": "a JSONL file, a folder of answers, an adapter or a checkpoint folder, per command",
+    "--seed": "sampling (cli), training (cli), a synthetic stream (evaluate, synthetic.scenes), random weights",
+    "--data": "benchmarks to run (evaluate) or training data (finetune)",
+    "--draw": "one image (generate) or a folder of them (batch)",
+    "--images": "the images to annotate (batch) or the root of a data file's image paths (cli.add_images_root)",
+    "--batch-size": "engine rows (cli.add_rows' alias of --max-rows) or samples per training step (add_training)",
+    "--adapter": "convert: the adapter fused into the weights (needs --fuse), not one applied at load",
+    "--dtype": "random_checkpoint: the stored dtype, below cli's floor",
+    "--overwrite": "random_checkpoint, below cli's floor",
+    "--force": "random_checkpoint, below cli's floor (the alias of --overwrite)",
+}
+
+
+def test_each_shared_flag_is_declared_once():
+    """Every flag of the package's parsers is declared in one place (cli.py composes the shared ones), apart
+    from SAME_NAME_OTHER_MEANING."""
+    package = Path(cli_module.__file__).parent
+    declared: dict[str, list[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        for names in re.findall(r'add_argument\(\s*((?:"--[\w-]+",\s*)*"--[\w-]+")', path.read_text()):
+            for flag in re.findall(r'"(--[\w-]+)"', names):
+                declared.setdefault(flag, []).append(str(path.relative_to(package)))
+    assert declared["--steps"] == ["cli.py"] and declared["--json"] == ["cli.py"]
+    twice = {flag: where for flag, where in declared.items() if len(where) > 1 and flag not in SAME_NAME_OTHER_MEANING}
+    assert not twice, f"declare these once in cli.py and compose them: {twice}"
+
+
+def test_both_trainers_take_the_training_flags():
+    """`mlx-locate-finetune` and the demo trainer share cli.add_training (each with its defaults); finetune's
+    --force is --overwrite's alias."""
+    from mlx_locate import finetune
+    from mlx_locate.tuner import train
+    from mlx_locate.tuner.finetune import FinetuneOptions
+    from mlx_locate.tuner.train import TrainOptions
+
+    shared = ["--steps", "3", "--batch-size", "2", "--lr", "0.5", "--warmup", "1", "--weight-decay", "0.2"]
+    shared += ["--clip", "0.3", "--seed", "7", "--save-every", "2", "--no-compile"]
+    for parser, required in (
+        (finetune.build_parser(), ["--data", "d", "--out", "o"]),
+        (train.build_parser(), ["--out", "o"]),
+    ):
+        args = vars(parser.parse_args([*required, *shared]))
+        assert {k: args[k] for k in ("steps", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed")} == {
+            "steps": 3, "batch_size": 2, "lr": 0.5, "warmup": 1, "weight_decay": 0.2, "clip": 0.3, "seed": 7
+        }  # fmt: skip
+        assert args["save_every"] == 2 and args["no_compile"] is True
+    ft = finetune.build_parser().parse_args(["--data", "d", "--out", "o", "--force"])
+    assert ft.overwrite is True and (ft.lr, ft.weight_decay, ft.save_every) == (
+        FinetuneOptions.lr,
+        FinetuneOptions.weight_decay,
+        FinetuneOptions.save_every,
+    )
+    demo = train.build_parser().parse_args(["--out", "o"])
+    assert (demo.lr, demo.weight_decay, demo.clip, demo.batch_size) == (
+        TrainOptions.lr,
+        TrainOptions.weight_decay,
+        TrainOptions.clip,
+        32,
+    )

@@ -15,7 +15,7 @@ from mlx_locate import RequestError, load, metrics
 from mlx_locate.evaluate import main
 from mlx_locate.evaluation import formats, predict, score, synthetic
 from mlx_locate.parse import LocatedObject
-from mlx_locate.tuner.synthetic import make_sample
+from mlx_locate.synthetic.scenes import make_sample
 
 N_SCENES = 6
 MODES = ("slow", "fast", "hybrid")

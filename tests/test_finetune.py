@@ -307,8 +307,8 @@ TRAIN_SAMPLES, HELD_OUT = 300, 24
 
 @pytest.fixture(scope="module")
 def novel_files(tmp_path_factory):
+    from mlx_locate.synthetic.scenes import write_novel_data
     from mlx_locate.tuner.finetune import DEMO_WORD
-    from mlx_locate.tuner.synthetic import write_novel_data
 
     folder = write_novel_data(tmp_path_factory.mktemp("novel"), DEMO_WORD, TRAIN_SAMPLES, HELD_OUT)
     return folder / "train.jsonl", folder / "eval.jsonl"
@@ -635,8 +635,8 @@ def test_known_categories_of_the_demo_and_the_release():
     from mlx_locate.cards import COCO_CATEGORIES, CONFIG_KEY, KnownCategories, known_categories
     from mlx_locate.config import ModelConfig
     from mlx_locate.random_checkpoint import PRESETS, RELEASE_CONFIG
-    from mlx_locate.tuner.synthetic import DETECT_CATEGORY_COUNTS, SHAPES, build_tokenizer
-    from mlx_locate.tuner.train import demo_config, model_sizes
+    from mlx_locate.synthetic.scenes import DETECT_CATEGORY_COUNTS, SHAPES
+    from mlx_locate.tuner.train import build_tokenizer, demo_config, model_sizes
 
     raw = json.loads((DEMO_DIR / "config.json").read_text())
     assert known_categories(raw) == KnownCategories(SHAPES, max(DETECT_CATEGORY_COUNTS)) == _demo_network().known
@@ -740,10 +740,10 @@ def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, mon
     from mlx_locate.finetune import build_parser
     from mlx_locate.finetune import options as cli_options
     from mlx_locate.prompts import parse_task_text, task_text
+    from mlx_locate.synthetic.scenes import SHAPES, write_word_only_data
     from mlx_locate.tokenizer import Tokenizer
     from mlx_locate.tuner import finetune as ft
     from mlx_locate.tuner.replay import share_on
-    from mlx_locate.tuner.synthetic import SHAPES, write_word_only_data
 
     assert cli_options(build_parser().parse_args(["--data", "x", "--out", "y"])).replay == ft.FinetuneOptions.replay
     assert ft.FinetuneOptions.replay >= 0.2
@@ -802,8 +802,8 @@ def test_data_of_a_new_word_only_keeps_the_known_words(tmp_path):
     asked for each, answered from the scene)."""
     import dataclasses
 
+    from mlx_locate.synthetic.scenes import DISTRACTORS, write_word_only_data
     from mlx_locate.tuner.finetune import DEMO_OPTIONS, DEMO_SPEC, MODES, WORD_ONLY, WORD_ONLY_HELD_OUT, finetune
-    from mlx_locate.tuner.synthetic import DISTRACTORS, write_word_only_data
 
     folder = write_word_only_data(tmp_path / "data", WORD_ONLY, DISTRACTORS, held_out=WORD_ONLY_HELD_OUT)
     train, held = read_data(folder / "train.jsonl"), read_data(folder / "eval.jsonl")

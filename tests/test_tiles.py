@@ -16,6 +16,8 @@ from mlx_locate.metrics import greedy_match, iou
 from mlx_locate.parse import LocatedObject
 from mlx_locate.preprocess import preprocess
 from mlx_locate.request import Result
+from mlx_locate.synthetic.large_scenes import dense_scene, scattered_scene, seam_scene
+from mlx_locate.synthetic.scenes import COLORS, Obj, draw_object
 from mlx_locate.tiles import (
     MAX_TILES,
     Tile,
@@ -27,8 +29,6 @@ from mlx_locate.tiles import (
     tile_boxes,
     to_image,
 )
-from mlx_locate.tuner.large_scenes import dense_scene, scattered_scene, seam_scene
-from mlx_locate.tuner.synthetic import COLORS, Obj, _draw
 
 MAX_TOKENS = 96  # a view's answer cap: a few boxes of the demo model
 DEMO_LIMIT, PATCH = 256, 14  # the demo model's in_token_limit and patch size
@@ -339,7 +339,7 @@ def draw_scene(size, objects):
     image = Image.new("RGB", size, (232, 230, 226))
     draw = ImageDraw.Draw(image)
     for o in objects:
-        _draw(draw, o, COLORS[o.color])
+        draw_object(draw, o, COLORS[o.color])
     return image
 
 
@@ -387,7 +387,7 @@ def test_tile_objects_are_the_single_request_answers_of_their_crops(model, seam)
 def test_a_square_across_a_seam_comes_back_once(model32):
     """Ten placements of a 40-45 px square across a seam of the 3 x 3 tiles, cut at 15-85 %: each is one
     box (measured: 10 of 10; 4 of 10 before pieces deferred and duplicates of one view merged)."""
-    scenes = [seam_scene(seed) for seed in range(10)]
+    scenes = [seam_scene(seed, tile_boxes((560, 560), 3, 3, 0.2)) for seed in range(10)]
     results = model32.locate_many([Request(s.image, "square", tiles="auto", max_tokens=MAX_TOKENS) for s in scenes])
     for scene, result in zip(scenes, results, strict=True):
         square = scene.objects[0].box

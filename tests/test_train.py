@@ -12,14 +12,16 @@ from mlx_locate.evaluation.predict import RunOptions, evaluate
 from mlx_locate.evaluation.synthetic import synthetic_benchmarks
 from mlx_locate.locate import load
 from mlx_locate.prompts import prompt_ids, task_text
+from mlx_locate.synthetic.scenes import Sample, Task, make_sample, make_scene, norm_coords
 from mlx_locate.tokenizer import Tokenizer
-from mlx_locate.tuner.synthetic import Sample, Task, build_tokenizer, cut_blocks, make_sample, make_scene, norm_coords
 from mlx_locate.tuner.train import (
     SIZES,
     GridTables,
     Trainer,
     TrainOptions,
+    build_tokenizer,
     collate,
+    cut_blocks,
     demo_config,
     demo_tokenizer,
     encode,

@@ -19,7 +19,7 @@ from mlx_locate.draw import draw_objects
 from mlx_locate.locate import load
 from mlx_locate.metrics import iou
 from mlx_locate.parse import LocatedObject
-from mlx_locate.tuner.large_scenes import DEMO_MOVERS, write_clip
+from mlx_locate.synthetic.large_scenes import DEMO_MOVERS, write_clip
 
 try:
     import av

@@ -1,4 +1,4 @@
-"""The synthetic benchmark: held-out shape scenes (`tuner.synthetic`, split "eval", a stream training never
+"""The synthetic benchmark: held-out shape scenes (`synthetic.scenes`, split "eval", a stream training never
 draws from) as the three input formats, in memory (`synthetic_benchmarks`, a data source of `mlx-locate-eval
 --synthetic N`) or as files (`export_benchmark`, `--export DIR`). Both build the same content and read it with
 the same format readers, so they score alike.
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from ..tuner.synthetic import COLORS, SHAPES, Obj, Scene, make_sample
+from ..synthetic.scenes import COLORS, SHAPES, Obj, Scene, make_sample
 from .formats import Benchmark, coco_benchmark, extra, jsonl_benchmark, screenspot_benchmark
 
 EXPORT_FILES = ("synthetic.jsonl", "synthetic_coco.json", "synthetic_screenspot.json")

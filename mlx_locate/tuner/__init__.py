@@ -1,1 +1,1 @@
-"""Training code: the demo model's trainer and its synthetic scenes (and fine-tuning)."""
+"""Training code: the demo model's trainer and tokenizer, and fine-tuning."""

@@ -27,9 +27,9 @@ import numpy as np
 from .. import jsonl
 from ..parse import LocatedObject, parse_tokens
 from ..prompts import CATEGORY_SEPARATOR, parse_task_text, prompt_ids, task_text
+from ..synthetic.scenes import norm_coords
 from ..tokenizer import Tokenizer
 from ..tokens import TokenIds
-from .synthetic import norm_coords
 from .train import Encoded, encode_rows
 
 USER_ROLES = ("human", "user")

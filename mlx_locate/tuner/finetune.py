@@ -94,14 +94,14 @@ class FinetuneOptions:
 
 
 # The README's walk-through, the test and the benchmark: the demo model learns a shape it never saw
-# (`synthetic.write_novel_data`: "ring", 300 scenes), LoRA on every decoder projection, the connector frozen.
+# (`synthetic.scenes.write_novel_data`: "ring", 300 scenes), LoRA on every decoder projection, the connector frozen.
 DEMO_WORD = "ring"
 DEMO_SPEC = AdapterSpec(LoRASpec(rank=8, alpha=16, dropout=0.0), trainable=())
 DEMO_OPTIONS = FinetuneOptions(
     steps=150, batch_size=8, lr=1e-3, warmup=15, eval_every=0, eval_samples=24, eval_max_tokens=64, save_every=75
 )
 # The README's forgetting table, its test and the benchmark: data that labels only "cross" among circles and
-# squares (`synthetic.write_word_only_data`: 300 scenes, and held-out ones each also asked for every shape).
+# squares (`synthetic.scenes.write_word_only_data`: 300 scenes, and held-out ones each also asked for every shape).
 WORD_ONLY = "cross"
 WORD_ONLY_HELD_OUT = 48
 

@@ -29,8 +29,10 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
+from tokenizers import AddedToken, models, trainers
 from tokenizers import Tokenizer as _Tokenizer
 
+from .. import cli
 from ..cards import CONFIG_KEY, KnownCategories
 from ..checkpoint import DEMO_DIR, DTYPES, read_weights
 from ..config import ModelConfig
@@ -43,10 +45,10 @@ from ..preprocess import patchify as cut_patches
 from ..projector import run_connector
 from ..prompts import prompt_ids, task_text
 from ..random_checkpoint import Preset
-from ..tokenizer import Tokenizer
+from ..synthetic.scenes import COLORS, DETECT_CATEGORY_COUNTS, SHAPES, SIDES, Sample, make_sample
+from ..tokenizer import Tokenizer, qwen2_byte_level
 from ..tokens import TokenIds
 from ..vision import bicubic_matrix, rope2d_tables
-from .synthetic import DETECT_CATEGORY_COUNTS, SHAPES, SIDES, Sample, build_tokenizer, cut_blocks, make_sample
 
 # docs/training.md §4.1 (about 4.5 M parameters with the demo vocabulary).
 SIZES: dict[str, Preset] = {
@@ -62,6 +64,65 @@ IGNORE = -1
 KIND_NTP = 1
 NUM_KINDS = 2 + BLOCK
 STAT_COLUMNS = NUM_KINDS + 2  # the kinds, then coordinate targets of the NTP and of the block stream
+
+
+# --- The demo tokenizer -----------------------------------------------------------------------------------
+
+# The demo tokenizer: a byte-level BPE over printable ASCII whose merges make every word below one token,
+# in both forms (" red" inside a prompt or label, "red" right after <ref> or </c>).
+BPE_SIZE = 210
+LABEL_WORDS = (*COLORS, *SHAPES, "the", "any")
+EXTRA_WORDS = (" shape", " in", " the", " image", "None", "none", "assistant", "system", "user", "image")
+CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # just below the added-token base S
+# The checkpoint's added tokens from S on (docs/training.md §4.2, docs/model.md §3).
+ADDED_TOKENS = (
+    "<IMG_CONTEXT>",
+    "<img>",
+    "</img>",
+    "<box>",
+    "</box>",
+    "<quad>",
+    "</quad>",
+    "<ref>",
+    "</ref>",
+    "<interval>",
+    "</interval>",
+    "<text_mask>",
+    *(f"<{v}>" for v in range(1001)),
+    "<null>",
+    "<switch>",
+    "</c>",
+)
+_FIXED_TEXTS = (
+    "You are a helpful assistant.\n",
+    "system\n",
+    "user\n<image 1>",
+    "assistant\n",
+    "Locate all the instances that matches the following description: ",
+    "Locate a single instance that matches the following description: ",
+    "Locate all the instances that match the following description: ",
+    "Point to: ",
+)
+
+
+def build_tokenizer() -> _Tokenizer:
+    """The demo model's tokenizer: Qwen2 pre-tokenizer and byte-level BPE, then the control and added tokens.
+
+    Ids: BPE 0..BPE_SIZE-1, `<|endoftext|>` `<|im_start|>` `<|im_end|>`, then S = BPE_SIZE + 3 for
+    `<IMG_CONTEXT>` and the rest of ADDED_TOKENS in the checkpoint's order. Deterministic.
+    """
+    tok = qwen2_byte_level(_Tokenizer(models.BPE()))
+    alphabet = [tok.pre_tokenizer.pre_tokenize_str(chr(c))[0][0] for c in (*range(32, 127), 10)]
+    words = [*(" " + w for w in LABEL_WORDS), *LABEL_WORDS, *EXTRA_WORDS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_SIZE, initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False
+    )
+    tok.train_from_iterator(words * 1000 + list(_FIXED_TEXTS) * 10, trainer)
+    split = [w for w in words if len(tok.encode(w).ids) != 1]
+    if tok.get_vocab_size() != BPE_SIZE or split:
+        raise RuntimeError(f"demo BPE: {tok.get_vocab_size()} tokens (want {BPE_SIZE}); words not single: {split}")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS + ADDED_TOKENS])
+    return tok
 
 
 # --- Checkpoint files -------------------------------------------------------------------------------------
@@ -296,6 +357,42 @@ def patchify(image, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int
         raise ValueError(f"image {W}x{H} must have sides that are multiples of {2 * patch}")
     patches, grid = cut_patches(pixels, patch)
     return np.ascontiguousarray(patches.reshape(len(patches), -1)), grid
+
+
+# --- Blocks -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    anchor: int  # index of the clean token the block is anchored on (slot 0 copies it)
+    targets: tuple[int, ...]  # BLOCK ids: the block's tokens, then <null>s
+
+
+def cut_blocks(seq: list[int], start: int, ids: TokenIds) -> list[Block]:
+    """Cut the answer `seq[start:]` (through its `<|im_end|>`) into blocks, docs/training.md §1.2.
+
+    Block 0 is anchored on `seq[start - 1]` (the `\\n` after `assistant`); each block is cut after the first
+    `</ref>` or `</box>` and before `<|im_end|>`, and the answer ends with exactly one end block.
+    Raises `ValueError` if the answer has no `<|im_end|>`.
+    """
+    if ids.im_end not in seq[start:]:
+        raise ValueError("the answer must end with <|im_end|>")
+    blocks, begin = [], start
+    while True:
+        window = seq[begin : begin + BLOCK]
+        if window[0] == ids.im_end:
+            blocks.append(Block(begin - 1, (ids.im_end,) + (ids.null,) * (BLOCK - 1)))
+            return blocks
+        length = BLOCK
+        for j, t in enumerate(window):
+            if t in (ids.ref_end, ids.box_end):
+                length = min(length, j + 1)
+                break
+            if t == ids.im_end:
+                length = min(length, j)
+                break
+        blocks.append(Block(begin - 1, tuple(window[:length]) + (ids.null,) * (BLOCK - length)))
+        begin += length
 
 
 def encode_rows(x: list[int], anchors: list[int], ids: TokenIds) -> Encoded:
@@ -746,15 +843,18 @@ def train(args: argparse.Namespace) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlx_locate.tuner.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint folder to write (original HF layout)")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument(
-        "--warmup", type=int, default=500, help="warmup steps (at most half of --steps; at least 21 with --minutes)"
+    cli.add_training(
+        p,
+        steps=1000,
+        batch_size=32,
+        lr=TrainOptions.lr,
+        weight_decay=TrainOptions.weight_decay,
+        clip=TrainOptions.clip,
+        warmup=500,
+        warmup_help="warmup steps (at most half of --steps; at least 21 with --minutes)",
+        save_every=0,
+        save_help="also save every N steps (0: only at the end)",
     )
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="initialisation and training-data seed")
     p.add_argument("--sizes", choices=list(SIZES), default="demo")
     p.add_argument("--init", default=None, help="start from this checkpoint's weights (same --sizes)")
     p.add_argument("--coord-init", choices=("sincos", "normal"), default="sincos", help="<0>..<1000> embeddings")
@@ -762,10 +862,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--workers", type=int, default=0, help="data-generation processes (0: in this process)")
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
     p.add_argument("--log", default=None, help="append JSON log lines to this file")
     p.add_argument("--minutes", type=float, default=0, help="fit the run into this many minutes (0: no limit)")
-    p.add_argument("--no-compile", action="store_true")
     return p
 
 

@@ -1,10 +1,9 @@
 """Scenes for tiling and video: large images of many small shapes, and clips of shapes moving in straight lines.
 
-    python -c "from mlx_locate.tuner.large_scenes import dense_scene; dense_scene(1).image.save('dense.png')"
-    python -c "from mlx_locate.tuner.large_scenes import write_clip; write_clip('shapes.mp4')"
+    python -c "from mlx_locate.synthetic.large_scenes import dense_scene; dense_scene(1).image.save('dense.png')"
+    python -c "from mlx_locate.synthetic.large_scenes import write_clip; write_clip('shapes.mp4')"
 
-
-Drawn like `synthetic.make_scene` (same shapes, colours and background), so the demo model knows the shapes;
+Drawn like `scenes.make_scene` (same shapes, colours and background), so the demo model knows the shapes;
 only the sizes differ: in a dense scene each shape sits in its own cell and is small next to the image, as
 after the model's resize it is too small to find. A scattered scene places its shapes anywhere (tile seams
 cross some of them); a seam scene puts one square across a seam of a tile grid, cut at a random fraction.
@@ -19,8 +18,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..tiles import tile_boxes
-from .synthetic import COLORS, Obj, Scene, _draw, _overlaps
+from .scenes import COLORS, Obj, Scene, draw_object, overlaps
 
 
 def dense_scene(
@@ -46,7 +44,7 @@ def dense_scene(
             s = int(rng.integers(side[0], side[1] + 1))
             x, y = left + int(rng.integers(2, cell - s - 1)), top + int(rng.integers(2, cell - s - 1))
             obj = Obj(str(rng.choice(shapes)), str(rng.choice(list(COLORS))), (x, y, x + s, y + s))
-            _draw(draw, obj, COLORS[obj.color])
+            draw_object(draw, obj, COLORS[obj.color])
             objects.append(obj)
     return Scene(image, tuple(objects))
 
@@ -70,21 +68,20 @@ def scattered_scene(
 
 def seam_scene(
     seed: int,
+    tiles: list[tuple[int, int, int, int]],
     size: tuple[int, int] = (560, 560),
-    grid: tuple[int, int] = (3, 3),
-    overlap: float = 0.2,
     side: tuple[int, int] = (40, 45),
     others: int = 6,
 ) -> Scene:
-    """One square (its side from `side`) across a seam (an inner tile edge) of the `grid` of tiles that
-    `tiles.tile_boxes` cuts `size` into, the seam at 15-85 % of its width or height, then `others` circles and
-    triangles away from it. The square is the scene's first object. Deterministic in `seed`."""
+    """One square (its side from `side`) across a seam (an inner tile edge) of `tiles`, a grid of tile boxes over
+    `size` (as `tiles.tile_boxes` cuts it), the seam at 15-85 % of its width or height, then `others` circles and
+    triangles away from it. The square is the scene's first object. Deterministic in `seed` and `tiles`."""
     rng = np.random.default_rng([13, seed])
     image = Image.new("RGB", size, tuple(int(v) for v in rng.integers(220, 241, size=3)))
-    boxes = tile_boxes(size, *grid, overlap)
-    axis = int(rng.integers(0, 2)) if grid[0] > 1 and grid[1] > 1 else int(grid[1] == 1)  # 0: a vertical seam
+    rows, cols = len({b[1] for b in tiles}), len({b[0] for b in tiles})
+    axis = int(rng.integers(0, 2)) if rows > 1 and cols > 1 else int(cols == 1)  # 0: a vertical seam
     extent = size[axis]
-    seams = sorted({b[axis + 2] for b in boxes if b[axis + 2] < extent} | {b[axis] for b in boxes if b[axis] > 0})
+    seams = sorted({b[axis + 2] for b in tiles if b[axis + 2] < extent} | {b[axis] for b in tiles if b[axis] > 0})
     s = int(rng.integers(side[0], side[1] + 1))
     start = min(max(int(rng.choice(seams)) - round(rng.uniform(0.15, 0.85) * s), 0), extent - s)
     across = int(rng.integers(0, size[1 - axis] - s + 1))
@@ -109,7 +106,7 @@ def scatter(
         while True:
             s = int(rng.integers(side[0], side[1] + 1))
             x, y = int(rng.integers(0, size[0] - s + 1)), int(rng.integers(0, size[1] - s + 1))
-            if not any(_overlaps((x, y, x + s, y + s), o.box, gap) for o in objects):
+            if not any(overlaps((x, y, x + s, y + s), o.box, gap) for o in objects):
                 break
         objects.append(Obj(str(rng.choice(shapes)), str(rng.choice(list(COLORS))), (x, y, x + s, y + s)))
 
@@ -117,7 +114,7 @@ def scatter(
 def drawn(image: Image.Image, objects: list[Obj]) -> Scene:
     draw = ImageDraw.Draw(image)
     for obj in objects:
-        _draw(draw, obj, COLORS[obj.color])
+        draw_object(draw, obj, COLORS[obj.color])
     return Scene(image, tuple(objects))
 
 
@@ -150,7 +147,7 @@ def moving_frames(
         draw = ImageDraw.Draw(image)
         objects = tuple(Obj(m.shape, m.color, m.box(frame, size)) for m in movers)
         for obj in objects:
-            _draw(draw, obj, COLORS[obj.color])
+            draw_object(draw, obj, COLORS[obj.color])
         yield image, objects
 
 
@@ -169,13 +166,12 @@ def write_clip(
     rate: int = 10,
     faststart: bool = False,
 ) -> Path:
-    """An H.264 clip (MPEG-4 part 2 where PyAV has no H.264 encoder) of `moving_frames`; needs PyAV.
-    `faststart`: the index at the front of the file, as for streaming."""
-    from ..video import encodes, import_av
+    """An H.264 clip (MPEG-4 part 2 where PyAV has no H.264 encoder) of `moving_frames`; needs PyAV (the `video`
+    extra). `faststart`: the index at the front of the file, as for streaming."""
+    import av
 
-    av = import_av()
     with av.open(str(path), "w", options={"movflags": "faststart"} if faststart else {}) as container:
-        stream = container.add_stream("libx264" if encodes(av, "libx264") else "mpeg4", rate=rate)
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=rate)
         stream.width, stream.height = size
         stream.pix_fmt = "yuv420p"
         for image, _ in moving_frames(movers, n_frames, size):

@@ -1,12 +1,14 @@
-"""Synthetic shape scenes, grounding tasks in the real prompt grammar, and the demo model's tokenizer.
+"""Synthetic shape scenes, grounding tasks in the real prompt grammar, and fine-tuning data made of them.
 
 Everything here is deterministic: `make_sample(seed, index, split)` draws from a numpy generator keyed on
 (split, seed, index), so a sample does not depend on how many were drawn before it or by which process.
-Answers follow docs/model.md §9 and docs/training.md §4.3-§4.4; `cut_blocks` cuts them as docs/training.md §1.2 says.
+Answers follow docs/model.md §9 and docs/training.md §4.3-§4.4.
 
     scene  = 0-4 shapes (circle, square, triangle, diamond, star) x 6 colours on a light background
     tasks  = detect (1-3 shape categories), refer (all matches), single (one match), point, negatives
     answer = "<ref>red circle</ref><box><120><340><410><620></box>..." (the tokenizer adds <|im_end|>)
+
+    python -m mlx_locate.synthetic.scenes --word ring --out ring_data   # fine-tuning data about a new shape
 """
 
 from __future__ import annotations
@@ -20,12 +22,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from tokenizers import AddedToken, models, trainers
-from tokenizers import Tokenizer as _Tokenizer
 
-from ..masks import BLOCK
-from ..tokenizer import qwen2_byte_level
-from ..tokens import TokenIds
+from ..prompts import task_text
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (215, 40, 40),
@@ -46,68 +44,6 @@ COLOR_JITTER = 18
 TASK_SHARES = {"detect": 0.35, "refer": 0.25, "single": 0.10, "point": 0.15, "negative": 0.15}
 DETECT_CATEGORY_COUNTS = {1: 0.5, 2: 0.35, 3: 0.15}  # categories per detection prompt
 SPLITS = {"train": 0, "eval": 1}
-
-# The demo tokenizer: a byte-level BPE over printable ASCII whose merges make every word below one token,
-# in both forms (" red" inside a prompt or label, "red" right after <ref> or </c>).
-BPE_SIZE = 210
-LABEL_WORDS = (*COLORS, *SHAPES, "the", "any")
-EXTRA_WORDS = (" shape", " in", " the", " image", "None", "none", "assistant", "system", "user", "image")
-CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # just below the added-token base S
-# The checkpoint's added tokens from S on (docs/training.md §4.2, docs/model.md §3).
-ADDED_TOKENS = (
-    "<IMG_CONTEXT>",
-    "<img>",
-    "</img>",
-    "<box>",
-    "</box>",
-    "<quad>",
-    "</quad>",
-    "<ref>",
-    "</ref>",
-    "<interval>",
-    "</interval>",
-    "<text_mask>",
-    *(f"<{v}>" for v in range(1001)),
-    "<null>",
-    "<switch>",
-    "</c>",
-)
-_FIXED_TEXTS = (
-    "You are a helpful assistant.\n",
-    "system\n",
-    "user\n<image 1>",
-    "assistant\n",
-    "Locate all the instances that matches the following description: ",
-    "Locate a single instance that matches the following description: ",
-    "Locate all the instances that match the following description: ",
-    "Point to: ",
-)
-
-
-def build_tokenizer() -> _Tokenizer:
-    """The demo model's tokenizer: Qwen2 pre-tokenizer and byte-level BPE, then the control and added tokens.
-
-    Ids: BPE 0..BPE_SIZE-1, `<|endoftext|>` `<|im_start|>` `<|im_end|>`, then S = BPE_SIZE + 3 for
-    `<IMG_CONTEXT>` and the rest of ADDED_TOKENS in the checkpoint's order. Deterministic.
-    """
-    tok = qwen2_byte_level(_Tokenizer(models.BPE()))
-    alphabet = [tok.pre_tokenizer.pre_tokenize_str(chr(c))[0][0] for c in (*range(32, 127), 10)]
-    words = [*(" " + w for w in LABEL_WORDS), *LABEL_WORDS, *EXTRA_WORDS]
-    trainer = trainers.BpeTrainer(
-        vocab_size=BPE_SIZE, initial_alphabet=alphabet, limit_alphabet=len(alphabet), show_progress=False
-    )
-    tok.train_from_iterator(words * 1000 + list(_FIXED_TEXTS) * 10, trainer)
-    split = [w for w in words if len(tok.encode(w).ids) != 1]
-    if tok.get_vocab_size() != BPE_SIZE or split:
-        raise RuntimeError(f"demo BPE: {tok.get_vocab_size()} tokens (want {BPE_SIZE}); words not single: {split}")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in CONTROL_TOKENS + ADDED_TOKENS])
-    return tok
-
-
-def added_token_base(tok: _Tokenizer) -> int:
-    """S, the id of `<IMG_CONTEXT>`."""
-    return tok.token_to_id("<IMG_CONTEXT>")
-
 
 # --- Scenes -----------------------------------------------------------------------------------------------
 
@@ -160,7 +96,8 @@ def _polygon(shape: str, box: tuple[int, int, int, int]) -> list[tuple[float, fl
     return None
 
 
-def _draw(draw: ImageDraw.ImageDraw, obj: Obj, fill: tuple[int, int, int]) -> None:
+def draw_object(draw: ImageDraw.ImageDraw, obj: Obj, fill: tuple[int, int, int]) -> None:
+    """Draw `obj`'s shape over its box in `fill` (a ring as an outline, the rest filled)."""
     x1, y1, x2, y2 = obj.box
     if obj.shape == "circle":
         draw.ellipse((x1, y1, x2 - 1, y2 - 1), fill=fill)
@@ -172,7 +109,8 @@ def _draw(draw: ImageDraw.ImageDraw, obj: Obj, fill: tuple[int, int, int]) -> No
         draw.polygon(_polygon(obj.shape, obj.box), fill=fill)
 
 
-def _overlaps(a: tuple[int, ...], b: tuple[int, ...], margin: int = 3) -> bool:
+def overlaps(a: tuple[int, ...], b: tuple[int, ...], margin: int = 3) -> bool:
+    """Whether boxes `a` and `b` (x1, y1, x2, y2) come closer than `margin` pixels."""
     return a[0] < b[2] + margin and b[0] < a[2] + margin and a[1] < b[3] + margin and b[1] < a[3] + margin
 
 
@@ -204,7 +142,7 @@ def make_scene(
             w, h = min(w, width - 2), min(side, height - 2)
             x1, y1 = int(rng.integers(1, width - w)), int(rng.integers(1, height - h))
             box = (x1, y1, x1 + w, y1 + h)
-            if not any(_overlaps(box, o.box) for o in objects):
+            if not any(overlaps(box, o.box) for o in objects):
                 objects.append(Obj(shape, str(rng.choice(palette_colors)), box))
                 break
 
@@ -223,7 +161,7 @@ def make_scene(
                 draw.ellipse((x - r, y - r, x + r, y + r), fill=(grey, grey, grey))
     for obj in objects:
         fill = tuple(int(np.clip(c + rng.integers(-COLOR_JITTER, COLOR_JITTER + 1), 0, 255)) for c in colors[obj.color])
-        _draw(draw, obj, fill)
+        draw_object(draw, obj, fill)
     return Scene(image, tuple(objects))
 
 
@@ -472,8 +410,6 @@ def kept_tasks(scene: Scene, categories: tuple[str, ...]) -> list[Task]:
 
 
 def _write_split(folder: Path, split: str, samples: list[tuple[Scene, list[Task]]]) -> None:
-    from ..prompts import task_text
-
     (folder / split).mkdir(parents=True, exist_ok=True)
     with (folder / f"{split}.jsonl").open("w") as f:
         for i, (scene, tasks) in enumerate(samples):
@@ -512,45 +448,9 @@ def write_word_only_data(
     return folder
 
 
-# --- Blocks -----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Block:
-    anchor: int  # index of the clean token the block is anchored on (slot 0 copies it)
-    targets: tuple[int, ...]  # BLOCK ids: the block's tokens, then <null>s
-
-
-def cut_blocks(seq: list[int], start: int, ids: TokenIds) -> list[Block]:
-    """Cut the answer `seq[start:]` (through its `<|im_end|>`) into blocks, docs/training.md §1.2.
-
-    Block 0 is anchored on `seq[start - 1]` (the `\\n` after `assistant`); each block is cut after the first
-    `</ref>` or `</box>` and before `<|im_end|>`, and the answer ends with exactly one end block.
-    Raises `ValueError` if the answer has no `<|im_end|>`.
-    """
-    if ids.im_end not in seq[start:]:
-        raise ValueError("the answer must end with <|im_end|>")
-    blocks, begin = [], start
-    while True:
-        window = seq[begin : begin + BLOCK]
-        if window[0] == ids.im_end:
-            blocks.append(Block(begin - 1, (ids.im_end,) + (ids.null,) * (BLOCK - 1)))
-            return blocks
-        length = BLOCK
-        for j, t in enumerate(window):
-            if t in (ids.ref_end, ids.box_end):
-                length = min(length, j + 1)
-                break
-            if t == ids.im_end:
-                length = min(length, j)
-                break
-        blocks.append(Block(begin - 1, tuple(window[:length]) + (ids.null,) * (BLOCK - length)))
-        begin += length
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m mlx_locate.tuner.synthetic",
+        prog="python -m mlx_locate.synthetic.scenes",
         description="Write fine-tuning data about a shape or colour the demo model never saw (SFT JSONL + PNGs).",
     )
     p.add_argument("--out", required=True, type=Path, help="folder for train.jsonl, eval.jsonl, train/, eval/")
