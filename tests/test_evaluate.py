@@ -183,6 +183,7 @@ def model():
     return load("demo")
 
 
+@pytest.mark.slow  # reads the every-dataset run
 def test_answer_lines_are_the_single_request_answers(run, bench, model):
     out, _ = run
     answers = formats.read_answers(out / "synthetic_hybrid.jsonl") + formats.read_answers(

@@ -323,6 +323,7 @@ def dense(model):
     )
 
 
+@pytest.mark.slow  # a 560 x 560 scene tiled and whole; the fast tier's tiled checks are below
 def test_tiles_find_small_objects_the_whole_image_misses(dense):
     scene, tiled, whole = dense
     gt = truth(scene, "square")
