@@ -1,7 +1,8 @@
 """Shared fixtures: the golden reference data and checkpoint folders assembled from tests/data; the two tiers.
 
 `python -m pytest` runs the fast tier (pyproject's addopts: `-m 'not slow'`); `python -m pytest -m slow` the
-slow tier. A hypothesis test belongs to both: a share of its examples in the fast tier, all of them in the slow."""
+slow tier. A module of hypothesis tests belongs to both: a share of their examples in the fast tier, all of them in
+the slow one."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from mlx_locate.tokenizer import Tokenizer
 from mlx_locate.tokens import TokenIds, token_ids_from_config
 
 DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "golden"
+TOKENIZER_DIR = GOLDEN / "tokenizer"
 FAST_SHARE = 8  # the fast tier runs 1/FAST_SHARE of a property test's examples (its @example cases always run)
 SLOW_TIER = False  # set by pytest_configure: this run is `-m slow`
 
@@ -27,10 +30,11 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(items):
-    """In the slow tier every hypothesis test is slow too (it runs there at full size)."""
+    """In the slow tier the tests of a module with hypothesis tests are slow too (there they run at full size)."""
     if SLOW_TIER:
+        modules = {item.module for item in items if getattr(item.obj, "is_hypothesis_test", False)}
         for item in items:
-            if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            if item.module in modules:
                 item.add_marker(pytest.mark.slow)
 
 
@@ -51,10 +55,6 @@ def property_settings(examples: int) -> settings:
         database=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
-
-
-GOLDEN = DATA / "golden"
-TOKENIZER_DIR = GOLDEN / "tokenizer"
 
 
 def assemble_checkpoint(name: str, dest: Path) -> Path:
