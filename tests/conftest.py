@@ -1,6 +1,6 @@
 """Shared fixtures: the golden reference data and checkpoint folders assembled from tests/data; the two tiers.
 
-`python -m pytest` runs the fast tier (pyproject's addopts: `-m 'not slow'`); `python -m pytest -m slow` the
+`python3 -m pytest` runs the fast tier (pyproject's addopts: `-m 'not slow'`); `python3 -m pytest -m slow` the
 slow tier. A module of hypothesis tests belongs to both: a share of their examples in the fast tier, all of them in
 the slow one."""
 
