@@ -90,12 +90,13 @@ def attention_probe(model, lengths: list[int]) -> dict:
 
 class PhasePeaks:
     """The engine's phases (vision, prompt prefixes, prefills, decode steps) wrapped on one engine: each phase's
-    highest peak above the weights, and what was held when it began."""
+    highest peak above the weights, and what was held when it began. A phase called inside another (the prompt
+    prefixes' own prefill) counts as part of the outer one."""
 
     PHASES = {"vision": "features_for", "prefix": "compute_prefixes", "prefill": "prefill"}
 
     def __init__(self, model, engine, weights: int):
-        self.weights, self.peak = weights, 0
+        self.weights, self.peak, self.inside = weights, 0, False
         self.phases: dict[str, dict[str, float]] = {}
         for name, attr in self.PHASES.items():
             setattr(model, attr, self.wrap(name, getattr(model, attr)))
@@ -103,12 +104,16 @@ class PhasePeaks:
 
     def wrap(self, name: str, fn):
         def run(*args, **kwargs):
+            if self.inside:
+                return fn(*args, **kwargs)
             self.peak = max(self.peak, mx.get_peak_memory())
             held = mx.get_active_memory()
             mx.reset_peak_memory()
+            self.inside = True
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.inside = False
                 peak = mx.get_peak_memory()
                 self.peak = max(self.peak, peak)
                 phase = self.phases.setdefault(name, {"peak_gb": 0.0, "held_gb": 0.0})
