@@ -5,8 +5,9 @@
   only part of the machine's memory).
 - `Budget.measure(network)`: that limit less what the loaded weights hold, split into working memory for the
   transient work of the vision tower and the prefills (at most the device's `MAX_WORKING`) and the rest for the
-  KV cache of the rows and the prompt prefixes kept ahead of them. What one patch costs a tower block is
-  measured once, on a small input; what one prefill row costs comes from the decoder's shapes.
+  KV cache of the rows and the prompt prefixes kept ahead of them. What one patch costs a tower block and what
+  one row costs a prefill are measured once, on small inputs (what a device holds while it runs a product, a
+  quantized one above all, and when it releases it, is the backend's own).
 
 Going over a budget never fails: the engine admits fewer rows, and the tower and the prefills run in smaller
 pieces.
@@ -28,6 +29,7 @@ MAX_WORKING = {"gpu": 2 << 30, "cpu": 512 << 20}
 RESERVE = 256 << 20  # left free of any budget: MLX's own buffers, the host's arrays, fragmentation
 MIN_WORKING = 64 << 20
 PROBE_PATCHES = 256  # the input the tower's per-patch cost is measured on
+PROBE_ROWS = 128  # and the prefill's per-row cost
 GPU_ROWS, CPU_ROWS = 16, 4  # rows per step at most, where memory allows: a GPU step is bound by reading the
 # weights, so rows ride along; a CPU step by arithmetic
 
@@ -56,12 +58,19 @@ def tower_bytes_per_patch(network: LocateAnything) -> int:
 
 
 def prefill_bytes_per_row(network: LocateAnything) -> int:
-    """What one prefill row may hold while a call runs, every layer's transients at once (a call's buffers are
-    released when the device finishes it): the fused projections' outputs, the MLP's and the residual stream."""
+    """Peak bytes one prefill row holds while a call runs, measured on `PROBE_ROWS` rows of one sequence through
+    the whole decoder, uncompiled (at least what the compiled call holds); its new K|V counts too."""
     t = network.config.text
     dtype = network.language_model.model.norm.weight.dtype
-    per_layer = (t.num_attention_heads + 2 * t.num_key_value_heads) * t.head_dim + 3 * t.intermediate_size
-    return dtype.size * t.num_hidden_layers * (per_layer + 4 * t.hidden_size)
+    x = mx.zeros((1, PROBE_ROWS, t.hidden_size), dtype)
+    positions = mx.arange(PROBE_ROWS, dtype=mx.int32)
+    mask = mx.tril(mx.ones((PROBE_ROWS, PROBE_ROWS), dtype=mx.bool_))
+    mx.eval(x, positions, mask)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    hidden, kv = network.language_model(x, positions, mask)
+    mx.eval(network.language_model.logits(hidden[:, -1:]), kv)
+    return max(1, (mx.get_peak_memory() - base) // PROBE_ROWS)
 
 
 def prefill_bytes_per_key(network: LocateAnything) -> int:
@@ -89,7 +98,7 @@ class Budget:
     working: int  # one tower group or one prefill call at a time
     kv: int  # every row's K|V plus the prompt prefixes kept ahead
     patch_bytes: int  # one patch through one tower block
-    prefill_row_bytes: int  # one row of one prefill call
+    prefill_row_bytes: int  # one row of one prefill call (measured)
     prefill_key_bytes: int  # and per key it attends to, where attention falls back
     slot_bytes: int  # one cached token of one row
 
@@ -121,6 +130,7 @@ class Budget:
         room = max(1, self.working - self.score_budget)
         per_image_block = patches * self.patch_bytes
         batch = max(1, min(images, room // per_image_block))
+        batch = -(-images // -(-images // batch))  # calls of even size: 8 + 8 rather than 13 + 3
         return batch, max(1, min(blocks, room // (batch * per_image_block)))
 
     def prefill_rows(self, bucket: int, keys: int) -> int:

@@ -25,12 +25,22 @@ class TargetSize(NamedTuple):
     final: tuple[int, int]  # (W, H), multiples of MERGE * patch
 
 
+# Each pixel value normalised to [-1, 1] by the reference's float32 operations (ToTensor + Normalize(0.5, 0.5):
+# x / 255, then (x - 0.5) / 0.5), so looking a pixel up gives the bits of computing it.
+NORMALISED = ((np.arange(256, dtype=np.float32) / np.float32(255.0)) - np.float32(0.5)) / np.float32(0.5)
+
+
 class Preprocessed(NamedTuple):
-    patches: np.ndarray  # (L, 3, patch, patch) float32, raster order over the patch grid
+    pixels: np.ndarray  # (L, 3, patch, patch) uint8, raster order over the patch grid (a quarter of the floats)
     grid: tuple[int, int]  # (h, w) in patches; L = h * w
     processed_size: tuple[int, int]  # (W, H) in pixels of the stretched image
     original_size: tuple[int, int]  # (W0, H0) after RGB conversion; model coordinates map onto this
     digest: str  # sha256 of the resized pixels: what the vision features depend on, so their cache key
+
+    @property
+    def patches(self) -> np.ndarray:
+        """(L, 3, patch, patch) float32, normalised to [-1, 1]: the reference's `pixel_values`."""
+        return NORMALISED[self.pixels]
 
 
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb warning threshold (1024 * 1024 * 1024 // 4 // 3)
@@ -202,8 +212,8 @@ def preprocess(
     patch_size: int = PATCH_SIZE,
     max_pixels: int | None = None,
 ) -> Preprocessed:
-    """Open (`load_image`), convert to RGB, resize (docs/model.md §5), normalise to [-1, 1] and cut into patches in
-    raster order."""
+    """Open (`load_image`), convert to RGB, resize (docs/model.md §5) and cut into patches in raster order
+    (`Preprocessed.patches` normalises them to [-1, 1])."""
     rgb = to_rgb(load_image(image, max_pixels))
     original_size = rgb.size
     sizes = target_size(*original_size, in_token_limit=in_token_limit, patch=patch_size)
@@ -216,9 +226,4 @@ def preprocess(
     pixels = np.asarray(rgb, dtype=np.uint8)
     digest = hashlib.sha256(pixels.tobytes()).hexdigest()
     patches, grid = patchify(pixels, patch_size)
-    patches = patches.astype(np.float32)
-    # Same float32 operations as the reference's ToTensor + Normalize(0.5, 0.5): x / 255, then (x - 0.5) / 0.5.
-    patches /= np.float32(255.0)
-    patches -= np.float32(0.5)
-    patches /= np.float32(0.5)
-    return Preprocessed(patches, grid, sizes.final, original_size, digest)
+    return Preprocessed(np.ascontiguousarray(patches), grid, sizes.final, original_size, digest)

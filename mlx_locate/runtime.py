@@ -23,7 +23,7 @@ from .cpu import store_input_major
 from .language import fuse_projections
 from .memory import Budget
 from .model import LocateAnything
-from .preprocess import IN_TOKEN_LIMIT
+from .preprocess import IN_TOKEN_LIMIT, NORMALISED
 from .prompts import UserText, prompt_ids
 from .request import DEFAULT_MAX_TOKENS, PreparedImage, prepare_image
 from .tokenizer import Tokenizer
@@ -58,6 +58,7 @@ class Runtime:
         self._synced: float | None = None
         self._host_pool: ThreadPoolExecutor | None = None
         self.features: OrderedDict[tuple, mx.array] = OrderedDict()
+        self._normalised = mx.array(NORMALISED)  # pixel value -> its float32 patch value, on the device
         self.prefixes: OrderedDict[tuple, list[mx.array]] = OrderedDict()
 
     @property
@@ -173,9 +174,10 @@ class Runtime:
             for part, features in self._tower(grid, group):
                 for image, f in zip(part, features, strict=True):
                     out[image.key] = self.features[image.key] = f
-        while len(self.features) > FEATURE_CACHE_SIZE:
-            self.features.popitem(last=False)
-        return [(image.key not in out, out.get(image.key, self.features.get(image.key))) for image in images]
+        found = [(image.key not in out, out.get(image.key, self.features.get(image.key))) for image in images]
+        while len(self.features) > FEATURE_CACHE_SIZE:  # after the answer: a call of more images than the cache
+            self.features.popitem(last=False)  # holds may push out one of its own cached ones
+        return found
 
     def _tower(self, grid: tuple[int, int], images: list[PreparedImage]):
         """(images, their (B, h*w/4, D) features) for images of one grid, in batches the budget holds."""
@@ -183,7 +185,8 @@ class Runtime:
         batch, per_eval = self.budget.tower_plan(len(images), grid[0] * grid[1], blocks)
         for start in range(0, len(images), batch):
             part = images[start : start + batch]
-            x = tower.embed(mx.array(np.stack([image.pre.patches for image in part])), grid)
+            pixels = mx.array(np.stack([image.pre.pixels for image in part]))  # uint8: a quarter of the floats
+            x = tower.embed(self._normalised[pixels], grid)
             for first in range(0, blocks, per_eval):
                 x = tower.run_blocks(x, grid, first, first + per_eval, self.budget.score_budget)
                 self.sync(x)
@@ -225,8 +228,7 @@ class Runtime:
     def prefill(self, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
         """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most `prefill_rows` rows
         (sequences x padded rows; a longer prompt goes in chunks); each call is evaluated before the next one
-        starts (a GPU releases a call's buffers only when it has run it); returns each cache row's last logits
-        (1, V)."""
+        starts (a GPU may hold a call's buffers until it has run it); returns each cache row's last logits (1, V)."""
         last: dict[int, mx.array] = {}
         work, calls = list(items), 0
         limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work)) if work else PREFILL_ROWS

@@ -63,8 +63,10 @@ def rope2d_tables(h: int, w: int, head_dim: int, theta: float) -> tuple[mx.array
     return mx.array(np.cos(angles).astype(np.float32)), mx.array(np.sin(angles).astype(np.float32))
 
 
+@mx.compile
 def apply_rope2d(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """x: (..., L, H, D), cos/sin (..., L, D/2); rotates pairs (2j, 2j+1) as complex numbers, in float32."""
+    """x: (..., L, H, D), cos/sin (..., L, D/2); rotates pairs (2j, 2j+1) as complex numbers, in float32. Compiled
+    (traced once per shape): one kernel, so a block holds none of its float32 temporaries."""
     pairs = x.astype(mx.float32).reshape(*x.shape[:-1], -1, 2)
     re, im = pairs[..., 0], pairs[..., 1]
     cos, sin = cos[..., None, :], sin[..., None, :]

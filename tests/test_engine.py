@@ -207,6 +207,22 @@ def test_images_of_one_grid_share_a_vision_batch(models):
     assert all(cached for cached, _ in model.features_for(prepared))
 
 
+def test_a_vision_call_of_more_images_than_the_cache_holds_returns_every_image(models):
+    """A cached image asked for beside more new images than the feature cache holds: the new ones push it out
+    of the cache, but the call still returns its features (it returned None before)."""
+    model = models["tiny_random"]
+    rng = np.random.default_rng(5)
+    images = [rng.integers(0, 256, (56, 84, 3), dtype=np.uint8) for _ in range(runtime_module.FEATURE_CACHE_SIZE + 2)]
+    prepared = [model.prepare(Image.fromarray(im)) for im in images]
+    model.features.clear()
+    first = model.features_for(prepared[:1])[0][1]
+    both = model.features_for(prepared)
+    assert [cached for cached, _ in both] == [True] + [False] * (len(prepared) - 1)
+    assert all(features is not None for _, features in both)
+    np.testing.assert_array_equal(np.array(both[0][1]), np.array(first))
+    assert len(model.features) == runtime_module.FEATURE_CACHE_SIZE
+
+
 def test_queries_on_one_image_prefill_its_prefix_once(models, monkeypatch):
     model = models["tiny_peaky"]
     model.prefixes.clear()

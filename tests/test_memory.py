@@ -44,6 +44,9 @@ def test_tower_plan_fills_the_working_memory_first_with_images_then_with_blocks(
     assert b.tower_plan(64, 1000, 27) == (min(64, room // 1_000_000), 1)  # as many images as one block holds
     assert b.tower_plan(2, 1000, 27) == (2, min(27, room // 2_000_000))  # two images: several blocks at once
     assert b.tower_plan(1, 10**6, 27) == (1, 1)  # one block of a huge image: still one piece
+    thirteen = room // 13 // 1000  # patches of which one block of 13 images fills the room
+    assert b.tower_plan(16, thirteen, 27)[0] == 8  # calls of even size: 8 + 8, not 13 + 3
+    assert b.tower_plan(27, thirteen, 27)[0] == 9  # 9 + 9 + 9, not 13 + 13 + 1
 
 
 def test_tower_in_batches_and_pieces_equals_each_image_alone(demo, monkeypatch):
@@ -68,6 +71,29 @@ def test_tower_in_batches_and_pieces_equals_each_image_alone(demo, monkeypatch):
         whole = demo.network.image_features(mx.array(image.pre.patches), image.pre.grid)
         assert not cached
         np.testing.assert_allclose(np.array(features), np.array(whole), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefill_call_holds_no_more_than_its_rows_measured_cost(demo):
+    """The per-row cost measured at load (uncompiled, on a few rows) bounds what a compiled prefill of three times
+    as many rows holds above its inputs and its cache, scores included."""
+    b = demo.budget
+    t = demo.network.config.text
+    rows = 384
+    assert demo.prefill_rows(rows) >= rows  # one call
+    cache = demo.new_cache(slots=1)
+    cache.reserve(rows)
+    x = mx.zeros((rows, t.hidden_size), demo.network.language_model.model.norm.weight.dtype)
+    mx.eval(x, cache.kv)
+    mx.eval(list(demo.prefill(cache, [(0, x, 0)]).values()))  # compiles that shape
+    cache = demo.new_cache(slots=1)
+    cache.reserve(rows)
+    mx.eval(cache.kv)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(list(demo.prefill(cache, [(0, x, 0)]).values()), cache.kv)
+    held = mx.get_peak_memory() - base
+    # The call's K|V land in new buffers that replace the cache's (the KV budget's, not the working memory's).
+    assert 0 < held <= rows * (b.prefill_row_bytes + rows * b.prefill_key_bytes) + cache.nbytes
 
 
 def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):

@@ -1,0 +1,154 @@
+"""Where a batch's image side goes on a GPU: the tower and the prompt prefixes of 16 images as the engine runs
+them (the budget's plan) and with more working memory, by piece, and whether a tower queued on a second stream
+runs beside decode steps. Prints one line per measurement; `--json` keeps them.
+
+    python benchmarks/image_probe.py [--preset 3b] [--images 16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench import folder_images, in_memory_model  # noqa: E402
+
+from mlx_locate.compiled import Phase  # noqa: E402
+from mlx_locate.prompts import user_text  # noqa: E402
+
+
+def timed(fn, iters: int = 3) -> tuple[float, float]:
+    """(ms per call after one warm-up, peak GB above the memory active before the calls)."""
+    fn()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    mx.synchronize()
+    return 1e3 * (time.perf_counter() - t0) / iters, (mx.get_peak_memory() - base) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="3b")
+    parser.add_argument("--images", type=int, default=16)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    out: dict = {}
+
+    def report(name: str, value) -> None:
+        out[name] = value
+        print(f"{name}: {value}", flush=True)
+
+    model = in_memory_model(args.preset, "bfloat16")
+    budget = model.budget
+    report("budget", {k: getattr(budget, k) for k in ("working", "kv", "patch_bytes", "prefill_row_bytes")})
+    with tempfile.TemporaryDirectory() as work:
+        paths, query = folder_images(None, (640, 480), args.images, Path(work))
+        images = [model.prepare(p) for p in paths]
+    grid = images[0].pre.grid
+    blocks = len(model.network.vision_model.encoder.blocks)
+    report("grid", grid)
+    report("tower_plan", budget.tower_plan(len(images), grid[0] * grid[1], blocks))
+
+    def vision():
+        model.features.clear()
+        model.features_for(images)
+
+    for working in (budget.working, 8 << 30):
+        model.budget = replace(budget, working=working)
+        report(f"vision_{working >> 20}MiB_ms_peak_gb", timed(vision))
+    model.budget = budget
+
+    tower = model.network.vision_model
+    x0 = tower.embed(mx.array(__import__("numpy").stack([i.pre.patches for i in images])), grid)
+    mx.eval(x0)
+    report(
+        "tower_embed_ms",
+        timed(lambda: mx.eval(tower.embed(mx.array(__import__("numpy").stack([i.pre.patches for i in images])), grid)))[
+            0
+        ],
+    )
+    for per_eval in (1, 3, blocks):
+
+        def run_blocks(per_eval=per_eval):
+            x = x0
+            for first in range(0, blocks, per_eval):
+                x = tower.run_blocks(x, grid, first, first + per_eval, budget.score_budget)
+                mx.eval(x)
+            return x
+
+        report(f"tower_blocks_per_eval_{per_eval}_ms_peak_gb", timed(run_blocks))
+    xb = tower.run_blocks(x0, grid, 0, blocks)
+    mx.eval(xb)
+    report("tower_finish_connect_ms", timed(lambda: mx.eval(model.network.connect(tower.finish(xb), grid)))[0])
+
+    ids = model.prompt(user_text("detect", query), grid)
+    prefix_len = ids.index(model.token_ids.img_end) + 1
+    report("prefix_tokens", prefix_len)
+    model.features.clear()
+    feats = [f for _, f in model.features_for(images)]
+    items = [(ids[:prefix_len], f) for f in feats]
+    for working in (budget.working, 4 << 30, 8 << 30):
+        model.budget = replace(budget, working=working)
+        report(f"prefix_rows_per_call_{working >> 20}MiB", model.prefill_rows(prefix_len))
+        report(f"prefixes_{working >> 20}MiB_ms_peak_gb", timed(lambda: mx.eval(model.compute_prefixes(items))))
+    model.budget = budget
+    embed_ms = timed(lambda: mx.eval([model.network.embed(i, f)[0] for i, f in items]))[0]
+    report("prefix_embed_ms", embed_ms)
+
+    # Decode steps beside a tower queued on a second stream.
+    rows, context, steps = 16, 512, 8
+    d = model.network.config.text.hidden_size
+    cache = model.new_cache(rows)
+    mx.eval(list(model.prefill(cache, [(b, mx.zeros((context, d), mx.bfloat16), 0) for b in range(rows)]).values()))
+    inputs = mx.array([[1] * 6 + [2] * 6] * rows, dtype=mx.int32)
+    step_args = (Phase.BLOCK, cache, inputs, list(range(rows)), [context] * rows, [12] * rows, [True] * rows, True)
+
+    def decode():
+        for _ in range(steps):
+            model.steps.run(*step_args)[:, 0, :8].tolist()  # one host read per step
+
+    def tower_all(stream=None):
+        with mx.stream(stream or mx.default_stream(mx.default_device())):
+            x = tower.run_blocks(x0, grid, 0, blocks)
+        return x
+
+    report("decode_8_steps_ms", timed(decode)[0])
+    report("tower_alone_ms", timed(lambda: mx.eval(tower_all()))[0])
+    side = mx.new_stream(mx.default_device())
+
+    def both(stream):
+        x = tower_all(stream)
+        mx.async_eval(x)
+        decode()
+        mx.eval(x)
+
+    report("tower_then_decode_same_stream_ms", timed(lambda: both(None))[0])
+    report("tower_beside_decode_side_stream_ms", timed(lambda: both(side))[0])
+
+    def prefixes_side():
+        with mx.stream(side):
+            p = model.compute_prefixes(items)
+        decode()
+        mx.eval(p)
+
+    report("prefixes_beside_decode_side_stream_ms", timed(prefixes_side)[0])
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
