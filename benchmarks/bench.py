@@ -278,6 +278,12 @@ def run_batches(
         for row in rows.values():
             row["images_per_s_x"] = row["images_per_s"] / base["images_per_s"]
             row["token_ids_equal_batch_1"] = row["tokens"] == base["tokens"]
+            differing = [i for i, (a, b) in enumerate(zip(row["tokens"], base["tokens"], strict=True)) if a != b]
+            row["images_differing_from_batch_1"] = len(differing)
+            if differing:  # where the first one parts: how far the two agree
+                a, b = row["tokens"][differing[0]], base["tokens"][differing[0]]
+                at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+                row["first_difference"] = {"image": differing[0], "at_token": at, "of": len(b)}
         for row in rows.values():
             del row["tokens"]
     return out, theirs
