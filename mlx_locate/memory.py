@@ -30,6 +30,10 @@ RESERVE = 256 << 20  # left free of any budget: MLX's own buffers, the host's ar
 MIN_WORKING = 64 << 20
 PROBE_PATCHES = 256  # the input the tower's per-patch cost is measured on
 PROBE_ROWS = 128  # and the prefill's per-row cost
+# Prefill rows per call at most on the CPU: there a larger call buys no speed and its intermediates leave the
+# caches (benchmarks/README.md, "CPU"); on a GPU each call costs a dispatch of the whole decoder, so calls take as
+# many rows as the working memory holds.
+CPU_PREFILL_ROWS = 512
 GPU_ROWS, CPU_ROWS = 16, 4  # rows per step at most, where memory allows: a GPU step is bound by reading the
 # weights, so rows ride along; a CPU step by arithmetic
 
@@ -101,13 +105,14 @@ class Budget:
     prefill_row_bytes: int  # one row of one prefill call (measured)
     prefill_key_bytes: int  # and per key it attends to, where attention falls back
     slot_bytes: int  # one cached token of one row
+    prefill_cap: int | None  # rows per prefill call at most on this device (None: what the working memory holds)
 
     @classmethod
     def measure(cls, network: LocateAnything) -> Budget:
         limit, weights = device_limit(), mx.get_active_memory()
         free = max(0, limit - weights - RESERVE)
-        cap = MAX_WORKING["gpu" if mx.default_device() == mx.gpu else "cpu"]
-        working = max(MIN_WORKING, min(cap, free // 2))  # the tower runs, in its smallest pieces if need be
+        device = "gpu" if mx.default_device() == mx.gpu else "cpu"
+        working = max(MIN_WORKING, min(MAX_WORKING[device], free // 2))  # the tower runs, in pieces if need be
         return cls(
             limit=limit,
             weights=weights,
@@ -117,6 +122,7 @@ class Budget:
             prefill_row_bytes=prefill_bytes_per_row(network),
             prefill_key_bytes=prefill_bytes_per_key(network),
             slot_bytes=kv_bytes_per_slot(network),
+            prefill_cap=CPU_PREFILL_ROWS if device == "cpu" else None,
         )
 
     @property
@@ -135,8 +141,10 @@ class Budget:
 
     def prefill_rows(self, bucket: int, keys: int) -> int:
         """Rows one prefill call may take (sequences x padded rows) attending to at most `keys` cached tokens:
-        what the working memory holds, in whole `bucket`s."""
+        what the working memory holds, at most `prefill_cap`, in whole `bucket`s."""
         rows = self.working // (self.prefill_row_bytes + keys * self.prefill_key_bytes)
+        if self.prefill_cap is not None:
+            rows = min(rows, self.prefill_cap)
         return max(bucket, rows // bucket * bucket)
 
     def kv_fits(self, buffer_rows: int, slots: int) -> bool:

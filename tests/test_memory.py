@@ -96,6 +96,15 @@ def test_a_prefill_call_holds_no_more_than_its_rows_measured_cost(demo):
     assert 0 < held <= rows * (b.prefill_row_bytes + rows * b.prefill_key_bytes) + cache.nbytes
 
 
+def test_a_cpu_prefill_call_takes_at_most_the_cpu_cap(demo):
+    """On the CPU more working memory does not make prefill calls larger than `CPU_PREFILL_ROWS`; without the cap
+    they would be."""
+    roomy = dataclasses.replace(demo.budget, working=64 << 30)
+    assert roomy.prefill_cap == memory.CPU_PREFILL_ROWS
+    assert roomy.prefill_rows(128, 500) == memory.CPU_PREFILL_ROWS
+    assert dataclasses.replace(roomy, prefill_cap=None).prefill_rows(128, 500) > memory.CPU_PREFILL_ROWS
+
+
 def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):
     """A working memory of one prefill bucket: a 640 x 480 image's prompt (over 400 rows) goes in calls of 128
     rows, each evaluated before the next, with the tokens of one call."""
