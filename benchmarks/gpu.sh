@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu.sh part .whl/cuda.part00     # x4: the MLX CUDA wheel arrives in parts (the device tool
 #   bash benchmarks/gpu.sh install .whl/cuda.part03 .whl/mlx-0.32.4-*.whl .whl/tqdm-*.whl   # carries 64 MiB a call)
-#   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory | budget
+#   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory | budget | parity
 #
 # The folder beside mlx-vlm's batch_generate: its 21 wheels (21 MB; benchmarks/peer-gpu-requirements.txt says how
 # to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first (after
@@ -94,6 +94,13 @@ media) # the demo model (real boxes): the folder by batch size; tiling recall an
     ;;
 finetune)
     python3 benchmarks/finetune_bench.py --json "$OUT/gpu_finetune.json"
+    ;;
+parity) # the demo folder at 1 and 16 rows by schedule: whether AR rows riding in block-shaped forwards part 16
+    # rows' tokens from one row's (bench.py records how many images differ and where)
+    for s in mixed split; do
+        python3 benchmarks/bench.py --model demo --batch 1 16 --contexts 256 --iters 1 --folder 64 \
+            --modes fast hybrid --max-tokens 128 --schedule $s --json "$OUT/gpu_parity_demo_$s.json"
+    done
     ;;
 memory) # peak memory above the weights: single images by phase, folders by rows, bf16 and the quantized 3B
     for q in none q8 mixed_4_8; do
