@@ -46,6 +46,15 @@ def device_limit() -> int:
     return limit
 
 
+def peak_bytes(run) -> int:
+    """Bytes above what is active now that evaluating `run()`'s outputs holds at its peak (MLX's high-water mark
+    restarts here)."""
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(run())
+    return mx.get_peak_memory() - base
+
+
 def tower_bytes_per_patch(network: LocateAnything) -> int:
     """Peak bytes one patch costs a tower block, measured on `PROBE_PATCHES` patches (attention in single-row
     chunks where it falls back, so its scores do not count: `SCORE_BUDGET` bounds them apart)."""
@@ -55,10 +64,8 @@ def tower_bytes_per_patch(network: LocateAnything) -> int:
     cos = mx.ones((1, PROBE_PATCHES, v.head_dim // 2))
     sin = mx.zeros((1, PROBE_PATCHES, v.head_dim // 2))
     mx.eval(x, cos, sin)
-    mx.reset_peak_memory()  # MLX's high-water mark restarts here
-    base = mx.get_active_memory()
-    mx.eval(network.vision_model.encoder.blocks[0](x, cos, sin, score_budget=1))
-    return max(1, (mx.get_peak_memory() - base) // PROBE_PATCHES)
+    held = peak_bytes(lambda: network.vision_model.encoder.blocks[0](x, cos, sin, score_budget=1))
+    return max(1, held // PROBE_PATCHES)
 
 
 def prefill_bytes_per_row(network: LocateAnything) -> int:
@@ -70,11 +77,12 @@ def prefill_bytes_per_row(network: LocateAnything) -> int:
     positions = mx.arange(PROBE_ROWS, dtype=mx.int32)
     mask = mx.tril(mx.ones((PROBE_ROWS, PROBE_ROWS), dtype=mx.bool_))
     mx.eval(x, positions, mask)
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    hidden, kv = network.language_model(x, positions, mask)
-    mx.eval(network.language_model.logits(hidden[:, -1:]), kv)
-    return max(1, (mx.get_peak_memory() - base) // PROBE_ROWS)
+
+    def prefill():
+        hidden, kv = network.language_model(x, positions, mask)
+        return network.language_model.logits(hidden[:, -1:]), kv
+
+    return max(1, peak_bytes(prefill) // PROBE_ROWS)
 
 
 def prefill_bytes_per_key(network: LocateAnything) -> int:

@@ -233,7 +233,7 @@ def tower_inputs(base: Base, images: list[Path]) -> dict[str, np.ndarray | mx.ar
     network = base.network
     v = network.config.vision
     pres = [preprocess(p, base.in_token_limit, v.patch_size) for p in images]
-    n = 4 * padded(max(pre.patches.shape[0] for pre in pres) // 4)
+    n = 4 * padded(max(pre.pixels.shape[0] for pre in pres) // 4)
     B = len(pres)
     patches = np.zeros((B, n, 3 * v.patch_size**2), np.float32)
     cos = np.ones((B, n, v.head_dim // 2), np.float32)

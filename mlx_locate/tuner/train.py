@@ -40,7 +40,7 @@ from ..language import DecoderLayer
 from ..loader import sanitize
 from ..masks import BLOCK
 from ..model import LocateAnything
-from ..preprocess import PATCH_SIZE
+from ..preprocess import NORMALISED, PATCH_SIZE
 from ..preprocess import patchify as cut_patches
 from ..projector import run_connector
 from ..prompts import prompt_ids, task_text
@@ -536,7 +536,7 @@ def vision_features(model: LocateAnything, pixels: mx.array, grid: mx.array, tab
     """(B, N, 3*p*p) uint8 patches of padded images -> (B, M, D) connector rows (merged raster order)."""
     tower = model.vision_model
     table = tower.patch_embed.pos_emb.weight.astype(mx.float32).reshape(-1, tower.config.hidden_size)
-    x = (pixels.astype(mx.float32) / 255.0 - 0.5) / 0.5  # the preprocess normalisation
+    x = mx.array(NORMALISED)[pixels]  # the preprocess normalisation, the reference's float32 values
     pos = tables["pos"][grid] @ table
     return tower_features(
         model, x, pos, tables["cos"][grid], tables["sin"][grid], tables["valid"][grid], tables["merge"][grid]
