@@ -554,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(mx.default_device()),
         "machine": platform.machine(),
         "blas": blas_name(),
+        "mlx_enable_tf32": os.environ.get("MLX_ENABLE_TF32", "1 (MLX's default)"),  # float32 products on GPUs
         "load_s": load_s,
         "decoder_weight_bytes": weight_bytes(model),
         "images": {},

@@ -24,7 +24,7 @@ from .model import LocateAnything
 
 PREFILL_BUCKET = 128
 PREFILL_MIN = 16  # a short prompt (a query after a cached prefix) pads to a power of two from here
-PREFILL_ROWS = 2048  # rows per prefill call (sequences x padded rows): longer prompts go in chunks
+PREFILL_ROWS = 2048  # one sequence's rows per prefill call at most: longer prompts go in chunks
 BLOCK_ROWS = 2 * BLOCK  # a tail of at most 6 committed tokens, then the 6 window rows
 
 

@@ -4,9 +4,9 @@
   `mx.set_memory_limit`), on Apple silicon also at most the GPU's recommended working set (macOS lends the GPU
   only part of the machine's memory).
 - `Budget.measure(network)`: that limit less what the loaded weights hold, split into working memory for the
-  transient work of the vision tower and the prefills (at most the device's `MAX_WORKING`) and the rest for the
-  KV cache of the rows and the prompt prefixes kept ahead of them. What one patch costs a tower block and what
-  one row costs a prefill are measured once, on small inputs (what a device holds while it runs a product, a
+  transient work of the vision tower and the prefills (`working_bytes`) and the rest for the KV cache of the
+  rows and the prompt prefixes kept ahead of them. What one patch costs a tower block and what one row costs a
+  prefill are measured once, on small inputs (what a device holds while it runs a product, a
   quantized one above all, and when it releases it, is the backend's own).
 
 Going over a budget never fails: the engine admits fewer rows, and the tower and the prefills run in smaller
@@ -23,9 +23,12 @@ from .attention import SCORE_BUDGET, SCORE_BYTES, Path, attention_path, backend
 from .cache import kv_bucket
 from .model import LocateAnything
 
-# Bytes of transient work at once (a few tower blocks, one prefill call), at most: on a GPU, bigger pieces read
-# the weights fewer times; on the CPU a product is bound by arithmetic, so they buy no speed.
-MAX_WORKING = {"gpu": 2 << 30, "cpu": 512 << 20}
+# Bytes of transient work at once (a few tower blocks, one prefill call) where half the free memory holds them: on
+# a GPU, bigger pieces read the weights fewer times, so a GPU with much free memory lends its work a share of it
+# (a prefill call of 16 prompts, benchmarks/README.md "H200"); on the CPU a product is bound by arithmetic, so
+# bigger pieces buy no speed.
+BASE_WORKING = {"gpu": 2 << 30, "cpu": 512 << 20}
+GPU_WORKING_SHARE = 8  # a GPU's working memory: an eighth of the free memory where that is more than its base
 RESERVE = 256 << 20  # left free of any budget: MLX's own buffers, the host's arrays, fragmentation
 MIN_WORKING = 64 << 20
 PROBE_PATCHES = 256  # the input the tower's per-patch cost is measured on
@@ -44,6 +47,15 @@ def device_limit() -> int:
     if mx.default_device() == mx.gpu and mx.metal.is_available():
         limit = min(limit, mx.device_info().get("max_recommended_working_set_size", limit))
     return limit
+
+
+def working_bytes(free: int, device: str) -> int:
+    """Working memory out of `free` bytes on a "gpu" or "cpu" device: its base, on a GPU a share of the free memory
+    where that is more, at most half of what is free (the KV cache gets the rest)."""
+    want = BASE_WORKING[device]
+    if device == "gpu":
+        want = max(want, free // GPU_WORKING_SHARE)
+    return max(MIN_WORKING, min(want, free // 2))
 
 
 def peak_bytes(run) -> int:
@@ -120,7 +132,7 @@ class Budget:
         limit, weights = device_limit(), mx.get_active_memory()
         free = max(0, limit - weights - RESERVE)
         device = "gpu" if mx.default_device() == mx.gpu else "cpu"
-        working = max(MIN_WORKING, min(MAX_WORKING[device], free // 2))  # the tower runs, in pieces if need be
+        working = working_bytes(free, device)  # the tower runs, in pieces if need be
         return cls(
             limit=limit,
             weights=weights,

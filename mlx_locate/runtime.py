@@ -227,18 +227,20 @@ class Runtime:
 
     def prefill(self, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
         """Prefill `items` (cache row, (P, D) embeddings, first slot) in calls of at most `prefill_rows` rows
-        (sequences x padded rows; a longer prompt goes in chunks); each call is evaluated before the next one
-        starts (a GPU may hold a call's buffers until it has run it); returns each cache row's last logits (1, V)."""
+        (sequences x padded rows; a prompt longer than that or than PREFILL_ROWS goes in chunks); each call is
+        evaluated before the next one starts (a GPU may hold a call's buffers until it has run it); returns each
+        cache row's last logits (1, V)."""
         last: dict[int, mx.array] = {}
         work, calls = list(items), 0
         limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work)) if work else PREFILL_ROWS
+        chunk_rows = min(limit, PREFILL_ROWS)
         while work:
             by_rows: dict[int, list] = {}
             for slot, x, c in work:
-                chunk = x[:limit]
+                chunk = x[:chunk_rows]
                 by_rows.setdefault(padded_rows(Phase.PREFILL, chunk.shape[0]), []).append((slot, chunk, c))
             for Q, group in sorted(by_rows.items()):
-                per_call = max(1, limit // Q)
+                per_call = 1 << max(0, (limit // Q).bit_length() - 1)  # a call's sequences pad to a power of two
                 for start in range(0, len(group), per_call):
                     part = group[start : start + per_call]
                     dense = len(part) == cache.slots and [slot for slot, _, _ in part] == list(range(cache.slots))
@@ -257,13 +259,13 @@ class Runtime:
                     calls += 1
                     for i, (slot, _, _) in enumerate(part):
                         last[slot] = logits[i]
-            work = [(slot, x[limit:], c + limit) for slot, x, c in work if x.shape[0] > limit]
+            work = [(slot, x[chunk_rows:], c + chunk_rows) for slot, x, c in work if x.shape[0] > chunk_rows]
         return last
 
     def prefill_rows(self, keys: int) -> int:
-        """Rows per prefill call attending to up to `keys` tokens: PREFILL_ROWS, fewer where the working memory
-        holds fewer."""
-        return min(PREFILL_ROWS, self.budget.prefill_rows(PREFILL_BUCKET, keys))
+        """Rows per prefill call (sequences x padded rows) attending to up to `keys` tokens: what the working
+        memory holds, in whole prefill buckets."""
+        return self.budget.prefill_rows(PREFILL_BUCKET, keys)
 
     def compute_prefixes(self, items: list[tuple[list[int], mx.array]]) -> list[list[mx.array]]:
         """The K|V of each (prefix ids, image features) pair, prefilled together in a cache of their own; per

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 import mlx_locate
-from mlx_locate import memory, vision
+from mlx_locate import memory, runtime, vision
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.request import Request
 
@@ -31,11 +31,22 @@ def test_budget_shares_the_limit_after_the_weights(demo):
     assert b.limit == memory.device_limit() == mx.get_memory_limit()  # the CPU: no working-set cap
     assert b.weights >= sum(v.nbytes for _, v in tree_flatten(demo.network.parameters()))
     free = b.limit - b.weights - memory.RESERVE
-    assert b.working == min(memory.MAX_WORKING["cpu"], free // 2) and b.kv == free - b.working
+    assert b.working == memory.working_bytes(free, "cpu") and b.kv == free - b.working
     t = demo.network.config.text
     assert b.slot_bytes == t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4  # float32 on the CPU
     assert b.patch_bytes > 0 and b.prefill_row_bytes > 0
     assert b.prefill_key_bytes == t.num_attention_heads * 12  # the CPU's attention holds its scores
+
+
+def test_working_memory_by_device_and_free_memory():
+    """Half the free memory at most; otherwise the device's base, and on a GPU an eighth of the free memory where
+    that is more (a 139 GB GPU lends its prefills 16 GiB, a Mac with 8 GiB free keeps 2 GiB)."""
+    GiB = 1 << 30
+    assert memory.working_bytes(1 * GiB, "gpu") == GiB // 2  # half of what is free
+    assert memory.working_bytes(8 * GiB, "gpu") == 2 * GiB  # the base: an eighth would be 1 GiB
+    assert memory.working_bytes(128 * GiB, "gpu") == 16 * GiB
+    assert memory.working_bytes(128 * GiB, "cpu") == 512 << 20  # the CPU's base, whatever is free
+    assert memory.working_bytes(0, "cpu") == memory.MIN_WORKING
 
 
 def test_tower_plan_fills_the_working_memory_first_with_images_then_with_blocks():
@@ -129,6 +140,55 @@ def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):
     assert len(prefills) >= 4 and all(R * Q <= 128 for R, Q, _ in prefills)
     assert pieces.token_ids == whole.token_ids
     assert pieces.token_probs == approx_tree(whole.token_probs)
+
+
+def test_a_prefill_call_takes_several_prompts_where_the_working_memory_holds_them(golden_dir, monkeypatch):
+    """One sequence's chunk stays within PREFILL_ROWS (128 here), but a call takes the chunks of several prompts
+    when the working memory holds more rows than that; the tokens are those of calls of one chunk."""
+    model = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
+    images = [GOLDEN / "images" / f"shapes_{s}.png" for s in ("448x448", "640x480")] + [IMAGE]
+    requests = [Request(image, "red box", mode="fast", max_tokens=12) for image in images]
+    monkeypatch.setattr(runtime, "PREFILL_ROWS", 128)
+    b = model.budget
+    monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=128 * b.prefill_row_bytes))
+    alone = model.locate_many(requests)  # a call of 128 rows: one chunk of one prompt
+    monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=64 << 30, prefill_cap=None))
+    calls = []
+    run = model.run
+
+    def counted(phase, cache, inputs, *args, **kw):
+        calls.append(inputs.shape)
+        return run(phase, cache, inputs, *args, **kw)
+
+    monkeypatch.setattr(model, "run", counted)
+    model.clear_caches()
+    together = model.locate_many(requests)
+    prefills = [shape for shape in calls if len(shape) == 3]  # (R, Q, D) embeddings: a prefill call
+    assert all(Q <= 128 for _, Q, _ in prefills) and max(R * Q for R, Q, _ in prefills) > 128
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.token_probs for r in together] == approx_tree([r.token_probs for r in alone])
+
+
+def test_prefill_calls_take_a_power_of_two_of_sequences(demo, monkeypatch):
+    """A call's sequences pad to a power of two, so where the working memory holds three prompts, four go in two
+    calls of two (not three and one, the first padded to four)."""
+    d = demo.network.config.text.hidden_size
+    dtype = demo.network.language_model.model.norm.weight.dtype
+    b = demo.budget
+    working = 3 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes)
+    monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=working, prefill_cap=None))
+    assert demo.prefill_rows(128) == 3 * 128
+    calls = []
+    run = demo.run
+
+    def counted(phase, cache, inputs, *args, **kw):
+        calls.append(inputs.shape[0])
+        return run(phase, cache, inputs, *args, **kw)
+
+    monkeypatch.setattr(demo, "run", counted)
+    cache = demo.new_cache(slots=4)
+    demo.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
+    assert calls == [2, 2]
 
 
 def test_a_memory_limit_below_the_rows_runs_fewer_rows_with_the_same_answers(demo, monkeypatch):
