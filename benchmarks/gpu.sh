@@ -102,6 +102,7 @@ parity) # the demo folder at 1 and 16 rows: in bfloat16 (a near tie may break an
         --max-tokens 128 --json "$OUT/gpu_parity_demo_bf16.json"
     MLX_ENABLE_TF32=0 python3 benchmarks/bench.py --model demo --dtype float32 --batch 1 16 --contexts 256 --iters 1 \
         --folder 64 --modes fast hybrid slow --max-tokens 128 --json "$OUT/gpu_parity_demo_f32.json"
+    python3 benchmarks/parity_probe.py --json "$OUT/gpu_parity_probe_bf16.json" # each differing image's probabilities
     ;;
 memory) # peak memory above the weights: single images by phase, folders by rows, bf16 and the quantized 3B
     for q in none q8 mixed_4_8; do

@@ -104,7 +104,7 @@ def main() -> None:
     model.features.clear()
     feats = [f for _, f in model.features_for(images)]
     items = [(ids[:prefix_len], f) for f in feats]
-    for working in (budget.working, 4 << 30, 8 << 30):
+    for working in (budget.working, 4 << 30, 8 << 30, 16 << 30):
         model.budget = replace(budget, working=working)
         report(f"prefix_rows_per_call_{working >> 20}MiB", model.prefill_rows(prefix_len))
         report(f"prefixes_{working >> 20}MiB_ms_peak_gb", timed(lambda: mx.eval(model.compute_prefixes(items))))
