@@ -21,6 +21,19 @@ from mlx_locate.request import Request
 IMAGE = DEMO_DIR / "example.png"
 
 
+def forward_shapes(model, monkeypatch) -> list[tuple[int, ...]]:
+    """The inputs' shape of every forward `model` runs from now on ((R, Q, D) embeddings: a prefill call)."""
+    shapes = []
+    run = model.run
+
+    def counted(phase, cache, inputs, *args, **kw):
+        shapes.append(inputs.shape)
+        return run(phase, cache, inputs, *args, **kw)
+
+    monkeypatch.setattr(model, "run", counted)
+    return shapes
+
+
 @pytest.fixture(scope="module")
 def demo():
     return mlx_locate.load("demo")
@@ -126,14 +139,7 @@ def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):
     per_row = b.prefill_row_bytes + len(whole.prompt_ids) * b.prefill_key_bytes
     monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=128 * per_row))
     assert model.prefill_rows(len(whole.prompt_ids)) == 128
-    calls = []
-    run = model.run
-
-    def counted(phase, cache, inputs, *args, **kw):
-        calls.append(inputs.shape)
-        return run(phase, cache, inputs, *args, **kw)
-
-    monkeypatch.setattr(model, "run", counted)
+    calls = forward_shapes(model, monkeypatch)
     model.clear_caches()
     pieces = model.locate_many([request])[0]
     prefills = [shape for shape in calls if len(shape) == 3]  # (R, Q, D) embeddings: a prefill call
@@ -153,14 +159,7 @@ def test_a_prefill_call_takes_several_prompts_where_the_working_memory_holds_the
     monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=128 * b.prefill_row_bytes))
     alone = model.locate_many(requests)  # a call of 128 rows: one chunk of one prompt
     monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=64 << 30, prefill_cap=None))
-    calls = []
-    run = model.run
-
-    def counted(phase, cache, inputs, *args, **kw):
-        calls.append(inputs.shape)
-        return run(phase, cache, inputs, *args, **kw)
-
-    monkeypatch.setattr(model, "run", counted)
+    calls = forward_shapes(model, monkeypatch)
     model.clear_caches()
     together = model.locate_many(requests)
     prefills = [shape for shape in calls if len(shape) == 3]  # (R, Q, D) embeddings: a prefill call
@@ -178,17 +177,10 @@ def test_prefill_calls_take_a_power_of_two_of_sequences(demo, monkeypatch):
     working = 3 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes)
     monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=working, prefill_cap=None))
     assert demo.prefill_rows(128) == 3 * 128
-    calls = []
-    run = demo.run
-
-    def counted(phase, cache, inputs, *args, **kw):
-        calls.append(inputs.shape[0])
-        return run(phase, cache, inputs, *args, **kw)
-
-    monkeypatch.setattr(demo, "run", counted)
+    calls = forward_shapes(demo, monkeypatch)
     cache = demo.new_cache(slots=4)
     demo.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
-    assert calls == [2, 2]
+    assert [R for R, _, _ in calls] == [2, 2]
 
 
 def test_a_memory_limit_below_the_rows_runs_fewer_rows_with_the_same_answers(demo, monkeypatch):
