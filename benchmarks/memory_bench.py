@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from bench import folder_images, in_memory_model, make_image  # noqa: E402
 
 import mlx_locate  # noqa: E402
+from mlx_locate.cli import add_memory_limit, apply_memory_limit  # noqa: E402
 from mlx_locate.request import Request  # noqa: E402
 
 GB = 1e9
@@ -168,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="GB of working memory for the folder runs, each in turn (default: the budget measured at load)",
     )
+    add_memory_limit(p)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    apply_memory_limit(args)
     work = Path(args.work)
     if args.model:
         model = mlx_locate.load(args.model, dtype=args.dtype)
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(mx.default_device()),
         "device_info": {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))},
         "memory_limit_gb": mx.get_memory_limit() / GB,
+        "working_gb": model.budget.working / GB,
         "weights_gb": mx.get_active_memory() / GB,
         "preset": args.model or args.preset,
         "dtype": args.dtype,

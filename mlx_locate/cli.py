@@ -286,6 +286,11 @@ def add_rows(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="sequences decoded together in one engine step (default: sized for the device's memory)",
     )
+    add_memory_limit(p)
+
+
+def add_memory_limit(p: argparse.ArgumentParser) -> None:
+    """--memory-limit: the memory one run may use (`apply_memory_limit` sets it before the model loads)."""
     p.add_argument(
         "--memory-limit",
         type=positive_float,
