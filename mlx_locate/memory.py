@@ -6,8 +6,8 @@
 - `Budget.measure(network)`: that limit less what the loaded weights hold, split into working memory for the
   transient work of the vision tower and the prefills (`working_bytes`) and the rest for the KV cache of the
   rows and the prompt prefixes kept ahead of them. What one patch costs a tower block and what one row costs a
-  prefill are measured once, on small inputs (what a device holds while it runs a product, a
-  quantized one above all, and when it releases it, is the backend's own).
+  prefill are measured once, on small inputs (what a device holds while it runs a product, a quantized one above
+  all, and when it releases it, is the backend's own).
 
 Going over a budget never fails: the engine admits fewer rows, and the tower and the prefills run in smaller
 pieces.
