@@ -637,11 +637,17 @@ def test_special_tokens_in_a_query_are_text_and_in_a_raw_prompt_a_400(served):
 
 
 def test_small_requests_take_turns_with_a_many_query_call():
-    """One row: a 6-query call then a one-query call; the one query is answered after one of the six, not
-    after all of them, and each answer is what it is alone."""
-    worker = Worker(lambda: mlx_locate.load("demo"), max_rows=1, warmup=False).start()
+    """One row: a 6-query call then a one-query call, both queued before the worker takes any (the model loads
+    once both are in); the one query is answered after one of the six, not after all of them, and each answer
+    is what it is alone."""
+    both_queued = threading.Event()
+
+    def load():
+        both_queued.wait(30)
+        return mlx_locate.load("demo")
+
+    worker = Worker(load, max_rows=1, warmup=False).start()
     try:
-        worker.wait_ready()
         done = []
 
         async def ask(name, queries):
@@ -653,7 +659,10 @@ def test_small_requests_take_turns_with_a_many_query_call():
         async def run():
             big = asyncio.ensure_future(ask("big", QUERIES[:6]))
             await asyncio.sleep(0)  # the big call is submitted first
-            await asyncio.gather(big, ask("small", ["square"]))
+            small = asyncio.ensure_future(ask("small", ["square"]))
+            await asyncio.sleep(0)
+            both_queued.set()
+            await asyncio.gather(big, small)
 
         asyncio.run(run())
     finally:
