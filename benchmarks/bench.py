@@ -282,11 +282,23 @@ def run_batches(
             row["images_differing_from_batch_1"] = len(differing)
             if differing:  # where the first one parts: how far the two agree
                 a, b = row["tokens"][differing[0]], base["tokens"][differing[0]]
-                at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-                row["first_difference"] = {"image": differing[0], "at_token": at, "of": len(b)}
+                row["first_difference"] = {"image": differing[0], "at_token": parting(a, b), "of": len(b)}
         for row in rows.values():
             del row["tokens"]
     return out, theirs
+
+
+def parting(a: list[int], b: list[int]) -> int | None:
+    """Where two token lists part: the first index that differs (the shorter one's length where one is the
+    other's start), None where they are equal."""
+    if a == b:
+        return None
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def tf32_setting() -> str:
+    """MLX_ENABLE_TF32 as this process has it: whether a GPU's float32 products run in TF32."""
+    return os.environ.get("MLX_ENABLE_TF32", "1 (MLX's default)")
 
 
 def versus_peer(ours: dict, peer: dict) -> dict:
@@ -554,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": str(mx.default_device()),
         "machine": platform.machine(),
         "blas": blas_name(),
-        "mlx_enable_tf32": os.environ.get("MLX_ENABLE_TF32", "1 (MLX's default)"),  # float32 products on GPUs
+        "mlx_enable_tf32": tf32_setting(),
         "load_s": load_s,
         "decoder_weight_bytes": weight_bytes(model),
         "images": {},

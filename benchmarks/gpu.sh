@@ -109,7 +109,8 @@ memory) # peak memory above the weights: single images by phase, folders by rows
     for q in none q8 mixed_4_8; do
         quant=$([ $q = none ] || echo "--quantize $q")
         python3 benchmarks/memory_bench.py --preset $PRESET --in-memory $quant --memory-limit 16 \
-            --images 640x480 1920x1080 4032x3024 --rows 1 4 16 --folder 16 --folder-sizes 640x480 1920x1080 --json "$OUT/gpu_memory_$PRESET-$q.json"
+            --images 640x480 1920x1080 4032x3024 --rows 1 4 16 --folder 16 --folder-sizes 640x480 1920x1080 \
+            --json "$OUT/gpu_memory_$PRESET-$q.json"
     done
     ;;
 budget) # a folder of 64 at 16 rows by working memory (bf16, or QUANT), each phase's peak

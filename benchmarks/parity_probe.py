@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -20,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench import folder_images  # noqa: E402
+from bench import folder_images, parting, tf32_setting  # noqa: E402
 
 import mlx_locate  # noqa: E402
 from mlx_locate import Request  # noqa: E402
@@ -41,7 +40,7 @@ def main() -> None:
         report = {
             "device": str(mx.default_device()),
             "dtype": str(model.network.language_model.model.norm.weight.dtype),
-            "mlx_enable_tf32": os.environ.get("MLX_ENABLE_TF32", "1 (MLX's default)"),
+            "mlx_enable_tf32": tf32_setting(),
         }
         model.measure_rows(16)
         for mode in ("fast", "slow"):
@@ -53,9 +52,8 @@ def main() -> None:
                 runs[rows] = [h.result for h in handles]
             drift, differing = 0.0, []
             for i, (one, many) in enumerate(zip(runs[1], runs[16], strict=True)):
-                pairs = zip(one.token_ids, many.token_ids, strict=False)
-                at = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
-                shared = min(len(one.token_ids), len(many.token_ids)) if at is None else at
+                at = parting(one.token_ids, many.token_ids)
+                shared = len(one.token_ids) if at is None else at
                 moved = [abs(p - q) for p, q in zip(one.token_probs[:shared], many.token_probs[:shared], strict=True)]
                 drift = max([drift, *moved])
                 if at is not None:

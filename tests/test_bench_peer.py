@@ -226,3 +226,9 @@ def test_recording_generator_keeps_each_rows_ids_but_the_stop_token():
     gen.next()
     gen.next()
     assert made == [gen] and gen.rows() == [[11], [31, 32]]
+
+
+def test_parting_is_where_two_token_lists_first_differ():
+    assert bench.parting([1, 2, 3], [1, 2, 3]) is None
+    assert bench.parting([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.parting([1, 2], [1, 2, 3]) == 2  # one is the other's start: they part where the shorter ends

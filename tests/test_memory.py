@@ -53,7 +53,7 @@ def test_budget_shares_the_limit_after_the_weights(demo):
 
 def test_working_memory_by_device_and_free_memory():
     """Half the free memory at most; otherwise the device's base, and on a GPU an eighth of the free memory where
-    that is more (a 139 GB GPU lends its prefills 16 GiB, a Mac with 8 GiB free keeps 2 GiB)."""
+    that is more (128 GiB free lend 16 GiB, 8 GiB free keep the base 2 GiB)."""
     GiB = 1 << 30
     assert memory.working_bytes(1 * GiB, "gpu") == GiB // 2  # half of what is free
     assert memory.working_bytes(8 * GiB, "gpu") == 2 * GiB  # the base: an eighth would be 1 GiB
