@@ -65,13 +65,15 @@ def rope2d_tables(h: int, w: int, head_dim: int, theta: float) -> tuple[mx.array
 
 @mx.compile
 def apply_rope2d(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """x: (..., L, H, D), cos/sin (..., L, D/2); rotates pairs (2j, 2j+1) as complex numbers, in float32. Compiled
-    (traced once per shape): one kernel, so a block holds none of its float32 temporaries."""
-    pairs = x.astype(mx.float32).reshape(*x.shape[:-1], -1, 2)
-    re, im = pairs[..., 0], pairs[..., 1]
-    cos, sin = cos[..., None, :], sin[..., None, :]
-    out = mx.stack([re * cos - im * sin, re * sin + im * cos], axis=-1)
-    return out.reshape(x.shape).astype(x.dtype)
+    """x: (..., L, H, D), cos/sin (..., L, D/2); rotates pairs (2j, 2j+1) as complex numbers, in float32.
+
+    Written on views of x's pairs (no stack), so compiled code runs it as one elementwise kernel that holds none
+    of its float32 temporaries."""
+    pairs = x.reshape(*x.shape[:-1], -1, 2)  # (..., D/2, 2): re, im
+    swapped = pairs[..., ::-1] * mx.array([-1, 1], dtype=x.dtype)  # (-im, re)
+    cos, sin = cos[..., None, :, None], sin[..., None, :, None]
+    out = pairs.astype(mx.float32) * cos + swapped.astype(mx.float32) * sin
+    return out.astype(x.dtype).reshape(x.shape)
 
 
 class PosEmb(nn.Module):
