@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -240,6 +241,7 @@ def folder_run(model: LocateModel, requests: list[Request], rows: int, schedule:
         "compilations_after": compiled,
         "peak_memory_mb": mx.get_peak_memory() / 2**20,
         "engine_seconds": engine.seconds,
+        "tower_image_blocks_behind_steps": engine.vision_ahead_blocks,
         "tokens": [r.token_ids for r in results],
     }
 
@@ -530,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--whole-runs", type=int, default=3, help="with --whole-process: the min of this many")
     parser.add_argument("--folder", type=int, default=64, help="with --batch: images in the folder run (0: none)")
     parser.add_argument("--schedule", choices=["device", "mixed", "split"], default="device")
+    parser.add_argument(
+        "--tower-ahead", type=int, default=None, help="tower blocks queued behind each decode step (default: measured)"
+    )
     parser.add_argument("--workdir", default=str(ROOT / ".bench"))
     parser.add_argument("--json", default=None, help="write results here (default benchmarks/results/<preset>.json)")
     args = parser.parse_args(argv)
@@ -578,7 +583,10 @@ def main(argv: list[str] | None = None) -> int:
         report["step_floor_ms"] = 1e3 * report["decoder_weight_bytes"] / bw
     if args.batch:
         schedule = {"device": None, "mixed": Schedule(True, True), "split": Schedule(False, False)}[args.schedule]
+        if args.tower_ahead is not None:
+            schedule = replace(schedule or Schedule.for_device(), tower_ahead=args.tower_ahead)
         report["schedule"] = args.schedule
+        report["tower_ahead"] = "measured" if args.tower_ahead is None else args.tower_ahead
         report["batch_steps"] = {c: batch_step_costs(model, c, args.batch, args.iters) for c in args.contexts}
         if args.folder:
             size = tuple(int(v) for v in args.images[0].split("x")) if "x" in args.images[0] else (640, 480)

@@ -53,7 +53,7 @@ from .parse import LocatedObject, parse_tokens
 from .prompts import UserText, user_text
 from .request import PreparedImage, Request, RequestError, Result, parse_mode
 from .row_decoder import DecodeOptions, RowDecoder, ar_pick, summary_functions
-from .runtime import Runtime
+from .runtime import Runtime, TowerJob
 from .sampling import Features, RowSampling, Sampling, real_number
 from .tiles import Tile, check_tiling, merge_results, split_request, to_image
 
@@ -114,6 +114,9 @@ class Schedule:
     mixed: bool  # block and AR rows share one block-shaped forward; else two forwards
     dense: bool  # a forward covers every slot when only free slots would be left out; else only its rows
     queue_ahead: bool = True  # an all-AR step queues the next AR forward on the device's picks
+    # Tower blocks of the next staged images queued behind each decode step (run while the host prepares the next
+    # one): None = as many as the host's time per step covers at the tower's measured cost, 0 = none
+    tower_ahead: int | None = None
 
     @classmethod
     def for_device(cls) -> Schedule:
@@ -232,6 +235,10 @@ class Engine:
         self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}
         self.prefetch: dict[Handle, Future] = {}  # host work started ahead, by handle
         self.staged: deque[_Row] = deque()  # taken from `waiting` in turn, host work done, waiting for a row
+        self.vision_ahead: TowerJob | None = None  # vision of staged rows, in pieces behind decode steps
+        self.vision_ahead_blocks = 0  # image-blocks of the tower run that way
+        self._piece_blocks = 1  # blocks per piece, as the reads' waits show the device takes them
+        self._wait_floor: dict[int, float] = {}  # the shortest read wait seen, by cache rows
         self.steps = 0  # forward steps (each with one host read)
         self.host_reads = 0
         self.tokens = 0  # generated ids committed
@@ -292,6 +299,8 @@ class Engine:
         idle_before = self.model.device_idle_s
         self._admit(events)
         live = [r for r in self.rows if r is not None]
+        if live and self.vision_ahead is None and self.schedule.tower_ahead != 0:
+            self._start_vision_ahead(events)
         if live:
             t0 = time.perf_counter()
             self._isolated(live, self._decode, events)
@@ -299,6 +308,7 @@ class Engine:
         self.seconds["host"] += self.model.device_idle_s - idle_before
         if self.idle:
             self.cache, self.rows, self.seen = None, [], None  # memory goes back when there is no work
+            self.vision_ahead = None
             self.model.idle()
         return events
 
@@ -506,6 +516,50 @@ class Engine:
         if joining:
             self._isolated(joining, self._join, out)
 
+    def _start_vision_ahead(self, out: list[EngineEvent]) -> None:
+        """While rows decode: stage waiting requests up to max_rows rows, and start the vision of the staged
+        images that need it, to run in pieces behind the decode steps (`_queue_vision`)."""
+        self._take(out, self.max_rows)
+        model, images = self.model, {}
+        for row in self.staged:
+            key = (row.image.key, tuple(row.prompt[: row.prefix_len]))
+            if row.prefix is None and key not in model.prefixes and row.image.key not in model.features:
+                images.setdefault(row.image.key, row.image)
+        if images:
+            self.vision_ahead = TowerJob(model, list(images.values()))
+
+    def _queue_vision(self) -> float:
+        """Queue the next piece of the ahead vision behind the step just queued, for the device to run while the
+        host prepares the next step: `Schedule.tower_ahead` blocks, else `_piece_blocks`, at most what the device
+        runs in the host's time this step at the tower's measured cost. Returns the piece's expected seconds."""
+        job = self.vision_ahead
+        spare = self.model.since_sync()
+        cost = None if job.done or spare is None else self.model.tower_block_s_of(job)
+        if cost is None:
+            return 0.0
+        blocks = self.schedule.tower_ahead
+        if blocks is None:
+            blocks = min(self._piece_blocks, int(spare / cost))
+        if blocks <= 0:
+            return 0.0
+        _, images, blocks = job.next_piece(blocks)
+        try:
+            mx.async_eval(job.advance(blocks))
+        except Exception:  # noqa: BLE001 - not the decoding rows' failure: admission redoes it, row by row
+            self.vision_ahead = None
+            return 0.0
+        self.vision_ahead_blocks += images * blocks
+        return blocks * cost
+
+    def _tune_pieces(self, wait: float, queued: float) -> None:
+        """After a step's read: one block more per piece while the read waited less than half the piece's time
+        longer than the shortest wait seen at these rows, one fewer (at least one) when it waited more."""
+        rows = self.cache.slots
+        floor = self._wait_floor[rows] = min(wait, self._wait_floor.get(rows, wait))
+        if queued > 0:
+            longer = wait - floor > queued / 2
+            self._piece_blocks = max(1, self._piece_blocks - 1) if longer else self._piece_blocks + 1
+
     def _fits(self, joining: list[_Row]) -> bool:
         """Whether the cache of the live rows and `joining`, each at its longest, fits the KV budget (the first
         row always joins, so a lone request runs whatever its size)."""
@@ -528,7 +582,12 @@ class Engine:
                 new.setdefault(key, row)
         if new:
             t0 = time.perf_counter()
-            features = model.features_for([row.image for row in new.values()])
+            ready = None
+            if self.vision_ahead is not None:  # what was queued ahead, finished now
+                while not self.vision_ahead.done:
+                    model.run_piece(self.vision_ahead)
+                ready, self.vision_ahead = self.vision_ahead.features, None
+            features = model.features_for([row.image for row in new.values()], ready)
             t1 = time.perf_counter()
             items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
             prefixes = model.compute_prefixes(items)
@@ -659,7 +718,14 @@ class Engine:
         if self.schedule.queue_ahead and all(phase is Phase.AR for phase, _, _ in groups):
             ahead = self._queue_ahead(groups)
 
-        host = self.model.read(mx.concatenate([summary.reshape(-1) for _, _, summary in groups]))  # the one read
+        summaries = mx.concatenate([summary.reshape(-1) for _, _, summary in groups])
+        queued = 0.0
+        if self.vision_ahead is not None and ahead is None:  # a queued AR forward keeps the device busy already
+            mx.async_eval(summaries)
+            queued = self._queue_vision()
+        t0 = time.perf_counter()
+        host = self.model.read(summaries)  # the one read
+        self._tune_pieces(time.perf_counter() - t0, queued)
         self.steps += 1
         self.host_reads += 1
 

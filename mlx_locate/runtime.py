@@ -35,6 +35,58 @@ PREFIX_CACHE_SIZE = 8  # images whose prompt prefix (K|V up to </img>) stays cac
 PREFIX_CACHE_BYTES = 2 << 30
 
 
+class TowerJob:
+    """The vision tower and connector over images of distinct content, as pieces of a few blocks each:
+    `advance` builds the next piece (lazily, for the caller to evaluate now or queue); once `done`, `features`
+    holds each image's (h*w/4, D) features by key. Images of one patch grid go through together, as many at
+    once as the working memory holds, a piece at most the blocks per evaluation it holds
+    (`memory.Budget.tower_plan`)."""
+
+    def __init__(self, runtime: Runtime, images: list[PreparedImage]):
+        self.runtime = runtime
+        self.tower = runtime.network.vision_model
+        self.blocks = len(self.tower.encoder.blocks)
+        by_grid: dict[tuple[int, int], list[PreparedImage]] = {}
+        for image in images:
+            by_grid.setdefault(image.pre.grid, []).append(image)
+        self.batches: list[tuple[tuple[int, int], list[PreparedImage], int]] = []  # (grid, images, per_eval)
+        for grid, group in by_grid.items():
+            batch, per_eval = runtime.budget.tower_plan(len(group), grid[0] * grid[1], self.blocks)
+            self.batches += [(grid, group[i : i + batch], per_eval) for i in range(0, len(group), batch)]
+        self.features: dict[tuple, mx.array] = {}
+        self._x: mx.array | None = None  # the current batch's activations after `_next` blocks
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        return not self.batches
+
+    def next_piece(self, blocks: int | None = None) -> tuple[tuple[int, int], int, int]:
+        """(patch grid, images, blocks) of the piece `advance(blocks)` would build."""
+        grid, images, per_eval = self.batches[0]
+        return grid, len(images), min(self.blocks - self._next, per_eval, blocks or per_eval)
+
+    def advance(self, blocks: int | None = None) -> mx.array:
+        """Build the next piece, up to `blocks` blocks of the current batch (default and at most: its blocks per
+        evaluation), with the patch embedding before its first block and the final norm and connector after its
+        last; returns the array that evaluates it."""
+        grid, images, _ = self.batches[0]
+        stop = self._next + self.next_piece(blocks)[2]
+        if self._x is None:
+            pixels = mx.array(np.stack([image.pre.pixels for image in images]))  # uint8: a quarter of the floats
+            self._x = self.tower.embed(self.runtime._normalised[pixels], grid)
+        self._x = self.tower.run_blocks(self._x, grid, self._next, stop, self.runtime.budget.score_budget)
+        self._next = stop
+        if stop < self.blocks:
+            return self._x
+        features = self.runtime.network.connect(self.tower.finish(self._x), grid)
+        for image, f in zip(images, features, strict=True):
+            self.features[image.key] = f
+        self.batches.pop(0)
+        self._x, self._next = None, 0
+        return features
+
+
 class Runtime:
     """A network with its tokenizer, compiled step functions, and caches of vision features and prompt prefixes
     by image content.
@@ -54,6 +106,7 @@ class Runtime:
         self.steps = CompiledSteps(network)
         self.budget = Budget.measure(network)
         self.row_costs: dict[int, float] = {}  # seconds of a block step by rows, where measured (`measure_rows`)
+        self.tower_block_s: dict[tuple[int, int], float] = {}  # seconds of a tower block per image, by grid
         self.device_idle_s = 0.0  # time between a wait for the device and the next one (`sync`)
         self._synced: float | None = None
         self._host_pool: ThreadPoolExecutor | None = None
@@ -113,6 +166,10 @@ class Runtime:
         mx.eval(*arrays)
         self._synced = time.perf_counter()
 
+    def since_sync(self) -> float | None:
+        """Seconds since the last wait for the device returned (the host's own time since), None after `idle`."""
+        return None if self._synced is None else time.perf_counter() - self._synced
+
     def read(self, array: mx.array) -> np.ndarray:
         """The one host read of a step (as `sync`, then a copy to numpy)."""
         self.sync(array)
@@ -159,40 +216,51 @@ class Runtime:
         """Token embeddings (P, D) of `ids`."""
         return self.network.language_model.model.embed_tokens(mx.array(ids, dtype=mx.int32))
 
-    def features_for(self, images: list[PreparedImage]) -> list[tuple[bool, mx.array]]:
-        """Vision tower + connector per image, cached by content: (cached, (h*w/4, D) features) each. Images of
-        the same patch grid go through the tower together, as many at once as the working memory holds, and a
-        large input a few blocks at a time (`memory.Budget.tower_plan`)."""
+    def features_for(
+        self, images: list[PreparedImage], ready: dict[tuple, mx.array] | None = None
+    ) -> list[tuple[bool, mx.array]]:
+        """Vision tower + connector per image, cached by content: (cached, (h*w/4, D) features) each; `ready`
+        holds features a `TowerJob` made ahead, by key (they count as computed now). The rest go through one
+        `TowerJob`, evaluated piece by piece."""
         out: dict[tuple, mx.array] = {}
-        todo: dict[tuple[int, int], list[PreparedImage]] = {}
+        todo: dict[tuple, PreparedImage] = {}
         for image in images:
-            if image.key in self.features:
+            if ready and image.key in ready:
+                out[image.key] = self.features[image.key] = ready[image.key]
+            elif image.key in self.features:
                 self.features.move_to_end(image.key)
-            elif image.key not in {i.key for group in todo.values() for i in group}:
-                todo.setdefault(image.pre.grid, []).append(image)
-        for grid, group in todo.items():
-            for part, features in self._tower(grid, group):
-                for image, f in zip(part, features, strict=True):
-                    out[image.key] = self.features[image.key] = f
+            else:
+                todo.setdefault(image.key, image)
+        job = TowerJob(self, list(todo.values()))
+        while not job.done:
+            self.run_piece(job)
+        for key, f in job.features.items():
+            out[key] = self.features[key] = f
         found = [(image.key not in out, out.get(image.key, self.features.get(image.key))) for image in images]
         while len(self.features) > FEATURE_CACHE_SIZE:  # after the answer: a call of more images than the cache
             self.features.popitem(last=False)  # holds may push out one of its own cached ones
         return found
 
-    def _tower(self, grid: tuple[int, int], images: list[PreparedImage]):
-        """(images, their (B, h*w/4, D) features) for images of one grid, in batches the budget holds."""
-        tower, blocks = self.network.vision_model, len(self.network.vision_model.encoder.blocks)
-        batch, per_eval = self.budget.tower_plan(len(images), grid[0] * grid[1], blocks)
-        for start in range(0, len(images), batch):
-            part = images[start : start + batch]
-            pixels = mx.array(np.stack([image.pre.pixels for image in part]))  # uint8: a quarter of the floats
-            x = tower.embed(self._normalised[pixels], grid)
-            for first in range(0, blocks, per_eval):
-                x = tower.run_blocks(x, grid, first, first + per_eval, self.budget.score_budget)
-                self.sync(x)
-            features = self.network.connect(tower.finish(x), grid)
-            self.sync(features)
-            yield part, features
+    def run_piece(self, job: TowerJob) -> None:
+        """The next piece of `job` (its plan's blocks per evaluation), evaluated now; its time per image-block
+        is kept by patch grid (`tower_block_s`), what queuing pieces beside decode steps is sized by."""
+        grid, images, blocks = job.next_piece()
+        t0 = time.perf_counter()
+        self.sync(job.advance())
+        cost = (time.perf_counter() - t0) / (images * blocks)
+        self.tower_block_s[grid] = min(cost, self.tower_block_s.get(grid, cost))
+
+    def tower_block_s_of(self, job: TowerJob) -> float | None:
+        """Seconds a block of `job`'s next piece takes at the cost measured for its patch grid (a grid not
+        measured yet: at the dearest measured cost per patch); None before any measurement."""
+        grid, images, _ = job.next_piece()
+        cost = self.tower_block_s.get(grid)
+        if cost is None:
+            per_patch = [c / (g[0] * g[1]) for g, c in self.tower_block_s.items()]
+            if not per_patch:
+                return None
+            cost = max(per_patch) * grid[0] * grid[1]
+        return cost * images
 
     def clear_caches(self) -> None:
         """Forget cached vision features and prompt prefixes (the next request of an image computes them again)."""

@@ -207,6 +207,58 @@ def test_images_of_one_grid_share_a_vision_batch(models):
     assert all(cached for cached, _ in model.features_for(prepared))
 
 
+def test_a_tower_job_in_pieces_of_one_block_is_the_whole_tower(models):
+    """Vision as `TowerJob` pieces (queued behind decode steps) against the network's own image features, to
+    float32 rounding; two grids, so the job holds two batches."""
+    model = models["tiny_random"]
+    rng = np.random.default_rng(4)
+    images = [
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)) for shape in [(56, 84, 3)] * 2 + [(84, 56, 3)]
+    ]
+    prepared = [model.prepare(im) for im in images]
+    job = runtime_module.TowerJob(model, prepared)
+    pieces = 0
+    while not job.done:
+        mx.eval(job.advance(1))
+        pieces += 1
+    assert pieces == 2 * len(model.network.vision_model.encoder.blocks)
+    for image in prepared:
+        alone = model.network.image_features(mx.array(image.pre.patches), image.pre.grid)
+        np.testing.assert_allclose(np.array(job.features[image.key]), np.array(alone), atol=1e-6, rtol=0)
+
+
+def test_a_tower_blocks_cost_is_measured_by_grid(models, monkeypatch):
+    """A block of a job's images costs the measured seconds per image-block of their grid; an unmeasured grid
+    the dearest measured cost per patch; nothing is known before any measurement."""
+    model = models["tiny_random"]
+    rng = np.random.default_rng(6)
+    prepared = [model.prepare(Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8))) for _ in range(2)]
+    job = runtime_module.TowerJob(model, prepared)
+    grid = prepared[0].pre.grid
+    monkeypatch.setattr(model, "tower_block_s", {})
+    assert model.tower_block_s_of(job) is None
+    monkeypatch.setattr(model, "tower_block_s", {grid: 0.01})
+    assert model.tower_block_s_of(job) == pytest.approx(0.02)  # 2 images at 10 ms each
+    other = (grid[0] * 2, grid[1])  # twice the patches at 10 ms: 5 ms per image-block of `grid`
+    monkeypatch.setattr(model, "tower_block_s", {other: 0.01, (1, 1): 0.001 / (grid[0] * grid[1])})
+    assert model.tower_block_s_of(job) == pytest.approx(0.01)
+    model.run_piece(job)  # measured now: its own grid's cost
+    assert grid in model.tower_block_s
+
+
+def test_vision_queued_behind_decode_steps_gives_the_golden_tokens(models):
+    """Two rows, every golden case of a checkpoint: the later images' vision runs a block at a time behind the
+    decode steps (the ahead path is taken), and every answer is the reference's."""
+    model = models["tiny_peaky"]
+    model.clear_caches()
+    pairs = [(n, "hybrid") for n in golden_cases() if n.startswith("tiny_peaky")]
+    engine = model.engine(2, Schedule(mixed=True, dense=True, tower_ahead=1))
+    handles = [engine.submit(golden_request(n, m)) for n, m in pairs]
+    engine.run()
+    check_golden(engine, pairs, handles)
+    assert engine.vision_ahead_blocks > 0
+
+
 def test_a_vision_call_of_more_images_than_the_cache_holds_returns_every_image(models):
     """A cached image asked for beside more new images than the feature cache holds: the new ones push it out
     of the cache, but the call still returns its features (it returned None before)."""
@@ -442,10 +494,10 @@ def test_a_row_that_breaks_admission_fails_alone(demo, monkeypatch):
     bad_key = demo.prepare(bad).key
     features_for = demo.features_for
 
-    def faulty(images):
+    def faulty(images, ready=None):
         if any(i.key == bad_key for i in images):
             raise MemoryError("injected vision fault")
-        return features_for(images)
+        return features_for(images, ready)
 
     monkeypatch.setattr(demo, "features_for", faulty)
     demo.clear_caches()
