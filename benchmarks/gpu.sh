@@ -61,6 +61,9 @@ steps) # the step's cost by sequences per step, at 1,024 cached tokens each; the
 folder) # a folder of 640x480 images, one query each, at 1 and 16 sequences (and between), every mode
     $bench --batch 1 4 16 64 --contexts 1024 --iters 3 --folder "$FOLDER" --modes fast hybrid slow \
         --max-tokens 48 --json "$OUT/gpu_folder_$PRESET.json"
+    # the same at 16 rows with no vision queued behind the decode steps: what that overlap gives, in one run
+    $bench --batch 16 --contexts 1024 --iters 3 --folder "$FOLDER" --modes fast hybrid --max-tokens 48 \
+        --tower-ahead 0 --json "$OUT/gpu_folder_ahead_off.json"
     ;;
 peer) # the folder beside mlx-vlm's batch_generate: the same random checkpoint (written to disk for both), images,
     # prompt and 48 new tokens at most
