@@ -28,7 +28,9 @@ feeds every row that needs a forward: block rows (tail + anchor + 5 masks, 12 ro
 share one block-shaped forward or go in two, as `Schedule` says; one compiled summary per forward packs what
 each row's decision needs, and all of them come back in one host read. The rules of docs/model.md §10.4-§10.7 then
 run per row (`RowDecoder`), unchanged. When every row is in AR state, the next AR forward is queued on the
-device's picks before the read, as in slow mode alone; rows that do not continue drop it.
+device's picks before the read, as in slow mode alone; rows that do not continue drop it. While rows decode,
+the vision of the next staged images runs in pieces queued behind each step's forward (behind the forward queued
+ahead, in an all-AR step), sized by the host's time per step and by how long the reads wait (`runtime.TowerJob`).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class Schedule:
     dense: bool  # a forward covers every slot when only free slots would be left out; else only its rows
     queue_ahead: bool = True  # an all-AR step queues the next AR forward on the device's picks
     # Tower blocks of the next staged images queued behind each decode step (run while the host prepares the next
-    # one): None = as many as the host's time per step covers at the tower's measured cost, 0 = none
+    # one): None = sized by the host's time per step at the tower's measured cost and by the reads' waits, 0 = none
     tower_ahead: int | None = None
 
     @classmethod
@@ -238,7 +240,8 @@ class Engine:
         self.vision_ahead: TowerJob | None = None  # vision of staged rows, in pieces behind decode steps
         self.vision_ahead_blocks = 0  # image-blocks of the tower run that way
         self._piece_blocks = 1  # blocks per piece, as the reads' waits show the device takes them
-        self._wait_floor: dict[int, float] = {}  # the shortest read wait seen, by cache rows
+        self._wait_floor: dict[tuple[int, bool], float] = {}  # the shortest read wait seen, by cache rows and kind
+        self._unread = 0.0  # expected seconds of the pieces queued since the last read (the next read waits on them)
         self.steps = 0  # forward steps (each with one host read)
         self.host_reads = 0
         self.tokens = 0  # generated ids committed
@@ -528,12 +531,12 @@ class Engine:
         if images:
             self.vision_ahead = TowerJob(model, list(images.values()))
 
-    def _queue_vision(self) -> float:
-        """Queue the next piece of the ahead vision behind the step just queued, for the device to run while the
+    def _queue_vision(self, spare: float | None) -> float:
+        """Queue the next piece of the ahead vision behind the forward just queued, for the device to run while the
         host prepares the next step: `Schedule.tower_ahead` blocks, else `_piece_blocks`, at most what the device
-        runs in the host's time this step at the tower's measured cost. Returns the piece's expected seconds."""
+        runs in `spare` (the host's time this step) at the tower's measured cost. Returns the piece's expected
+        seconds."""
         job = self.vision_ahead
-        spare = self.model.since_sync()
         cost = None if job.done or spare is None else self.model.tower_block_s_of(job)
         if cost is None:
             return 0.0
@@ -551,11 +554,11 @@ class Engine:
         self.vision_ahead_blocks += images * blocks
         return blocks * cost
 
-    def _tune_pieces(self, wait: float, queued: float) -> None:
-        """After a step's read: one block more per piece while the read waited less than half the piece's time
-        longer than the shortest wait seen at these rows, one fewer (at least one) when it waited more."""
-        rows = self.cache.slots
-        floor = self._wait_floor[rows] = min(wait, self._wait_floor.get(rows, wait))
+    def _tune_pieces(self, wait: float, queued: float, kind: tuple[int, bool]) -> None:
+        """After a step's read: one block more per piece while the read waited less than half the pieces' time
+        longer than the shortest wait seen for reads of this `kind` (cache rows, whether of a forward queued a step
+        ahead), one fewer (at least one) when it waited more."""
+        floor = self._wait_floor[kind] = min(wait, self._wait_floor.get(kind, wait))
         if queued > 0:
             longer = wait - floor > queued / 2
             self._piece_blocks = max(1, self._piece_blocks - 1) if longer else self._piece_blocks + 1
@@ -586,7 +589,7 @@ class Engine:
             if self.vision_ahead is not None:  # what was queued ahead, finished now
                 while not self.vision_ahead.done:
                     model.run_piece(self.vision_ahead)
-                ready, self.vision_ahead = self.vision_ahead.features, None
+                ready, self.vision_ahead, self._unread = self.vision_ahead.features, None, 0.0
             features = model.features_for([row.image for row in new.values()], ready)
             t1 = time.perf_counter()
             items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
@@ -719,13 +722,16 @@ class Engine:
             ahead = self._queue_ahead(groups)
 
         summaries = mx.concatenate([summary.reshape(-1) for _, _, summary in groups])
-        queued = 0.0
-        if self.vision_ahead is not None and ahead is None:  # a queued AR forward keeps the device busy already
+        spare = self.model.since_sync()
+        if self.vision_ahead is not None and ahead is None:  # behind this step's forward, before its read
             mx.async_eval(summaries)
-            queued = self._queue_vision()
+            self._unread += self._queue_vision(spare)
         t0 = time.perf_counter()
         host = self.model.read(summaries)  # the one read
-        self._tune_pieces(time.perf_counter() - t0, queued)
+        self._tune_pieces(time.perf_counter() - t0, self._unread, (self.cache.slots, bool(pending)))
+        self._unread = 0.0
+        if self.vision_ahead is not None and ahead is not None:  # behind the AR forward queued ahead: the next read's
+            self._unread = self._queue_vision(spare)
         self.steps += 1
         self.host_reads += 1
 
