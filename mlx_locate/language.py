@@ -43,11 +43,12 @@ def apply_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """x (..., D) -> x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); cos/sin broadcast against
     (..., 2, D / 2).
 
-    Written on views of x's two halves (no concatenate), so compiled code runs it as one elementwise kernel.
+    Written on forward views of x's two halves (no concatenate, no reversed view), so compiled code runs it as
+    one elementwise kernel in 32-bit indexing.
     """
     *lead, D = x.shape
     halves = x.reshape(*lead, 2, D // 2)
-    rotated = halves[..., ::-1, :] * mx.array([[-1], [1]], dtype=x.dtype)  # (-x2, x1)
+    rotated = mx.where(mx.array([[True], [False]]), -halves[..., 1:, :], halves[..., :1, :])  # (-x2, x1)
     return (halves * cos + rotated * sin).reshape(*lead, D)
 
 

@@ -67,10 +67,10 @@ def rope2d_tables(h: int, w: int, head_dim: int, theta: float) -> tuple[mx.array
 def apply_rope2d(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """x: (..., L, H, D), cos/sin (..., L, D/2); rotates pairs (2j, 2j+1) as complex numbers, in float32.
 
-    Written on views of x's pairs (no stack), so compiled code runs it as one elementwise kernel that holds none
-    of its float32 temporaries."""
+    Written on forward views of x's pairs (no stack, no reversed view), so compiled code runs it as one
+    elementwise kernel in 32-bit indexing that holds none of its float32 temporaries."""
     pairs = x.reshape(*x.shape[:-1], -1, 2)  # (..., D/2, 2): re, im
-    swapped = pairs[..., ::-1] * mx.array([-1, 1], dtype=x.dtype)  # (-im, re)
+    swapped = mx.where(mx.array([True, False]), -pairs[..., 1:], pairs[..., :1])  # (-im, re)
     cos, sin = cos[..., None, :, None], sin[..., None, :, None]
     out = pairs.astype(mx.float32) * cos + swapped.astype(mx.float32) * sin
     return out.astype(x.dtype).reshape(x.shape)
