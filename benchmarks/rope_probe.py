@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,8 +17,12 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import timed_ms  # noqa: E402
+
 from mlx_locate.language import apply_rope, qkv_tables, rope_tables  # noqa: E402
 from mlx_locate.vision import apply_rope2d, rope2d_tables  # noqa: E402
+
+ITERS = 20
 
 
 @mx.compile
@@ -40,16 +43,6 @@ def reversed_view_rope(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return (halves * cos + rotated * sin).reshape(*lead, D)
 
 
-def timed(fn, iters: int = 20) -> float:
-    mx.eval(fn())
-    mx.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        mx.eval(fn())
-    mx.synchronize()
-    return 1e3 * (time.perf_counter() - t0) / iters
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path)
@@ -57,6 +50,9 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     results: dict[str, float] = {}
+
+    def timed(fn) -> float:  # ms per evaluation of what fn builds
+        return timed_ms(lambda: mx.eval(fn()), ITERS)
 
     def report(name: str, ms: float) -> None:
         results[name] = ms
