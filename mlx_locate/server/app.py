@@ -551,11 +551,11 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
                 await asyncio.wait_for(holding.turn(), settings.timeout_s)
             except asyncio.TimeoutError:
                 raise ApiError(504, "timeout", f"the request took longer than {settings.timeout_s:g} s") from None
-            image = await anyio.to_thread.run_sync(decode_image, header, settings.max_pixels)
+            holding.image = await anyio.to_thread.run_sync(decode_image, header, settings.max_pixels)
         except BaseException:
             holding.release()
             raise
-        return [replace(r, image=image) for r in job_requests], holding
+        return [replace(r, image=holding.image) for r in job_requests], holding
 
     def observe(request: HttpRequest, job: Job, results: Sequence[Result | None] = ()) -> None:
         """What the access log and /metrics say of a finished job."""

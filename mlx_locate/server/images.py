@@ -3,10 +3,15 @@
 An image arrives compressed. Its header is read at once (format and size checked, no pixel decoded) and its
 compressed bytes are charged to the budget (`ImageBudget.admit`). It is decoded only when the budget also holds
 its decoded size (`decoded_bytes`), in arrival order (`Holding.turn`), and both charges stay until its call ends
-(`Holding.release`). A call that would put the held bytes over the budget now is refused (`QueueFull`: 503 with
-Retry-After), one that could never fit (`TooLarge`: 400). Admission keeps room for the largest waiting image's
-decoded size beside the compressed bytes of all waiting ones, so the first in line can always be decoded once
-the calls before it end. When nothing is held, the C library is asked to return freed memory (`trim`).
+(`Holding.release`, which also frees the decoded pixels). Decoded images take at most half the budget (one
+larger image goes alone), so calls that arrive meanwhile wait compressed in the other half. A call that would
+put the held bytes over the budget now is refused (`QueueFull`: 503 with Retry-After), one that could never fit
+(`TooLarge`: 400). Admission keeps room for the largest waiting image's decoded size beside the compressed bytes
+of all waiting ones, so the first in line is always decoded once the calls before it end.
+
+What a finished call leaves in reference cycles (the engine's handles and their events) waits for Python's
+garbage collector, and freed buffers stay in glibc's malloc arenas: so whenever the budget empties, and after
+each budget's worth of released bytes, the collector runs and glibc is asked to return free memory (`trim`).
 
 No MLX and no web framework here: the handlers use it, tests and the load benchmark read its numbers.
 """
@@ -15,23 +20,26 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import ctypes.util
 import math
 import threading
 from collections import deque
 from functools import cache
 
+from PIL import Image
+
 from ..preprocess import target_size
 from .worker import QueueFull, TooLarge
 
-TRIM_AFTER = 64 << 20  # bytes charged since the last trim that make the next empty budget trim again
+CLEAN_AFTER = 64 << 20  # bytes released since the last clean-up that make an empty budget clean up again
 
 
 def decoded_bytes(size: tuple[int, int], mode: str, in_token_limit: int, patch: int, views: int = 1) -> int:
     """About the most bytes decoding and preparing an image of `size` pixels in Pillow `mode` holds: Pillow keeps
     4 bytes a pixel, twice for a mode other than RGB (its RGB copy); a tiled call's crops cover the image about
     twice; each of its `views` keeps its patches (3 bytes a pixel of the model's resized image) and makes its two
-    resized copies (4 bytes a pixel each), pixel array and hashed bytes (3 each)."""
+    final resized copy (4 bytes a pixel), its pixel array and its hashed bytes (3 each) while it is prepared."""
     w, h = size
     held = 4 * w * h * (1 if mode == "RGB" else 2)
     try:
@@ -41,17 +49,19 @@ def decoded_bytes(size: tuple[int, int], mode: str, in_token_limit: int, patch: 
     if views > 1:
         held += 8 * w * h
         resized = min(w * h, in_token_limit * patch * patch)  # a view's resized image, at most
-    return held + (3 * views + 14) * resized
+    return held + (3 * views + 10) * resized
 
 
 class Holding:
     """One call's charge on an `ImageBudget`: its compressed bytes from admission, its decoded bytes from its
-    turn, until `release` (idempotent)."""
+    turn, until `release` (idempotent), which also frees the pixels of `image` (Pillow's `close`) whoever still
+    refers to it."""
 
     def __init__(self, budget: ImageBudget, compressed: int, decoded: int, loop: asyncio.AbstractEventLoop):
         self.budget, self.compressed, self.decoded = budget, compressed, decoded
         self.granted = loop.create_future()
         self.released = False
+        self.image: Image.Image | None = None  # the decoded image, once it is
 
     async def turn(self) -> None:
         """Wait until the budget holds this image's decoded size too (in arrival order); a cancelled wait
@@ -63,6 +73,9 @@ class Holding:
             raise
 
     def release(self) -> None:
+        if self.image is not None:
+            self.image.close()
+            self.image = None
         self.budget._release(self)
 
 
@@ -75,10 +88,11 @@ class ImageBudget:
             raise ValueError(f"the image budget must be at least 1 byte, got {max_bytes}")
         self.max_bytes = max_bytes
         self.held = 0  # bytes charged now
+        self.decoding = 0  # of which decoded bytes
         self.peak = 0  # the most bytes charged at once
         self.refused = 0  # calls refused with QueueFull
-        self.trims = 0
-        self._since_trim = 0
+        self.cleanups = 0
+        self._released = 0  # bytes released since the last clean-up
         self._lock = threading.Lock()
         self._line: deque[Holding] = deque()  # admitted, waiting for their decode turn
 
@@ -113,13 +127,18 @@ class ImageBudget:
     def _charge(self, n: int) -> None:
         self.held += n
         self.peak = max(self.peak, self.held)
-        self._since_trim += n
 
     def _grant(self) -> None:
-        """Give their turn to the first in line while their decoded bytes fit (under the lock)."""
-        while self._line and self.held + self._line[0].decoded <= self.max_bytes:
-            holding = self._line.popleft()
+        """Give their turn to the first in line while their decoded bytes fit, within half the budget unless
+        nothing else is decoded (under the lock)."""
+        while self._line:
+            holding = self._line[0]
+            half = self.decoding == 0 or self.decoding + holding.decoded <= self.max_bytes // 2
+            if not half or self.held + holding.decoded > self.max_bytes:
+                return
+            self._line.popleft()
             self._charge(holding.decoded)
+            self.decoding += holding.decoded
             try:
                 holding.granted.get_loop().call_soon_threadsafe(_set_granted, holding.granted)
             except RuntimeError:  # its loop is closed: nobody waits for it
@@ -130,17 +149,22 @@ class ImageBudget:
             if holding.released:
                 return
             holding.released = True
+            freed = holding.compressed
             if holding in self._line:
                 self._line.remove(holding)
-                self.held -= holding.compressed
             else:
-                self.held -= holding.compressed + holding.decoded
+                freed += holding.decoded
+                self.decoding -= holding.decoded
+            self.held -= freed
+            self._released += freed
             self._grant()
-            empty = self.held == 0 and self._since_trim >= TRIM_AFTER
-            if empty:
-                self._since_trim = 0
-        if empty and trim():
-            self.trims += 1
+            clean = self._released >= self.max_bytes or (self.held == 0 and self._released >= CLEAN_AFTER)
+            if clean:
+                self._released = 0
+                self.cleanups += 1
+        if clean:
+            gc.collect()
+            trim()
 
 
 def _set_granted(future: asyncio.Future) -> None:
