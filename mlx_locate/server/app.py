@@ -532,8 +532,8 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
 
     async def decoded(header, held: int, job_requests: list[Request]) -> tuple[list[Request], Holding]:
         """`job_requests` (built on the undecoded `header`) on its decoded pixels, decoded off the event loop once
-        the image budget holds them (503 with Retry-After when it cannot take the call now, 400 when never); the
-        caller releases the returned holding when the call ends."""
+        the image budget holds them (503 with Retry-After when it cannot take the call now, 400 when never), and
+        their holding (released by the job, `open_job` or `start_stream`)."""
         try:
             views = max(worker.cost(r) for r in job_requests)
         except ValueError as e:  # a bad tiling
@@ -542,10 +542,8 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
         need = decoded_bytes(header.size, header.mode, limits.in_token_limit, limits.patch_size, views)
         try:
             holding = images.admit(held, need)
-        except TooLarge as e:
-            raise ApiError(400, "request_too_large", str(e)) from None
-        except QueueFull as e:
-            raise ApiError(503, "queue_full", str(e), {"Retry-After": "1"}) from None
+        except (TooLarge, QueueFull) as e:
+            raise refusal(e) from None
         try:
             try:
                 await asyncio.wait_for(holding.turn(), settings.timeout_s)
@@ -565,8 +563,7 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
             metrics.first_box.observe(job.first_object_at - request.state.arrived)
 
     async def results_of(request: HttpRequest, job_requests: Sequence[Request], holding: Holding) -> list[Result]:
-        """Run the requests as one job and wait for every result; a client that goes away cancels them. The
-        image's holding is released when the job ends."""
+        """Run the requests as one job and wait for every result; a client that goes away cancels them."""
         async with open_job(worker, job_requests, settings, holding) as job:
             collecting = asyncio.ensure_future(job.results())
             gone = asyncio.ensure_future(disconnected(request))
@@ -727,29 +724,37 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, ready:
 @asynccontextmanager
 async def open_job(worker: Worker, job_requests: Sequence[Request], settings: Settings, holding: Holding):
     """A worker job whose queueing failures are HTTP errors: 400 for a call larger than the server can ever
-    hold, 503 with Retry-After when the queue is full now. Its image's holding is released when it ends."""
-    job = Job(worker, job_requests, settings.timeout_s)
+    hold, 503 with Retry-After when the queue is full now. Its image's holding is released once the worker
+    holds none of its requests."""
+    job = Job(worker, job_requests, settings.timeout_s, on_finish=holding.release)
+    await enter_job(job, holding)
     try:
-        await enter_job(job)
-        try:
-            yield job
-        finally:
-            await job.__aexit__(None, None, None)
+        yield job
     finally:
-        holding.release()
+        await job.__aexit__(None, None, None)
 
 
-async def enter_job(job: Job) -> None:
+async def enter_job(job: Job, holding: Holding) -> None:
+    """Queue `job`; when it cannot be, its image's holding is released and the failure raised (`refusal`)."""
     try:
         await job.__aenter__()
-    except TooLarge as e:
-        raise ApiError(400, "request_too_large", str(e)) from None
-    except QueueFull as e:
-        raise ApiError(503, "queue_full", str(e), {"Retry-After": "1"}) from None
-    except WorkerError as e:
-        raise ApiError(503, "unavailable", str(e)) from None
-    except ValueError as e:  # a bad tiling, found while costing the request
-        raise ApiError(400, "invalid_request", str(e)) from None
+    except BaseException as e:
+        holding.release()
+        raise refusal(e) from None
+
+
+def refusal(e: BaseException) -> BaseException:
+    """A queue's refusal as an HTTP error: 400 for a call larger than the server can ever hold, 503 with
+    Retry-After when it is full now; other errors as they are."""
+    if isinstance(e, TooLarge):
+        return ApiError(400, "request_too_large", str(e))
+    if isinstance(e, QueueFull):
+        return ApiError(503, "queue_full", str(e), {"Retry-After": "1"})
+    if isinstance(e, WorkerError):
+        return ApiError(503, "unavailable", str(e))
+    if isinstance(e, ValueError):  # a bad tiling, found while costing the request
+        return ApiError(400, "invalid_request", str(e))
+    return e
 
 
 def job_result(task: asyncio.Future) -> list[Result]:
@@ -791,8 +796,8 @@ def sse(event: str, data: Any) -> str:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n"
 
 
-async def streamed(job: Job, frames: Callable[[Job], AsyncIterator[str]], error: Callable[[str, str], str], end):
-    """The frames of a job, ending in an error frame when it times out or fails mid-stream; then `end()`."""
+async def streamed(job: Job, frames: Callable[[Job], AsyncIterator[str]], error: Callable[[str, str], str]):
+    """The frames of a job, ending in an error frame when it times out or fails mid-stream."""
     try:
         async for frame in frames(job):
             yield frame
@@ -801,29 +806,20 @@ async def streamed(job: Job, frames: Callable[[Job], AsyncIterator[str]], error:
     except WorkerError as e:
         yield error("internal_error", str(e))
     finally:
-        await end()
+        await job.__aexit__(None, None, None)
 
 
 async def start_stream(worker, job_requests, settings, frames, error, holding: Holding, text=False) -> StreamingResponse:
     """Queue the job first (so a full queue is a real 503), then stream its frames. The background task
-    cancels what is left and releases the image's holding even when the client leaves before the stream
-    starts."""
-    job = Job(worker, job_requests, settings.timeout_s, text=text)
-    try:
-        await enter_job(job)
-    except BaseException:
-        holding.release()
-        raise
-
-    async def end() -> None:
-        await job.__aexit__(None, None, None)
-        holding.release()
-
+    cancels what is left even when the client leaves before the stream starts; the image's holding is released
+    once the worker holds none of its requests."""
+    job = Job(worker, job_requests, settings.timeout_s, text=text, on_finish=holding.release)
+    await enter_job(job, holding)
     return StreamingResponse(
-        streamed(job, frames, error, end),
+        streamed(job, frames, error),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        background=BackgroundTask(end),
+        background=BackgroundTask(job.__aexit__, None, None, None),
     )
 
 

@@ -90,6 +90,7 @@ class ImageBudget:
         self.held = 0  # bytes charged now
         self.decoding = 0  # of which decoded bytes
         self.peak = 0  # the most bytes charged at once
+        self.admitted = 0  # calls admitted
         self.refused = 0  # calls refused with QueueFull
         self.cleanups = 0
         self._released = 0  # bytes released since the last clean-up
@@ -119,6 +120,7 @@ class ImageBudget:
                     f"the server holds {self.held / 2**20:,.0f} of {mb:,.0f} MB of images (--max-image-mb) and "
                     f"this one needs {(compressed + decoded) / 2**20:,.0f} MB; retry shortly"
                 )
+            self.admitted += 1
             self._charge(compressed)
             self._line.append(holding)
             self._grant()
