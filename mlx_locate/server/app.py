@@ -809,7 +809,7 @@ async def streamed(job: Job, frames: Callable[[Job], AsyncIterator[str]], error:
         await job.__aexit__(None, None, None)
 
 
-async def start_stream(worker, job_requests, settings, frames, error, holding: Holding, text=False) -> StreamingResponse:
+async def start_stream(worker, job_requests, settings, frames, error, holding: Holding, text=False):
     """Queue the job first (so a full queue is a real 503), then stream its frames. The background task
     cancels what is left even when the client leaves before the stream starts; the image's holding is released
     once the worker holds none of its requests."""

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import gc
 import ctypes.util
+import gc
 import math
 import threading
 from collections import deque
