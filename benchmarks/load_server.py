@@ -247,7 +247,7 @@ async def bursts(target: OverHttp, args: argparse.Namespace, report: dict) -> No
     """The photos alone, one at a time (their answers), then `args.bursts` bursts of all of them at once."""
     size = tuple(int(v) for v in args.photo.split("x"))
     uploads = photos(args.burst, size)
-    report["photo"] = {"size": list(size), "mb": [round(len(d) / 2**20, 2) for d in (min(uploads), max(uploads))]}
+    report["photo"] = {"size": list(size), "mb": [round(n / 2**20, 2) for n in (min(map(len, uploads)), max(map(len, uploads)))]}
     report["rss_mb_idle"] = target.memory_mb()
     alone = []
     for data in uploads:
@@ -546,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.burst:
         report |= {"burst": args.burst, "server_flags": args.server_flag, "date": time.strftime("%Y-%m-%d")}
+        report["command"] = " ".join(["python", "benchmarks/load_server.py", *sys.argv[1:]])
         report["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     try:
         asyncio.run(bursts(target, args, report) if args.burst else measure(target, pool, args, report))
