@@ -55,16 +55,19 @@ def peak_of(fn) -> tuple[float, float]:
 
 def plan_of(model, grid: tuple[int, int], prefix_len: int) -> dict:
     """What the budget plans for one image of `grid` patches: the tower's images per call and blocks per
-    evaluation, and the prompt prefix's rows per prefill call, each with the bytes the load-time unit costs give."""
+    evaluation, and the prompt prefix's rows per prefill call (beside its cache's copies), each with the bytes
+    the load-time unit costs give."""
     budget, patches = model.budget, grid[0] * grid[1]
     batch, per_eval = budget.tower_plan(1, patches, len(model.network.vision_model.encoder.blocks))
-    rows = min(model.prefill_rows(prefix_len), PREFILL_ROWS)
+    cache = model.new_cache(1)
+    copies = model.cache_copies_bytes(cache, prefix_len)
+    rows = min(model.prefill_rows(prefix_len, cache), PREFILL_ROWS)
     return {
         "tower_images": batch,
         "tower_blocks_per_eval": per_eval,
         "tower_piece_gb": patches * budget.patch_bytes * per_eval / GB,
         "prefill_rows_per_call": rows,
-        "prefill_call_gb": rows * (budget.prefill_row_bytes + prefix_len * budget.prefill_key_bytes) / GB,
+        "prefill_call_gb": (rows * (budget.prefill_row_bytes + prefix_len * budget.prefill_key_bytes) + copies) / GB,
         "prefill_calls": -(-prefix_len // rows),
     }
 
@@ -120,6 +123,28 @@ def attention_probe(model, lengths: list[int]) -> dict:
         one, _ = peak_of(lambda x=x, cos=cos, sin=sin: mx.eval(block(x, cos, sin)))
         out[L] = {"sdpa_gb": (sdpa - base) / GB, "block_gb": (one - base) / GB}
         print("attention", L, out[L], flush=True)
+    return out
+
+
+def prefill_probe(model, calls: list[str]) -> dict:
+    """Peak of one prefill call of R rows after K cached keys of one sequence ("RxK"), above what is held before
+    it, beside what the budget plans for it (rows x (row bytes + keys x key bytes)): whether a call's memory grows
+    with the keys it attends to as the budget says."""
+    budget, t = model.budget, model.network.config.text
+    dtype = model.network.language_model.model.norm.weight.dtype
+    out = {}
+    for call in calls:
+        R, K = (int(v) for v in call.split("x"))
+        cache = model.new_cache(1)
+        if K:
+            model.prefill(cache, [(0, mx.zeros((K, t.hidden_size), dtype), 0)])
+        x = mx.zeros((R, t.hidden_size), dtype)
+        mx.eval(x, cache.kv)
+        held = mx.get_active_memory()
+        peak, seconds = peak_of(lambda x=x, K=K, cache=cache: mx.eval(list(model.prefill(cache, [(0, x, K)]).values())))
+        planned = R * (budget.prefill_row_bytes + (K + R) * budget.prefill_key_bytes)
+        out[call] = {"peak_gb": (peak - held) / GB, "planned_gb": planned / GB, "seconds": seconds}
+        print("prefill", call, out[call], flush=True)
     return out
 
 
@@ -196,10 +221,10 @@ def alone(args: argparse.Namespace) -> dict:
         base += [] if value is None else [flag, str(value)]
     base += ["--in-memory"] if args.in_memory else []
     runs = [["--images", size] for size in args.images]
-    if args.rows or args.attention:
+    if args.rows or args.attention or args.prefill_probe:
         rest = ["--images", "--rows", *map(str, args.rows), "--folder", str(args.folder)]
         rest += ["--folder-sizes", *args.folder_sizes, "--working", *map(str, args.working)]
-        runs.append(rest + ["--attention", *map(str, args.attention)])
+        runs.append(rest + ["--attention", *map(str, args.attention), "--prefill-probe", *args.prefill_probe])
     report = None
     with tempfile.TemporaryDirectory() as tmp:
         for i, run in enumerate(runs):
@@ -214,6 +239,7 @@ def alone(args: argparse.Namespace) -> dict:
                 report["images"] |= part["images"]
                 report["folder"] |= part["folder"]
                 report["attention"] |= part["attention"]
+                report["prefill_probe"] |= part["prefill_probe"]
     report["alone"] = True
     return report
 
@@ -233,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--work", default=".bench", help="folder for generated images")
     p.add_argument("--attention", nargs="*", type=int, default=[], help="sequence lengths for attention_probe")
+    p.add_argument("--prefill-probe", nargs="*", default=[], metavar="RxK", help="prefill calls of R rows after K keys")
     p.add_argument(
         "--working",
         nargs="*",
@@ -276,6 +303,7 @@ def measure(args: argparse.Namespace) -> dict:
         "folder": {},
     }
     report["attention"] = attention_probe(model, args.attention)
+    report["prefill_probe"] = prefill_probe(model, args.prefill_probe)
     for size in args.images:
         w, h = (int(v) for v in size.split("x"))
         path = make_image((w, h), work / f"memory_{size}.png")
