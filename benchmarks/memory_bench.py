@@ -127,12 +127,13 @@ def attention_probe(model, lengths: list[int]) -> dict:
 
 
 def prefill_probe(model, calls: list[str]) -> dict:
-    """Peak of one prefill call of R rows after K cached keys of one sequence ("RxK"), above what is held before
-    it, beside what the budget plans for it (rows x (row bytes + keys x key bytes)): whether a call's memory grows
-    with the keys it attends to as the budget says."""
+    """Peak of one prefill call of R rows after K cached keys of one sequence ("RxK"; the working memory lifted so
+    that it is one call), above what is held before it, beside what the budget plans for such a call (rows x (row
+    bytes + keys x key bytes), and its cache's copies): whether a call's memory grows as the budget says."""
     budget, t = model.budget, model.network.config.text
     dtype = model.network.language_model.model.norm.weight.dtype
     out = {}
+    model.budget = dataclasses.replace(budget, working=1 << 50, prefill_cap=None)  # one call of R <= PREFILL_ROWS
     for call in calls:
         R, K = (int(v) for v in call.split("x"))
         cache = model.new_cache(1)
@@ -143,8 +144,10 @@ def prefill_probe(model, calls: list[str]) -> dict:
         held = mx.get_active_memory()
         peak, seconds = peak_of(lambda x=x, K=K, cache=cache: mx.eval(list(model.prefill(cache, [(0, x, K)]).values())))
         planned = R * (budget.prefill_row_bytes + (K + R) * budget.prefill_key_bytes)
+        planned += model.cache_copies_bytes(cache, K + R)
         out[call] = {"peak_gb": (peak - held) / GB, "planned_gb": planned / GB, "seconds": seconds}
         print("prefill", call, out[call], flush=True)
+    model.budget = budget
     return out
 
 
