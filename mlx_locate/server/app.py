@@ -628,6 +628,7 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
         options = body.options(settings)
         job_requests = build_requests(image, queries, body.task, vocab, tiles=body.tiles, **options)
         job_requests, holding = await decoded(image, held, job_requests)
+        image = job_requests[0].image  # the decoded pixels
         request_id = request.state.request_id = f"loc-{secrets.token_hex(8)}"
         listed = queries if isinstance(body.query, list) else None
 
