@@ -247,7 +247,8 @@ async def bursts(target: OverHttp, args: argparse.Namespace, report: dict) -> No
     """The photos alone, one at a time (their answers), then `args.bursts` bursts of all of them at once."""
     size = tuple(int(v) for v in args.photo.split("x"))
     uploads = photos(args.burst, size)
-    report["photo"] = {"size": list(size), "mb": [round(n / 2**20, 2) for n in (min(map(len, uploads)), max(map(len, uploads)))]}
+    lengths = [len(data) for data in uploads]
+    report["photo"] = {"size": list(size), "mb": [round(n / 2**20, 2) for n in (min(lengths), max(lengths))]}
     report["rss_mb_idle"] = target.memory_mb()
     alone = []
     for data in uploads:
