@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu.sh part .whl/cuda.part00     # x4: the MLX CUDA wheel arrives in parts (the device tool
 #   bash benchmarks/gpu.sh install .whl/cuda.part03 .whl/mlx-0.32.4-*.whl .whl/tqdm-*.whl   # carries 64 MiB a call)
-#   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory | budget | parity
+#   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory | photo | budget | parity
 #
 # The folder beside mlx-vlm's batch_generate: its 21 wheels (21 MB; benchmarks/peer-gpu-requirements.txt says how
 # to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first (after
@@ -115,6 +115,12 @@ memory) # peak memory above the weights: single images by phase, folders by rows
             --images 640x480 1920x1080 4032x3024 --rows 1 4 16 --folder 16 --folder-sizes 640x480 1920x1080 \
             --json "$OUT/gpu_memory_$PRESET-$q.json"
     done
+    ;;
+photo) # one image of 972, 1,989, 3,888 and 6,510 image tokens within 16 GB, each in its own process: each phase's
+    # peak, the budget's plan for it, and prefill calls by rows and cached keys
+    python3 benchmarks/memory_bench.py --preset $PRESET --in-memory --memory-limit 16 --alone \
+        --images 1008x756 1424x1068 2016x1512 4032x3024 --prefill-probe 1280x0 1280x2560 1280x5120 768x5888 \
+        --json "$OUT/gpu_memory_${PRESET}_limit16_alone.json"
     ;;
 budget) # a folder of 64 at 16 rows by working memory (bf16, or QUANT), each phase's peak
     quant=$([ -z "${QUANT:-}" ] || echo "--quantize $QUANT")

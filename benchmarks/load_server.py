@@ -1,12 +1,14 @@
 """Load on the server: 1, 4, 16 and 64 concurrent clients; requests/s, p50/p99 latency, every request answered
 and equal to the same request sent alone. `--soak` adds a long run with bad requests mixed in (memory, losses).
 `--mixed` measures fairness: small requests beside tiled and many-query calls, with the worker's fair admission
-and with first-come order.
+and with first-come order. `--burst N` measures memory: N different phone-sized JPEGs uploaded at once, a few
+times, with the server's RSS (idle, peak, after each burst).
 
     python benchmarks/load_server.py --http                          # this machine: mlx-locate-server, demo model
     python benchmarks/load_server.py --http --soak 600 --json benchmarks/results/load_soak.json
     python benchmarks/load_server.py --mixed --json benchmarks/results/load_server_mixed_demo.json
     python benchmarks/load_server.py --preset 3b --in-memory         # the GPU machine: no FastAPI needed
+    python benchmarks/load_server.py --http --burst 48 --json benchmarks/results/load_server_burst_demo.json
 
 Two ways to drive it:
 - `--http`: `mlx-locate-server` as a subprocess on 127.0.0.1 (a free port) and async HTTP clients here (httpx);
@@ -33,6 +35,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +116,7 @@ class InProcess:
 class OverHttp:
     """`mlx-locate-server` in a subprocess; requests as JSON with base64 images."""
 
-    def __init__(self, model: str, images: dict[str, Image.Image], max_tokens: int, max_queue: int):
+    def __init__(self, model: str, images: dict[str, Image.Image], max_tokens: int, max_queue: int, flags=()):
         import httpx
 
         self.httpx = httpx
@@ -124,7 +127,7 @@ class OverHttp:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "mlx_locate.server", "--model", model, "--port", str(port)]
-        command += ["--max-queue", str(max_queue), "--timeout", "600", "--log-level", "warning"]
+        command += ["--max-queue", str(max_queue), "--timeout", "600", "--log-level", "warning", *flags]
         self.process = subprocess.Popen(command, cwd=ROOT)
         deadline = time.monotonic() + 120
         while True:
@@ -161,11 +164,117 @@ def png_base64(image: Image.Image) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A process's resident memory (`VmHWM`: its peak since start or `reset_peak`), in MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def reset_peak(pid: int) -> None:
+    """Start the process's `VmHWM` again from its current RSS (Linux: clear_refs 5)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def photos(count: int, size: tuple[int, int]) -> list[bytes]:
+    """`count` different JPEGs of `size` as a phone makes them (quality 95, sensor-like noise: about 5 MB at
+    12 MP), a square on each; kept under .bench/photos."""
+    folder = ROOT / ".bench" / "photos"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"photo{i}_{size[0]}x{size[1]}.jpg" for i in range(count)]
+    missing = [(i, p) for i, p in enumerate(paths) if not p.exists()]
+    if missing:
+        w, h = size
+        rng = np.random.default_rng(0)
+        noise = rng.normal(0, 8, (h, w, 3)).astype(np.int16)
+        for i, path in missing:
+            r = np.random.default_rng(i)
+            ramp = np.linspace(*r.integers(20, 230, 2), w, dtype=np.float32).astype(np.int16)
+            pixels = np.broadcast_to(ramp[None, :, None], (h, w, 3)) + np.roll(noise, (97 * i, 131 * i), (0, 1))
+            x, y, side = int(r.integers(0, w // 2)), int(r.integers(0, h // 2)), int(r.integers(h // 8, h // 3))
+            pixels[y : y + side, x : x + side] = r.integers(0, 255, 3)
+            Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path, "JPEG", quality=95)
+    return [p.read_bytes() for p in paths]
+
+
+async def burst(target: OverHttp, uploads: list[bytes], alone: list[str | None], query: str) -> dict:
+    """Every upload at once (multipart); the statuses, the answers equal to alone, and the server's RSS peak
+    (`VmHWM`, reset before) and samples, and its RSS once every answer is in and after a second."""
+
+    async def send(data: bytes):
+        form = {"query": query, "max_tokens": str(target.max_tokens)}
+        return await target.client.post("/v1/locate", files={"image": ("photo.jpg", data, "image/jpeg")}, data=form)
+
+    pid = target.process.pid
+    before = rss_mb(pid)
+    reset_peak(pid)
+    samples: list[float] = []
+    sampling = True
+
+    def sample() -> None:
+        while sampling:
+            samples.append(rss_mb(pid))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    responses = await asyncio.gather(*(send(data) for data in uploads))
+    wall = time.perf_counter() - t0
+    sampling = False
+    sampler.join()
+    peak = rss_mb(pid, "VmHWM")
+    after = rss_mb(pid)
+    await asyncio.sleep(1.0)
+    statuses = [r.status_code for r in responses]
+    refused = [r for r in responses if r.status_code == 503]
+    equal = sum(r.status_code == 200 and answer_of(r.json()) == a for r, a in zip(responses, alone, strict=True))
+    return {
+        "requests": len(uploads),
+        "answered": statuses.count(200),
+        "refused_503": len(refused),
+        "refused_with_retry_after": sum("retry-after" in r.headers for r in refused),
+        "other_statuses": sorted({s for s in statuses if s not in (200, 503)}),
+        "equal_to_alone": equal,
+        "wall_s": wall,
+        "rss_mb": {"before": before, "peak": peak, "sampled_max": max(samples, default=before), "after": after},
+        "rss_mb_1s_after": rss_mb(pid),
+    }
+
+
+async def bursts(target: OverHttp, args: argparse.Namespace, report: dict) -> None:
+    """The photos alone, one at a time (their answers), then `args.bursts` bursts of all of them at once."""
+    size = tuple(int(v) for v in args.photo.split("x"))
+    uploads = photos(args.burst, size)
+    lengths = [len(data) for data in uploads]
+    report["photo"] = {"size": list(size), "mb": [round(n / 2**20, 2) for n in (min(lengths), max(lengths))]}
+    report["rss_mb_idle"] = target.memory_mb()
+    alone = []
+    for data in uploads:
+        r = await target.client.post(
+            "/v1/locate",
+            files={"image": ("photo.jpg", data, "image/jpeg")},
+            data={"query": DEMO_QUERIES[0], "max_tokens": str(target.max_tokens)},
+        )
+        alone.append(answer_of(r.json()) if r.status_code == 200 else None)
+    await asyncio.sleep(1.0)
+    report["rss_mb_after_alone"] = target.memory_mb()
+    report["alone_answered"] = sum(a is not None for a in alone)
+    report["bursts"] = []
+    for _ in range(args.bursts):
+        b = await burst(target, uploads, alone, DEMO_QUERIES[0])
+        report["bursts"].append(b)
+        m = b["rss_mb"]
+        print(
+            f"burst of {b['requests']}: {b['answered']} answered ({b['equal_to_alone']} equal to alone), "
+            f"{b['refused_503']} refused 503 ({b['refused_with_retry_after']} with Retry-After), other "
+            f"{b['other_statuses']}; RSS {m['before']:.0f} -> peak {m['peak']:.0f} -> {m['after']:.0f} MB "
+            f"({b['rss_mb_1s_after']:.0f} a second later), {b['wall_s']:.1f} s"
+        )
+    peak = max(b["rss_mb"]["peak"] for b in report["bursts"])
+    report["rss_mb_peak_above_idle"] = peak - report["rss_mb_idle"]
+    print(f"idle {report['rss_mb_idle']:.0f} MB; peak {peak:.0f} MB, {peak - report['rss_mb_idle']:.0f} MB above idle")
 
 
 async def run_level(target, pool: list[Ask], alone: dict[Ask, str], clients: int, requests: int) -> dict:
@@ -393,12 +502,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed", action="store_true", help="fairness: small requests beside tiled and many-query calls")
     p.add_argument("--small-requests", type=int, default=40, help="with --mixed: one-query requests measured")
     p.add_argument("--small-clients", type=int, default=2, help="with --mixed: clients sending them")
+    p.add_argument("--burst", type=int, default=0, metavar="N", help="N different photos at once (with --http)")
+    p.add_argument("--bursts", type=int, default=3, help="with --burst: how many bursts (default: %(default)s)")
+    p.add_argument("--photo", default="4032x3024", help="with --burst: the photos' size (default: %(default)s)")
+    p.add_argument("--server-flag", action="append", default=[], help="with --http: a flag for the server")
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     if args.preset and (args.http or not args.in_memory):
         p.error("--preset runs in-process with --in-memory (no checkpoint file, no HTTP)")
-    if args.soak and not args.http:
-        p.error("--soak needs --http (its bad requests are HTTP requests)")
+    if (args.soak or args.burst) and not args.http:
+        p.error("--soak and --burst need --http (their requests are HTTP requests)")
 
     if args.preset:
         from bench import in_memory_model
@@ -419,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     max_queue = max(256, max(args.clients) * 2)
     t0 = time.perf_counter()
     if args.http:
-        target = OverHttp(args.model, images, args.max_tokens, max_queue)
+        target = OverHttp(args.model, images, args.max_tokens, max_queue, args.server_flag)
     else:
         target = InProcess(load, images, args.max_tokens, max_queue)
     report = {
@@ -432,8 +545,12 @@ def main(argv: list[str] | None = None) -> int:
         "pool": len(pool),
         "max_tokens": args.max_tokens,
     }
+    if args.burst:
+        report |= {"burst": args.burst, "server_flags": args.server_flag, "date": time.strftime("%Y-%m-%d")}
+        report["command"] = " ".join(["python", "benchmarks/load_server.py", *sys.argv[1:]])
+        report["malloc_env"] = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     try:
-        asyncio.run(measure(target, pool, args, report))
+        asyncio.run(bursts(target, args, report) if args.burst else measure(target, pool, args, report))
     finally:
         target.close()
     return write_report(args.json, report)

@@ -3,11 +3,17 @@ images through one engine at each row count.
 
     python benchmarks/memory_bench.py --preset 3b --in-memory --images 640x480 1920x1080 4032x3024 \
         --rows 1 4 16 --folder 32 --folder-sizes 640x480 1920x1080 --json out.json     # the GPU machine
+    python benchmarks/memory_bench.py --preset 3b --in-memory --memory-limit 16 --alone \
+        --images 1008x756 1424x1068 2016x1512 4032x3024 --json out.json             # each size in its own process
     LD_PRELOAD=$OPENBLAS python benchmarks/memory_bench.py --preset medium --dtype float32 --images 640x480 \
         --rows 1 4 --folder 4                                                       # this CPU
 
 Memory is MLX's own account (`mx.get_peak_memory`, reset before each measurement), reported above the weights
-(`mx.get_active_memory` once the model is loaded). Prints a table last and writes the JSON.
+(`mx.get_active_memory` once the model is loaded). Each image also records what the budget planned for it (the
+tower's pieces, the prompt prefix's prefill calls, at the unit costs measured when the model loaded) and the
+peak of each phase of its request. `--alone` measures each size, and the folder runs, in a process of its own
+(a peak then holds nothing of an earlier image: no cached prefix, no allocator cache). Prints a table last and
+writes the JSON.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +36,7 @@ from bench import folder_images, in_memory_model, make_image  # noqa: E402
 
 import mlx_locate  # noqa: E402
 from mlx_locate.cli import add_memory_limit, apply_memory_limit  # noqa: E402
+from mlx_locate.compiled import PREFILL_ROWS  # noqa: E402
 from mlx_locate.request import Request  # noqa: E402
 
 GB = 1e9
@@ -44,8 +53,28 @@ def peak_of(fn) -> tuple[float, float]:
     return mx.get_peak_memory(), time.perf_counter() - t0
 
 
+def plan_of(model, grid: tuple[int, int], prefix_len: int) -> dict:
+    """What the budget plans for one image of `grid` patches: the tower's images per call and blocks per
+    evaluation, and the prompt prefix's rows per prefill call (beside its cache's copies), each with the bytes
+    the load-time unit costs give."""
+    budget, patches = model.budget, grid[0] * grid[1]
+    batch, per_eval = budget.tower_plan(1, patches, len(model.network.vision_model.encoder.blocks))
+    cache = model.new_cache(1)
+    copies = model.cache_copies_bytes(cache, prefix_len)
+    rows = min(model.prefill_rows(prefix_len, cache), PREFILL_ROWS)
+    return {
+        "tower_images": batch,
+        "tower_blocks_per_eval": per_eval,
+        "tower_piece_gb": patches * budget.patch_bytes * per_eval / GB,
+        "prefill_rows_per_call": rows,
+        "prefill_call_gb": (rows * (budget.prefill_row_bytes + prefix_len * budget.prefill_key_bytes) + copies) / GB,
+        "prefill_calls": -(-prefix_len // rows),
+    }
+
+
 def one_image(model, path: Path, max_tokens: int) -> dict:
-    """Peaks of one image's vision tower, its prompt prefix and its whole request (fresh caches each)."""
+    """Peaks of one image's vision tower, its prompt prefix and its whole request (fresh caches each; the
+    request's by phase too), and the budget's plan for it."""
     weights = mx.get_active_memory()
     image = model.prepare(path)
     prefix = model.prompt("", image.pre.grid)
@@ -55,7 +84,13 @@ def one_image(model, path: Path, max_tokens: int) -> dict:
     features = model.features_for([image])[0][1]
     prefix_peak, prefix_s = peak_of(lambda: mx.eval(model.compute_prefixes([(prefix, features)])))
     model.clear_caches()
-    request, request_s = peak_of(lambda: model.locate(image, QUERY, mode="fast", max_tokens=max_tokens))
+    engine = model.engine()
+    phases = PhasePeaks(model, engine, weights)
+    try:
+        request_fn = lambda: engine.submit(Request(image, QUERY, mode="fast", max_tokens=max_tokens)) and engine.run()  # noqa: E731
+        request, request_s = peak_of(request_fn)
+    finally:
+        phases.remove(model)
     result = model.locate(image, QUERY, mode="fast", max_tokens=max_tokens)
     return {
         "grid": list(image.pre.grid),
@@ -64,8 +99,10 @@ def one_image(model, path: Path, max_tokens: int) -> dict:
         "vision_s": vision_s,
         "prefix_gb": (prefix_peak - weights) / GB,
         "prefix_s": prefix_s,
-        "request_gb": (request - weights) / GB,
+        "request_gb": (max(request, phases.peak) - weights) / GB,
         "request_s": request_s,
+        "request_phases": phases.phases,
+        "plan": plan_of(model, image.pre.grid, len(prefix)),
         "token_ids": result.token_ids,
     }
 
@@ -89,6 +126,31 @@ def attention_probe(model, lengths: list[int]) -> dict:
     return out
 
 
+def prefill_probe(model, calls: list[str]) -> dict:
+    """Peak of one prefill call of R rows after K cached keys of one sequence ("RxK"; the working memory lifted so
+    that it is one call), above what is held before it, beside what the budget plans for such a call (rows x (row
+    bytes + keys x key bytes), and its cache's copies): whether a call's memory grows as the budget says."""
+    budget, t = model.budget, model.network.config.text
+    dtype = model.network.language_model.model.norm.weight.dtype
+    out = {}
+    model.budget = dataclasses.replace(budget, working=1 << 50, prefill_cap=None)  # one call of R <= PREFILL_ROWS
+    for call in calls:
+        R, K = (int(v) for v in call.split("x"))
+        cache = model.new_cache(1)
+        if K:
+            model.prefill(cache, [(0, mx.zeros((K, t.hidden_size), dtype), 0)])
+        x = mx.zeros((R, t.hidden_size), dtype)
+        mx.eval(x, cache.kv)
+        held = mx.get_active_memory()
+        peak, seconds = peak_of(lambda x=x, K=K, cache=cache: mx.eval(list(model.prefill(cache, [(0, x, K)]).values())))
+        planned = R * (budget.prefill_row_bytes + (K + R) * budget.prefill_key_bytes)
+        planned += model.cache_copies_bytes(cache, K + R)
+        out[call] = {"peak_gb": (peak - held) / GB, "planned_gb": planned / GB, "seconds": seconds}
+        print("prefill", call, out[call], flush=True)
+    model.budget = budget
+    return out
+
+
 class PhasePeaks:
     """The engine's phases (vision, prompt prefixes, prefills, decode steps) wrapped on one engine: each phase's
     highest peak above the weights, and what was held when it began. A phase called inside another (the prompt
@@ -102,6 +164,12 @@ class PhasePeaks:
         for name, attr in self.PHASES.items():
             setattr(model, attr, self.wrap(name, getattr(model, attr)))
         engine._decode = self.wrap("decode", engine._decode)
+
+    @staticmethod
+    def remove(model) -> None:
+        """The model's own methods again."""
+        for attr in PhasePeaks.PHASES.values():
+            delattr(model, attr)
 
     def wrap(self, name: str, fn):
         def run(*args, **kwargs):
@@ -137,8 +205,7 @@ def folder(model, paths: list[Path], rows: int, max_tokens: int) -> dict:
     try:
         peak, seconds = peak_of(lambda: [engine.submit(r) for r in requests] and engine.run())
     finally:
-        for attr in PhasePeaks.PHASES.values():
-            delattr(model, attr)  # the class's methods again
+        phases.remove(model)
     return {
         "rows": engine.max_rows,
         "peak_gb": (max(peak, phases.peak) - weights) / GB,
@@ -146,6 +213,38 @@ def folder(model, paths: list[Path], rows: int, max_tokens: int) -> dict:
         "engine_seconds": engine.seconds,
         "phases": phases.phases,
     }
+
+
+def alone(args: argparse.Namespace) -> dict:
+    """Each `--images` size in a process of its own, and the folder and attention runs in one more; their reports
+    merged (each image keeps the weights and working memory of its process)."""
+    base = [sys.executable, __file__, "--preset", args.preset, "--dtype", args.dtype, "--work", args.work]
+    base += ["--max-tokens", str(args.max_tokens)]
+    for flag, value in (("--model", args.model), ("--quantize", args.quantize), ("--memory-limit", args.memory_limit)):
+        base += [] if value is None else [flag, str(value)]
+    base += ["--in-memory"] if args.in_memory else []
+    runs = [["--images", size] for size in args.images]
+    if args.rows or args.attention or args.prefill_probe:
+        rest = ["--images", "--rows", *map(str, args.rows), "--folder", str(args.folder)]
+        rest += ["--folder-sizes", *args.folder_sizes, "--working", *map(str, args.working)]
+        runs.append(rest + ["--attention", *map(str, args.attention), "--prefill-probe", *args.prefill_probe])
+    report = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, run in enumerate(runs):
+            out = Path(tmp) / f"{i}.json"
+            subprocess.run([*base, *run, "--json", str(out)], check=True)
+            part = json.loads(out.read_text())
+            for r in part["images"].values():
+                r["process"] = {k: part[k] for k in ("weights_gb", "working_gb", "budget")}
+            if report is None:
+                report = part
+            else:
+                report["images"] |= part["images"]
+                report["folder"] |= part["folder"]
+                report["attention"] |= part["attention"]
+                report["prefill_probe"] |= part["prefill_probe"]
+    report["alone"] = True
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,12 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantize", help="with --in-memory: a converter preset (q8, mixed_4_8)")
     p.add_argument("--images", nargs="*", default=["640x480"], help="WxH sizes measured one at a time")
+    p.add_argument("--alone", action="store_true", help="each size (and the folder runs) in a process of its own")
     p.add_argument("--rows", nargs="*", type=int, default=[], help="engine rows for the folder runs")
     p.add_argument("--folder", type=int, default=16, help="images in the folder runs (640x480)")
     p.add_argument("--folder-sizes", nargs="+", default=["640x480"], help="image sizes of the folder runs")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--work", default=".bench", help="folder for generated images")
     p.add_argument("--attention", nargs="*", type=int, default=[], help="sequence lengths for attention_probe")
+    p.add_argument("--prefill-probe", nargs="*", default=[], metavar="RxK", help="prefill calls of R rows after K keys")
     p.add_argument(
         "--working",
         nargs="*",
@@ -172,6 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     add_memory_limit(p)
     p.add_argument("--json")
     args = p.parse_args(argv)
+    report = alone(args) if args.alone else measure(args)
+    report["command"] = " ".join(["python", "benchmarks/memory_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    print_report(report, args.folder)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Every measurement `args` asks for, in this process."""
     apply_memory_limit(args)
     work = Path(args.work)
     if args.model:
@@ -179,12 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = in_memory_model(args.preset, args.dtype, args.quantize)
     mx.eval(mx.zeros(1))
+    budget = model.budget
     report = {
         "device": str(mx.default_device()),
         "device_info": {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))},
         "memory_limit_gb": mx.get_memory_limit() / GB,
-        "working_gb": model.budget.working / GB,
+        "working_gb": budget.working / GB,
         "weights_gb": mx.get_active_memory() / GB,
+        "budget": {k: getattr(budget, k) for k in ("limit", "weights", "working", "kv", "patch_bytes")}
+        | {k: getattr(budget, k) for k in ("prefill_row_bytes", "prefill_key_bytes", "slot_bytes")},
         "preset": args.model or args.preset,
         "dtype": args.dtype,
         "quantize": args.quantize,
@@ -192,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "folder": {},
     }
     report["attention"] = attention_probe(model, args.attention)
+    report["prefill_probe"] = prefill_probe(model, args.prefill_probe)
     for size in args.images:
         w, h = (int(v) for v in size.split("x"))
         path = make_image((w, h), work / f"memory_{size}.png")
@@ -210,25 +325,31 @@ def main(argv: list[str] | None = None) -> int:
                 report["folder"][size][key] = folder(model, paths, rows, args.max_tokens)
                 print(size, key, report["folder"][size][key], flush=True)
         model.budget = measured
-    print(f"\nweights {report['weights_gb']:.2f} GB on {report['device']} ({report['preset']}, {args.dtype})")
-    print("| image | image tokens | vision GB | prefix GB | request GB | request s |\n|---|---|---|---|---|---|")
+    return report
+
+
+def print_report(report: dict, folder_count: int) -> None:
+    print(f"\nweights {report['weights_gb']:.2f} GB on {report['device']} ({report['preset']}, {report['dtype']})")
+    print(
+        "| image | image tokens | vision GB | prefix GB | request GB | request s | tower blocks per evaluation "
+        "(GB planned) | prefill rows per call (GB planned) |\n|---|---|---|---|---|---|---|---|"
+    )
     for size, r in report["images"].items():
+        plan = r["plan"]
         print(
             f"| {size} | {r['image_tokens']} | {r['vision_gb']:.2f} | {r['prefix_gb']:.2f} | {r['request_gb']:.2f} "
-            f"| {r['request_s']:.2f} |"
+            f"| {r['request_s']:.2f} | {plan['tower_blocks_per_eval']} ({plan['tower_piece_gb']:.2f}) "
+            f"| {plan['prefill_rows_per_call']} ({plan['prefill_call_gb']:.2f}) |"
         )
     if report["folder"]:
         print(
-            f"\n| images ({args.folder} a folder) | rows | peak GB above weights | images/s | by phase |\n"
+            f"\n| images ({folder_count} a folder) | rows | peak GB above weights | images/s | by phase |\n"
             "|---|---|---|---|---|"
         )
         for size, runs in report["folder"].items():
             for rows, r in runs.items():
                 phases = ", ".join(f"{k} {v['peak_gb']:.2f}" for k, v in r["phases"].items())
                 print(f"| {size} | {rows} | {r['peak_gb']:.2f} | {r['images_per_s']:.2f} | {phases} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -159,10 +159,11 @@ class Budget:
         batch = -(-images // -(-images // batch))  # calls of even size: 8 + 8 rather than 13 + 3
         return batch, max(1, min(blocks, room // (batch * per_image_block)))
 
-    def prefill_rows(self, bucket: int, keys: int) -> int:
-        """Rows one prefill call may take (sequences x padded rows) attending to at most `keys` cached tokens:
-        what the working memory holds, at most `prefill_cap`, in whole `bucket`s."""
-        rows = self.working // (self.prefill_row_bytes + keys * self.prefill_key_bytes)
+    def prefill_rows(self, bucket: int, keys: int, held: int = 0) -> int:
+        """Rows one prefill call may take (sequences x padded rows) attending to at most `keys` cached tokens,
+        beside `held` bytes the call holds whatever its rows: what the rest of the working memory holds, at most
+        `prefill_cap`, in whole `bucket`s."""
+        rows = max(0, self.working - held) // (self.prefill_row_bytes + keys * self.prefill_key_bytes)
         if self.prefill_cap is not None:
             rows = min(rows, self.prefill_cap)
         return max(bucket, rows // bucket * bucket)

@@ -106,6 +106,14 @@ def load_image(image: str | Path | BinaryIO | Image.Image, max_pixels: int | Non
 
 def _open(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
     """The first allowed format whose signature `fp` starts with, size-checked, then decoded."""
+    image = open_header(fp, name, max_pixels)
+    _decode(image, name)
+    return image
+
+
+def open_header(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
+    """`fp` opened as the first allowed format whose signature it starts with, its header's size checked against
+    `max_pixels`; no pixel decoded yet (`load_image` decodes it). Errors as `load_image`'s."""
     prefix = fp.read(16)
     fmt = next((f for f in FORMATS if Image.OPEN[f][1](prefix) is True), None)
     if fmt is None:
@@ -116,7 +124,6 @@ def _open(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
     except Exception as e:  # decoders raise many unrelated types on malformed data (SyntaxError, struct.error...)
         raise ValueError(f"{name} is not a readable image: broken {fmt} header ({_reason(e)})") from None
     check_pixels(image.size, max_pixels, name)
-    _decode(image, name)
     return image
 
 

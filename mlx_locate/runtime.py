@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 from PIL import Image
 
-from .cache import SlotCache, rows_bucket
+from .cache import SlotCache, kv_bucket, rows_bucket
 from .compiled import BLOCK_ROWS, PREFILL_BUCKET, PREFILL_ROWS, CompiledSteps, Phase, padded_rows
 from .cpu import store_input_major
 from .language import fuse_projections
@@ -33,6 +33,9 @@ PROMPT_WORDS = 128  # a prompt's tokens besides its image's, about (the chat tur
 FEATURE_CACHE_SIZE = 8  # images whose vision features stay cached, by content
 PREFIX_CACHE_SIZE = 8  # images whose prompt prefix (K|V up to </img>) stays cached
 PREFIX_CACHE_BYTES = 2 << 30
+# Copies of its cache's buffers a prefill call holds: the buffers before and after they grow to the call's keys
+# (`SlotCache.reserve`), and the copy its K|V are written into (`cache.write_rows`)
+CACHE_COPIES = 3
 
 
 class TowerJob:
@@ -300,7 +303,7 @@ class Runtime:
         cache row's last logits (1, V)."""
         last: dict[int, mx.array] = {}
         work, calls = list(items), 0
-        limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work)) if work else PREFILL_ROWS
+        limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work), cache) if work else PREFILL_ROWS
         chunk_rows = min(limit, PREFILL_ROWS)
         while work:
             by_rows: dict[int, list] = {}
@@ -330,10 +333,15 @@ class Runtime:
             work = [(slot, x[chunk_rows:], c + chunk_rows) for slot, x, c in work if x.shape[0] > chunk_rows]
         return last
 
-    def prefill_rows(self, keys: int) -> int:
+    def prefill_rows(self, keys: int, cache: SlotCache | None = None) -> int:
         """Rows per prefill call (sequences x padded rows) attending to up to `keys` tokens: what the working
-        memory holds, in whole prefill buckets."""
-        return self.budget.prefill_rows(PREFILL_BUCKET, keys)
+        memory holds beside the call's copies of `cache` (`cache_copies_bytes`), in whole prefill buckets."""
+        held = 0 if cache is None else self.cache_copies_bytes(cache, keys)
+        return self.budget.prefill_rows(PREFILL_BUCKET, keys, held)
+
+    def cache_copies_bytes(self, cache: SlotCache, keys: int) -> int:
+        """Bytes of the copies of `cache`, grown to `keys` slots a row, that a prefill call holds (CACHE_COPIES)."""
+        return CACHE_COPIES * cache.buffer_rows * kv_bucket(keys) * self.budget.slot_bytes
 
     def compute_prefixes(self, items: list[tuple[list[int], mx.array]]) -> list[list[mx.array]]:
         """The K|V of each (prefix ids, image features) pair, prefilled together in a cache of their own; per

@@ -15,6 +15,7 @@ from PIL import Image
 
 import mlx_locate
 from mlx_locate import memory, runtime, vision
+from mlx_locate.cache import kv_bucket
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.request import Request
 
@@ -129,6 +130,43 @@ def test_a_cpu_prefill_call_takes_at_most_the_cpu_cap(demo):
     assert dataclasses.replace(roomy, prefill_cap=None).prefill_rows(128, 500) > memory.CPU_PREFILL_ROWS
 
 
+def test_a_prefill_call_leaves_room_for_the_copies_of_its_cache(demo, monkeypatch):
+    """A call's rows get the working memory its cache's copies leave (the buffers before and after they grow, the
+    one its K|V are written into): where the working memory holds four rows of 128 beside those copies, four
+    prompts go in one call; where it holds the four rows but not the copies, in smaller calls."""
+    d = demo.network.config.text.hidden_size
+    dtype = demo.network.language_model.model.norm.weight.dtype
+    b = demo.budget
+    cache = demo.new_cache(slots=4)
+    copies = demo.cache_copies_bytes(cache, 128)
+    assert copies == runtime.CACHE_COPIES * 5 * 256 * b.slot_bytes  # 4 rows and the scratch row, 256 slots each
+    rows_bytes = 4 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes)
+    monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=rows_bytes + copies, prefill_cap=None))
+    calls = forward_shapes(demo, monkeypatch)
+    demo.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
+    assert [R for R, _, _ in calls] == [4]
+    monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=rows_bytes, prefill_cap=None))
+    calls.clear()
+    demo.prefill(demo.new_cache(slots=4), [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
+    assert len(calls) > 1 and max(R for R, _, _ in calls) < 4
+
+
+def test_a_photos_prompt_prefix_fits_the_working_memory_of_a_16_gb_limit():
+    """Within a 16 GB limit (a 24 GB Mac's GPU share) beside the 3B's bf16 weights, at the unit costs the H200
+    measured: the working memory stays the 2 GiB base, and a 12 MP photo's prompt prefix (6,510 image tokens)
+    goes in prefill calls whose rows and cache copies fit it (without the copies: 1,280 rows, 2.84 GB)."""
+    weights, slot_bytes = 7_037_296_688, 36 * 2 * 2 * 128 * 2  # 36 layers of K|V, 2 heads of 128, bf16
+    free = 16 * 10**9 - weights - memory.RESERVE
+    working = memory.working_bytes(free, "gpu")
+    assert working == 2 << 30
+    b = memory.Budget(16 * 10**9, weights, working, free - working, 77249, 1643152, 0, slot_bytes, None)
+    keys = 6510 + 64  # the image's tokens and the prompt's words before them
+    copies = runtime.CACHE_COPIES * kv_bucket(keys) * slot_bytes
+    rows = b.prefill_rows(128, keys, copies)
+    assert rows == 768 and rows * b.prefill_row_bytes + copies <= working
+    assert b.prefill_rows(128, keys) * b.prefill_row_bytes + copies > working
+
+
 def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):
     """A working memory of one prefill bucket: a 640 x 480 image's prompt (over 400 rows) goes in calls of 128
     rows, each evaluated before the next, with the tokens of one call."""
@@ -174,11 +212,11 @@ def test_prefill_calls_take_a_power_of_two_of_sequences(demo, monkeypatch):
     d = demo.network.config.text.hidden_size
     dtype = demo.network.language_model.model.norm.weight.dtype
     b = demo.budget
-    working = 3 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes)
-    monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=working, prefill_cap=None))
-    assert demo.prefill_rows(128) == 3 * 128
-    calls = forward_shapes(demo, monkeypatch)
     cache = demo.new_cache(slots=4)
+    working = 3 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes) + demo.cache_copies_bytes(cache, 128)
+    monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=working, prefill_cap=None))
+    assert demo.prefill_rows(128, cache) == 3 * 128
+    calls = forward_shapes(demo, monkeypatch)
     demo.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
     assert [R for R, _, _ in calls] == [2, 2]
 

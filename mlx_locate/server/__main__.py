@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-mb", type=float, default=Settings.max_body_mb, help="largest request body (default: %(default)s)"
     )
+    p.add_argument(
+        "--max-image-mb",
+        type=cli.positive_float,
+        default=Settings.max_image_mb,
+        help="megabytes of images the server holds, compressed while they wait and decoded once their turn comes; "
+        "more are refused (HTTP 503) (default: %(default)s)",
+    )
     p.add_argument("--allow-remote-images", action="store_true", help="fetch http(s) image URLs (off: no fetching)")
     p.add_argument(
         "--allow-origin",
@@ -161,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         max_body_mb=args.max_body_mb,
         max_pixels=args.max_pixels,
         max_queue=args.max_queue,
+        max_image_mb=args.max_image_mb,
         timeout_s=args.timeout,
         allow_remote_images=args.allow_remote_images,
         max_rows=args.max_rows,

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import replace
 from importlib.resources import files
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -30,17 +31,19 @@ from ..locate import LocateModel
 from ..prompts import GRAMMAR_TOKENS, TASK_TEMPLATES, TASKS
 from ..request import Request, RequestError, Result
 from ..sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, Sampling
+from .images import Holding, ImageBudget, decoded_bytes
 from .protocol import (
     ANSWER_FIELDS,
     InputError,
     Settings,
     answer_json,
     build_requests,
+    decode_image,
     ground_json,
     image_bytes,
+    image_header,
     is_remote,
     locate_json,
-    open_image,
     result_json,
 )
 from .worker import Job, QueueFull, TooLarge, Worker, WorkerError
@@ -407,7 +410,9 @@ def is_form(request: HttpRequest) -> bool:
 
 
 async def json_body(request: HttpRequest) -> dict:
-    raw = await request.body()
+    raw = bytearray()  # read here, not with request.body(), which keeps the raw bytes as long as the request
+    async for chunk in request.stream():
+        raw += chunk
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -457,6 +462,7 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
     and the warm-up are done, `/health` answers 503 "loading" and the model routes 503 with Retry-After."""
     settings = settings or Settings()
     worker = Worker(load, max_queue=settings.max_queue, max_rows=settings.max_rows, warmup=settings.warmup)
+    images = ImageBudget(int(settings.max_image_mb * 2**20))
     metrics = Metrics(worker)
 
     @asynccontextmanager
@@ -467,6 +473,7 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
 
     app = FastAPI(title="mlx-locate", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = worker
+    app.state.images = images
     app.state.settings = settings
     app.state.metrics = metrics
     app.add_middleware(Guard, settings=settings)
@@ -509,16 +516,44 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
             raise ApiError(503, "unavailable", f"the model is not served ({state})")
         return worker.limits.vocab_size
 
-    async def load_image_source(source: str | None, data: bytes | None = None):
-        """A client's image (data URL, base64, upload or, when allowed, a URL) decoded off the event loop."""
+    async def image_source(source: str | None, data: bytes | None = None):
+        """A client's image (data URL, base64, upload or, when allowed, a URL) opened, not decoded (its format and
+        size checked from the header), and the bytes it holds compressed."""
+        held = 0
         if data is None:
             if not source:
                 raise InputError("invalid_request", "the request has no image")
             if is_remote(source) and settings.allow_remote_images:
                 data = await fetch_remote(source, int(settings.max_body_mb * 1024 * 1024))
             else:
-                data = image_bytes(source)
-        return await anyio.to_thread.run_sync(open_image, data, settings.max_pixels)
+                data, held = image_bytes(source), len(source)  # the text stays with the parsed body
+        header = await anyio.to_thread.run_sync(image_header, data, settings.max_pixels)
+        return header, held + len(data)
+
+    async def decoded(header, held: int, job_requests: list[Request]) -> tuple[list[Request], Holding]:
+        """`job_requests` (built on the undecoded `header`) on its decoded pixels, decoded off the event loop once
+        the image budget holds them (503 with Retry-After when it cannot take the call now, 400 when never), and
+        their holding (released by the job, `open_job` or `start_stream`)."""
+        try:
+            views = max(worker.cost(r) for r in job_requests)
+        except ValueError as e:  # a bad tiling
+            raise ApiError(400, "invalid_request", str(e)) from None
+        limits = worker.limits
+        need = decoded_bytes(header.size, header.mode, limits.in_token_limit, limits.patch_size, views)
+        try:
+            holding = images.admit(held, need)
+        except (TooLarge, QueueFull) as e:
+            raise refusal(e) from None
+        try:
+            try:
+                await asyncio.wait_for(holding.turn(), settings.timeout_s)
+            except asyncio.TimeoutError:
+                raise ApiError(504, "timeout", f"the request took longer than {settings.timeout_s:g} s") from None
+            holding.image = await anyio.to_thread.run_sync(decode_image, header, settings.max_pixels)
+        except BaseException:
+            holding.release()
+            raise
+        return [replace(r, image=holding.image) for r in job_requests], holding
 
     def observe(request: HttpRequest, job: Job, results: Sequence[Result | None] = ()) -> None:
         """What the access log and /metrics say of a finished job."""
@@ -527,9 +562,9 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
         if job.first_object_at is not None:
             metrics.first_box.observe(job.first_object_at - request.state.arrived)
 
-    async def results_of(request: HttpRequest, job_requests: Sequence[Request]) -> list[Result]:
+    async def results_of(request: HttpRequest, job_requests: Sequence[Request], holding: Holding) -> list[Result]:
         """Run the requests as one job and wait for every result; a client that goes away cancels them."""
-        async with open_job(worker, job_requests, settings) as job:
+        async with open_job(worker, job_requests, settings, holding) as job:
             collecting = asyncio.ensure_future(job.results())
             gone = asyncio.ensure_future(disconnected(request))
             try:
@@ -589,9 +624,11 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
             queries = [body.categories]
         if not queries:
             raise InputError("invalid_request", "query is an empty list")
-        image = await load_image_source(body.image, data)
+        image, held = await image_source(body.image, data)
         options = body.options(settings)
         job_requests = build_requests(image, queries, body.task, vocab, tiles=body.tiles, **options)
+        job_requests, holding = await decoded(image, held, job_requests)
+        image = job_requests[0].image  # the decoded pixels
         request_id = request.state.request_id = f"loc-{secrets.token_hex(8)}"
         listed = queries if isinstance(body.query, list) else None
 
@@ -599,7 +636,7 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
             return locate_json(request_id, settings.model_name, body.task, body.mode, listed, results)
 
         if not body.stream:
-            return answer(await results_of(request, job_requests))
+            return answer(await results_of(request, job_requests, holding))
         start = {
             "id": request_id,
             "model": settings.model_name,
@@ -608,21 +645,22 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
             "image": {"width": image.width, "height": image.height},
             "queries": queries,
         }
-        return await event_stream(request, worker, job_requests, settings, start, queries, answer, observe)
+        return await event_stream(request, worker, job_requests, settings, start, queries, answer, observe, holding)
 
     @app.post("/v1/ground")
     async def ground(request: HttpRequest):
         vocab = require_ready()
         fields, data = await body_fields(request)
         body: GroundBody = parse(GroundBody, fields)
-        image = await load_image_source(body.image, data)
+        image, held = await image_source(body.image, data)
         options = body.options(settings)
         job_requests = [
             *build_requests(image, [body.instruction], "point", vocab, **options),
             *build_requests(image, [body.instruction], "gui", vocab, **options),
         ]
+        job_requests, holding = await decoded(image, held, job_requests)
         request.state.request_id = f"gnd-{secrets.token_hex(8)}"
-        point, region = await results_of(request, job_requests)
+        point, region = await results_of(request, job_requests, holding)
         return {"id": request.state.request_id, "model": settings.model_name, **ground_json(point, region)}
 
     @app.post("/v1/chat/completions")
@@ -639,17 +677,18 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
         fields = answer_format(body.response_format)
         text, source = chat_input(body.messages)
         task, query = chat_task(text, body.task)
-        image = await load_image_source(source)
+        image, held = await image_source(source)
         decoding: Decoding = parse(Decoding, body.decoding())
         job_requests = build_requests(image, [query], task, vocab, **decoding.options(settings))
+        job_requests, holding = await decoded(image, held, job_requests)
         completion_id = request.state.request_id = f"chatcmpl-{secrets.token_hex(12)}"
         created = int(time.time())
         if not body.stream:
-            (result,) = await results_of(request, job_requests)
+            (result,) = await results_of(request, job_requests, holding)
             return chat_completion(completion_id, created, settings.model_name, result, fields)
         usage = bool((body.stream_options or {}).get("include_usage"))
         ids = (completion_id, created, settings.model_name)
-        return await chat_stream(request, worker, job_requests, settings, ids, usage, fields, observe)
+        return await chat_stream(request, worker, job_requests, settings, ids, usage, fields, observe, holding)
 
     return app
 
@@ -684,28 +723,39 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, ready:
 
 
 @asynccontextmanager
-async def open_job(worker: Worker, job_requests: Sequence[Request], settings: Settings, text: bool = False):
+async def open_job(worker: Worker, job_requests: Sequence[Request], settings: Settings, holding: Holding):
     """A worker job whose queueing failures are HTTP errors: 400 for a call larger than the server can ever
-    hold, 503 with Retry-After when the queue is full now."""
-    job = Job(worker, job_requests, settings.timeout_s, text=text)
-    await enter_job(job)
+    hold, 503 with Retry-After when the queue is full now. Its image's holding is released once the worker
+    holds none of its requests."""
+    job = Job(worker, job_requests, settings.timeout_s, on_finish=holding.release)
+    await enter_job(job, holding)
     try:
         yield job
     finally:
         await job.__aexit__(None, None, None)
 
 
-async def enter_job(job: Job) -> None:
+async def enter_job(job: Job, holding: Holding) -> None:
+    """Queue `job`; when it cannot be, its image's holding is released and the failure raised (`refusal`)."""
     try:
         await job.__aenter__()
-    except TooLarge as e:
-        raise ApiError(400, "request_too_large", str(e)) from None
-    except QueueFull as e:
-        raise ApiError(503, "queue_full", str(e), {"Retry-After": "1"}) from None
-    except WorkerError as e:
-        raise ApiError(503, "unavailable", str(e)) from None
-    except ValueError as e:  # a bad tiling, found while costing the request
-        raise ApiError(400, "invalid_request", str(e)) from None
+    except BaseException as e:
+        holding.release()
+        raise refusal(e) from None
+
+
+def refusal(e: BaseException) -> BaseException:
+    """A queue's refusal as an HTTP error: 400 for a call larger than the server can ever hold, 503 with
+    Retry-After when it is full now; other errors as they are."""
+    if isinstance(e, TooLarge):
+        return ApiError(400, "request_too_large", str(e))
+    if isinstance(e, QueueFull):
+        return ApiError(503, "queue_full", str(e), {"Retry-After": "1"})
+    if isinstance(e, WorkerError):
+        return ApiError(503, "unavailable", str(e))
+    if isinstance(e, ValueError):  # a bad tiling, found while costing the request
+        return ApiError(400, "invalid_request", str(e))
+    return e
 
 
 def job_result(task: asyncio.Future) -> list[Result]:
@@ -760,11 +810,12 @@ async def streamed(job: Job, frames: Callable[[Job], AsyncIterator[str]], error:
         await job.__aexit__(None, None, None)
 
 
-async def start_stream(worker, job_requests, settings, frames, error, text: bool = False) -> StreamingResponse:
+async def start_stream(worker, job_requests, settings, frames, error, holding: Holding, text=False):
     """Queue the job first (so a full queue is a real 503), then stream its frames. The background task
-    cancels what is left even when the client leaves before the stream starts."""
-    job = Job(worker, job_requests, settings.timeout_s, text=text)
-    await enter_job(job)
+    cancels what is left even when the client leaves before the stream starts; the image's holding is released
+    once the worker holds none of its requests."""
+    job = Job(worker, job_requests, settings.timeout_s, text=text, on_finish=holding.release)
+    await enter_job(job, holding)
     return StreamingResponse(
         streamed(job, frames, error),
         media_type="text/event-stream",
@@ -773,7 +824,7 @@ async def start_stream(worker, job_requests, settings, frames, error, text: bool
     )
 
 
-async def event_stream(request, worker, job_requests, settings, start, queries, answer, observe):
+async def event_stream(request, worker, job_requests, settings, start, queries, answer, observe, holding):
     """`/v1/locate` with `stream`: events `start`, `view` (a tiled request's tile or whole image as it
     finishes, its objects in the image's pixels), `object` (as each `</box>` is committed; for a tiled
     request, the merged objects at the end), `empty`, `done` (the same body as without `stream`) or `error`."""
@@ -802,7 +853,8 @@ async def event_stream(request, worker, job_requests, settings, start, queries, 
         finally:
             observe(request, job, results)
 
-    return await start_stream(worker, job_requests, settings, frames, lambda c, m: sse("error", error_body(c, m)))
+    error = lambda c, m: sse("error", error_body(c, m))  # noqa: E731
+    return await start_stream(worker, job_requests, settings, frames, error, holding)
 
 
 # -- OpenAI chat ------------------------------------------------------------------------------------------
@@ -917,7 +969,7 @@ def chat_completion(completion_id: str, created: int, model: str, result: Result
     }
 
 
-async def chat_stream(request, worker, job_requests, settings, ids, include_usage, fields, observe):
+async def chat_stream(request, worker, job_requests, settings, ids, include_usage, fields, observe, holding):
     """`chat.completion.chunk`s: the role first; the answer's text as it is decoded, item by item (TEXT
     events), each committed box or point also in an extra `objects` field; then the rest of the text, the
     finish reason, `[DONE]`. With `response_format`, the JSON answer comes in one chunk at the end."""
@@ -961,4 +1013,4 @@ async def chat_stream(request, worker, job_requests, settings, ids, include_usag
     def error(code: str, message: str) -> str:
         return f"data: {json.dumps(error_body(code, message))}\n\n"
 
-    return await start_stream(worker, job_requests, settings, frames, error, text=fields is None)
+    return await start_stream(worker, job_requests, settings, frames, error, holding, text=fields is None)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from PIL import Image
 
 from ..engine import check_request
-from ..preprocess import load_image
+from ..preprocess import load_image, open_header
 from ..prompts import task_text
 from ..request import Request, RequestError, Result
 
@@ -35,6 +36,7 @@ class Settings:
     max_body_mb: float = 20.0
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_queue: int = 64  # engine requests waiting or decoding; more get 503
+    max_image_mb: float = 512.0  # images held, compressed and decoded (`images.ImageBudget`); more get 503
     timeout_s: float = 120.0  # per request, queueing included; then 504
     allow_remote_images: bool = False
     max_rows: int | None = None  # the engine's rows per step (None: its default)
@@ -87,8 +89,27 @@ def image_bytes(source: str) -> bytes:
 def open_image(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
     """Decode `data` with `preprocess.load_image` (allowed formats found from the content, size checked from the
     header before any pixel is decoded); every failure is an `InputError`, `image_too_large` for the size."""
+    return decode_image(image_header(data, max_pixels), max_pixels)
+
+
+def image_header(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """`data` opened without decoding a pixel (`preprocess.open_header`: its format and size checked); errors
+    as `open_image`'s."""
+    with input_errors():
+        return open_header(io.BytesIO(data), "the image data", max_pixels)
+
+
+def decode_image(header: Image.Image, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """The pixels of an image from `image_header` (`preprocess.load_image`); errors as `open_image`'s."""
+    with input_errors():
+        return load_image(header, max_pixels)
+
+
+@contextmanager
+def input_errors() -> Iterator[None]:
+    """An image's `ValueError` as an `InputError`: `image_too_large` for the size, else `invalid_image`."""
     try:
-        return load_image(io.BytesIO(data), max_pixels)
+        yield
     except ValueError as e:
         code = "image_too_large" if "over the limit" in str(e) else "invalid_image"
         raise InputError(code, str(e)) from None

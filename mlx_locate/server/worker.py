@@ -76,6 +76,7 @@ class Ticket:
     text: bool = False  # TEXT events wanted
     handle: Handle | None = None
     finished: bool = False  # done, failed or cancelled: its queue slot is free
+    on_finish: Callable[[], None] | None = None  # called on the worker thread once it is finished
 
 
 @dataclass
@@ -196,12 +197,14 @@ class Worker:
         *,
         group: Hashable = None,
         text: bool = False,
+        on_finish: Callable[[], None] | None = None,
     ):
         """Queue `requests` together as one group (all or none); returns their tickets. `TooLarge` when their
         cost is over `max_queue` (it never fits), `QueueFull` when it does not fit now.
 
         `deliver(i, event)` is called on the worker thread for every event of `requests[i]`, and once with a
-        `WorkerError` instead if the worker cannot finish it."""
+        `WorkerError` instead if the worker cannot finish it. `on_finish()` is called on the worker thread once
+        every one of them is finished (done, failed or cancelled: the engine holds none of them any more)."""
         costs = [self.cost(r) for r in requests]
         total = sum(costs)
         if total > self.max_queue:
@@ -224,6 +227,16 @@ class Worker:
             Ticket(r, lambda event, i=i: deliver(i, event), cost, group, text)
             for i, (r, cost) in enumerate(zip(requests, costs, strict=True))
         ]
+        if on_finish is not None:
+            left = [len(tickets)]
+
+            def finished() -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    on_finish()
+
+            for t in tickets:
+                t.on_finish = finished
         for t in tickets:
             self._inbox.put(("submit", t))
         return tickets
@@ -340,6 +353,8 @@ class Worker:
         self.stats.finished += 1
         with self._lock:
             self._pending -= ticket.cost
+        if ticket.on_finish is not None:
+            ticket.on_finish()
 
     def _fail(self, tickets: list[Ticket], message: str) -> None:
         for t in tickets:
@@ -380,12 +395,14 @@ def warm_up(engine) -> None:
 class Job:
     """The requests of one client call, seen from asyncio: `async for index, event in job` until each request
     is done or failed. Leaving `async with` early (a timeout, a disconnect, an error) cancels the rest. The
-    requests are one group of the engine's fair admission; `text` asks for TEXT events."""
+    requests are one group of the engine's fair admission; `text` asks for TEXT events; `on_finish` is
+    `Worker.submit`'s."""
 
     worker: Worker
     requests: Sequence[Request]
     timeout_s: float | None = None
     text: bool = False
+    on_finish: Callable[[], None] | None = None
     tickets: list[Ticket] = field(default_factory=list)
     first_object_at: float | None = None  # time.perf_counter() of the first OBJECT event
     _events: asyncio.Queue | None = None
@@ -408,7 +425,7 @@ class Job:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
-        self.tickets = self.worker.submit(self.requests, deliver, group=self, text=self.text)
+        self.tickets = self.worker.submit(self.requests, deliver, group=self, text=self.text, on_finish=self.on_finish)
         return self
 
     async def __aexit__(self, *exc) -> None:
