@@ -134,10 +134,10 @@ def error_line(path: str, error: Exception) -> dict:
     return {"image": path, "error": str(error)}
 
 
-def read_image(path: str, max_pixels: int | None) -> Image.Image | dict:
-    """The decoded image, or its error line."""
+def read_image(path: str, max_pixels: int | None, orientation: str = "exif") -> Image.Image | dict:
+    """The decoded image (as `load_image` shows it), or its error line."""
     try:
-        return load_image(path, max_pixels)
+        return load_image(path, max_pixels, orientation)
     except (FileNotFoundError, ValueError) as e:
         return error_line(path, e)
     except Exception as e:  # Pillow's plugins raise many types on corrupt files; they concern this image only
@@ -156,7 +156,7 @@ def annotate(model: LocateModel, paths: Iterable[str], settings: Settings) -> It
     flight: dict[str, tuple[Image.Image, list]] = {}  # path -> (image, its results or RequestErrors so far)
     while True:
         while len(flight) < window and (path := next(paths, None)) is not None:
-            image = read_image(path, settings.max_pixels)
+            image = read_image(path, settings.max_pixels, settings.options.get("orientation", "exif"))
             if isinstance(image, dict):
                 yield Annotated(image, None)
                 continue

@@ -62,7 +62,7 @@ from .prompts import task_text
 from .request import DEFAULT_TASK
 
 DEFAULT_IMAGES_PER_TASK = 16
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".heic", ".heif", ".avif")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cli.add_questions(p)
     cli.add_max_pixels(p)
+    cli.add_image_options(p)
     cli.add_rows(p)
     cli.add_progress(p)
     cli.add_decoding(p)
@@ -221,10 +222,17 @@ def objects_of(entry: dict) -> list[LocatedObject]:
     ]
 
 
-def draw_line(line: dict, image: Image.Image | None, folder: str, max_pixels: int | None, overwrite: bool) -> None:
+def draw_line(
+    line: dict,
+    image: Image.Image | None,
+    folder: str,
+    max_pixels: int | None,
+    overwrite: bool,
+    orientation: str = "exif",
+) -> None:
     """Draw an answered line's objects; `image` None reads it again (a resumed or remote line)."""
     if image is None:
-        image = read_image(line["image"], max_pixels)
+        image = read_image(line["image"], max_pixels, orientation)
         if isinstance(image, dict):
             print(f"warning: not drawn: {image['error']}", file=sys.stderr)
             return
@@ -336,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         in_part = set(part)
         for line in output_lines(out):
             if line["image"] in in_part and "results" in line and not drawing_path(args.draw, line["image"]).exists():
-                draw_line(line, None, args.draw, args.max_pixels, overwrite=False)
+                draw_line(line, None, args.draw, args.max_pixels, overwrite=False, orientation=args.orientation)
     workers = set()
     if lines is not None:
         bar = {"total": len(part), "initial": len(part) - len(pending)}

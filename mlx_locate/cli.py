@@ -17,7 +17,7 @@ import mlx.core as mx
 from .checkpoint import DTYPES
 from .decide import Guards, Mode
 from .locate import load
-from .preprocess import DEFAULT_MAX_PIXELS
+from .preprocess import DEFAULT_MAX_PIXELS, ORIENTATIONS
 from .prompts import RENDERINGS, TASKS
 from .request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, Request
 from .sampling import Sampling
@@ -229,6 +229,7 @@ def request_options(args: argparse.Namespace) -> dict:
         "redecode_labels": args.redecode_labels,
         "rendering": args.rendering,
         "seed": args.seed,
+        **image_options(args),
     }
 
 
@@ -275,6 +276,32 @@ def add_max_pixels(p: argparse.ArgumentParser, default: int | None = None) -> No
         help=f"refuse larger images, read from the header before decoding (default: {shown:,}); raise it for "
         "real large images",
     )
+
+
+def add_image_options(p: argparse.ArgumentParser, orientation: str = "exif") -> None:
+    """--orientation and --image-tokens: the frame of the answer and the patch budget (`image_options(args)`)."""
+    p.add_argument(
+        "--orientation",
+        choices=ORIENTATIONS,
+        default=orientation,
+        help="exif: boxes in the frame a photo viewer shows (the EXIF orientation applied); stored: in the stored "
+        "pixels, for labels made on them (default: %(default)s)",
+    )
+    p.add_argument(
+        "--image-tokens",
+        dest="max_image_tokens",
+        type=positive_int,
+        metavar="N",
+        help="scale images to at most N patches, below the model's own budget: faster vision and less memory on "
+        "large photos, at some cost in small objects (default: the model's)",
+    )
+
+
+def image_options(args: argparse.Namespace) -> dict:
+    """The `Request` fields of `add_image_options` ({} for a command without them)."""
+    if not hasattr(args, "orientation"):
+        return {}
+    return {"orientation": args.orientation, "max_image_tokens": args.max_image_tokens}
 
 
 def add_rows(p: argparse.ArgumentParser) -> None:

@@ -364,6 +364,7 @@ class Engine:
             self.tiles.pop(parent)
             try:
                 result = merge_results(parent.request, image.rgb, requests, [c.result for c in children])
+                result = replace(result, orientation=image.notes.orientation, warnings=list(image.notes.warnings))
             except (OSError, ValueError) as e:
                 self._fail(parent, e, out)
                 return
@@ -428,8 +429,9 @@ class Engine:
         r, model = handle.request, self.model
         t0 = time.perf_counter()
         check_request(r, model.token_ids.vocab_size)
-        image = model.prepare(r.image, r.max_pixels)
-        if r.tiles is not None and (views := split_request(r, image.rgb, model.in_token_limit, model.patch_size)):
+        image = model.prepare(r.image, r.max_pixels, r.orientation, r.max_image_tokens)
+        limit = r.max_image_tokens or model.in_token_limit
+        if r.tiles is not None and (views := split_request(r, image.rgb, limit, model.patch_size)):
             return _Tiled(image, views)
         mode = parse_mode(r.mode)
         text = UserText(r.prompt) if r.prompt is not None else user_text(r.task, r.query)
@@ -866,5 +868,7 @@ def build_result(model: Runtime, row: _Row) -> Result:
         image_size=pre.original_size,
         mode=row.options.mode.value,
         truncated=parsed.truncated,
+        orientation=row.image.notes.orientation,
+        warnings=list(row.image.notes.warnings),
         stats=stats,
     )

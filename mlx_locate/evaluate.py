@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_max_tokens(p, DEFAULT_MAX_TOKENS)
     p.add_argument("--sampling", choices=list(SAMPLINGS), default="greedy", help="(default: %(default)s)")
     cli.add_rendering(p)
+    cli.add_image_options(p)
     cli.add_rows(p)
     p.add_argument("--gui-task", choices=("point", "gui"), default="point", help="GUI prompt: a point or a box")
     p.add_argument("--limit", type=cli.positive_int, help="only the first N samples of each benchmark")
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
             sampling=SAMPLINGS[args.sampling],
             rendering=args.rendering,
             max_rows=args.max_rows,
+            orientation=args.orientation,
+            max_image_tokens=args.max_image_tokens,
             gui_task=args.gui_task,
             limit=args.limit,
         )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import cli
 from .draw import draw_objects
-from .preprocess import FORMATS, load_image
+from .preprocess import FORMATS, load_image, photo_notes
 from .prompts import task_text
 from .request import DEFAULT_TASK, Result
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_model(p)
     p.add_argument("--image", required=True, help=f"image file ({', '.join(FORMATS)})")
     cli.add_max_pixels(p)
+    cli.add_image_options(p)
     cli.add_questions(p, several_prompts=False)
     p.add_argument(
         "--categories",
@@ -146,7 +147,9 @@ def run(args: argparse.Namespace) -> str:
         task_text(task, query)
     options = {"task": task, **cli.request_options(args)}
     tiling = cli.tiling_of(args)
-    image = load_image(args.image, args.max_pixels)
+    image = load_image(args.image, args.max_pixels, args.orientation)
+    for warning in photo_notes(image).warnings:
+        print(f"warning: {args.image}: {warning}", file=sys.stderr)
     if args.draw and Path(args.draw).exists() and not args.overwrite:
         raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
     model = cli.load_model(args)
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> str:
         results = model.locate(image, queries, **tiling, **options)
     else:
         rendering = options.pop("rendering")
-        session = model.session(image, rendering=rendering)
+        session = model.session(image, rendering, args.max_pixels, args.orientation, args.max_image_tokens)
         results = [session.locate(query, **options) for query in queries]
     if args.draw:
         objects = [obj for result in results for obj in result.objects]

@@ -56,9 +56,16 @@ class LocateModel(Runtime):
                 bar.update(sum(e.kind in (EventKind.DONE, EventKind.ERROR) for e in engine.step()))
         return [h.result if h.result is not None else h.error for h in handles]
 
-    def session(self, image: str | Path | Image.Image, rendering: str = "A", max_pixels: int | None = None) -> Session:
+    def session(
+        self,
+        image: str | Path | Image.Image,
+        rendering: str = "A",
+        max_pixels: int | None = None,
+        orientation: str = "exif",
+        max_image_tokens: int | None = None,
+    ) -> Session:
         """Run the image through vision and the prompt prefix once; then ask many queries."""
-        return Session(self, image, rendering, max_pixels)
+        return Session(self, image, rendering, max_pixels, orientation, max_image_tokens)
 
     def locate(
         self,
@@ -71,12 +78,14 @@ class LocateModel(Runtime):
         """Find `query` in `image`; a list of queries gives a list of results, decoded together as one batch.
 
         Keyword arguments are the fields of `engine.Request` (task, mode, max_tokens, sampling, strict, guards,
-        redecode_labels, prompt, seed, max_pixels, tiles, tile_overlap, tile_whole). Raises the request's
-        `RequestError` (a ValueError) when it cannot run.
+        redecode_labels, prompt, seed, max_pixels, orientation, max_image_tokens, tiles, tile_overlap, tile_whole).
+        Raises the request's `RequestError` (a ValueError) when it cannot run.
         """
         queries = query if isinstance(query, list) else [query]
         if isinstance(image, (str, Path)):
-            image = self.prepare(image, kwargs.get("max_pixels"))  # loaded once for every query
+            image = self.prepare(  # loaded once for every query
+                image, kwargs.get("max_pixels"), kwargs.get("orientation", "exif"), kwargs.get("max_image_tokens")
+            )
         results = self.locate_many([Request(image, q, rendering=rendering, **kwargs) for q in queries])
         for r in results:
             if isinstance(r, RequestError):
@@ -91,12 +100,18 @@ class Session:
     ones reuse it."""
 
     def __init__(
-        self, model: LocateModel, image: str | Path | Image.Image, rendering: str = "A", max_pixels: int | None = None
+        self,
+        model: LocateModel,
+        image: str | Path | Image.Image,
+        rendering: str = "A",
+        max_pixels: int | None = None,
+        orientation: str = "exif",
+        max_image_tokens: int | None = None,
     ):
         self.model = model
         self.rendering = rendering
         t0 = time.perf_counter()
-        self.image = model.prepare(image, max_pixels)
+        self.image = model.prepare(image, max_pixels, orientation, max_image_tokens)
         self.pre = self.image.pre
         prompt = model.prompt("", self.pre.grid, rendering)
         self.prefix = prompt[: prompt.index(model.token_ids.img_end) + 1]

@@ -7,12 +7,26 @@ patches are bit-identical to the reference's `pixel_values`.
 from __future__ import annotations
 
 import hashlib
+import io
 import math
+import warnings
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 import numpy as np
-from PIL import BmpImagePlugin, GifImagePlugin, Image, JpegImagePlugin, PngImagePlugin, TiffImagePlugin, WebPImagePlugin
+from PIL import (
+    AvifImagePlugin,
+    BmpImagePlugin,
+    GifImagePlugin,
+    Image,
+    ImageCms,
+    ImageOps,
+    JpegImagePlugin,
+    PngImagePlugin,
+    TiffImagePlugin,
+    WebPImagePlugin,
+)
+from pillow_heif import HeifImageFile, register_heif_opener
 
 IN_TOKEN_LIMIT = 25600  # patches before the token-limit rescale (preprocessor_config.json)
 PATCH_SIZE = 14
@@ -54,7 +68,27 @@ FORMATS = {
     "BMP": BmpImagePlugin.BmpImageFile,
     "GIF": GifImagePlugin.GifImageFile,
     "TIFF": TiffImagePlugin.TiffImageFile,
+    "HEIC": HeifImageFile,  # HEIC / HEIF, the iPhone's default (pillow-heif)
+    "AVIF": AvifImagePlugin.AvifImageFile,
 }
+SIGNATURES = {"HEIC": "HEIF"}  # our name -> Pillow's registry name, where they differ
+# The frame boxes are given in: "exif" as a photo viewer shows the image (its EXIF Orientation applied), or
+# "stored" as its pixels are stored (for datasets labelled on stored pixels). HEIF's own rotation (its container's
+# transform, which libheif applies on decoding) counts as its orientation, so "stored" undoes it.
+ORIENTATIONS = ("exif", "stored")
+EXIF_ORIENTATION = 0x0112
+# The transpose that undoes each orientation's display transform (Pillow's `exif_transpose` applies the display one).
+UNDO_ORIENTATION = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_90,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_270,
+}
+APPLIED = "mlx_locate.photo"  # key in `Image.info` of what `apply_photo_policy` did: a `PhotoNotes`
+register_heif_opener()  # its signature test in Pillow's registry (we open through the class itself)
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # grey images Pillow's convert("RGB") clips at 255
 
 
@@ -76,32 +110,128 @@ def check_pixels(size: tuple[int, int], max_pixels: int | None, what: str) -> No
         )
 
 
-def load_image(image: str | Path | BinaryIO | Image.Image, max_pixels: int | None = None) -> Image.Image:
-    """Open and decode an image file (a path or a binary file object, such as `io.BytesIO` of uploaded bytes).
+class PhotoNotes(NamedTuple):
+    """What the image policy did to one image: its frame, and what the user should know."""
 
-    One policy for every entry point: the format must be one of `FORMATS` (found from the content, not the
-    name) and the size, read from the header, is checked against `max_pixels` (default `DEFAULT_MAX_PIXELS`)
-    before any pixel is decoded. A PIL image is passed through; one still undecoded (`Image.open` is lazy) is
-    checked and decoded here first. Raises `FileNotFoundError` for a missing path and `ValueError` naming the
-    file for anything else: not a file, empty, another format, too large, broken header, truncated data.
+    orientation: str  # "exif" (the EXIF orientation applied) or "stored"
+    exif_orientation: int  # the file's EXIF Orientation tag, 1 (none) to 8
+    warnings: tuple[str, ...]  # multi-frame file, unreadable colour profile
+
+
+def load_image(
+    image: str | Path | BinaryIO | Image.Image, max_pixels: int | None = None, orientation: str = "exif"
+) -> Image.Image:
+    """Open and decode an image file (a path or a binary file object, such as `io.BytesIO` of uploaded bytes),
+    then apply the image policy (`apply_photo_policy`): the pixels a viewer shows, in sRGB.
+
+    The format must be one of `FORMATS` (found from the content, not the name) and the size, read from the
+    header, is checked against `max_pixels` (default `DEFAULT_MAX_PIXELS`) before any pixel is decoded. A PIL
+    image is checked and decoded if it is still lazy (`Image.open`), then the policy applies to it. What the
+    policy did is `photo_notes(result)`. Raises `FileNotFoundError` for a missing path and `ValueError` naming
+    the file for anything else: not a file, empty, another format, too large, broken header, truncated data.
     """
+    if orientation not in ORIENTATIONS:
+        raise ValueError(f"orientation must be one of {', '.join(ORIENTATIONS)}, got {orientation!r}")
     if isinstance(image, Image.Image):
+        if APPLIED in image.info:
+            return image
         if getattr(image, "tile", None):  # opened, not decoded yet
             name = getattr(image, "filename", "") or "the image"
             check_pixels(image.size, max_pixels, name)
             _decode(image, name)
-        return image
-    if hasattr(image, "read"):
-        return _open(image, getattr(image, "name", None) or "the image data", max_pixels)
-    path = Path(image)
-    if not path.exists():
-        raise FileNotFoundError(f"image file not found: {path}")
-    if not path.is_file():
-        raise ValueError(f"{path} is not a file; expected an image file ({', '.join(FORMATS)})")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path} is not a readable image: the file is empty (0 bytes)")
-    with path.open("rb") as fp:
-        return _open(fp, str(path), max_pixels)
+        shown, notes = apply_photo_policy(image, orientation)
+        if shown is image:  # the caller's own image, unchanged: it carries no notes (`photo_notes` has defaults)
+            return image
+    else:
+        if hasattr(image, "read"):
+            decoded = _open(image, getattr(image, "name", None) or "the image data", max_pixels)
+            shown, notes = apply_photo_policy(decoded, orientation)
+        else:
+            path = Path(image)
+            if not path.exists():
+                raise FileNotFoundError(f"image file not found: {path}")
+            if not path.is_file():
+                raise ValueError(f"{path} is not a file; expected an image file ({', '.join(FORMATS)})")
+            if path.stat().st_size == 0:
+                raise ValueError(f"{path} is not a readable image: the file is empty (0 bytes)")
+            with path.open("rb") as fp:  # a multi-frame file reads its frames to count them
+                shown, notes = apply_photo_policy(_open(fp, str(path), max_pixels), orientation)
+    shown.info[APPLIED] = notes  # an image of ours: decoded here or made by the policy
+    return shown
+
+
+def photo_notes(image: Image.Image, orientation: str = "exif") -> PhotoNotes:
+    """What the image policy did to `image` (`load_image`'s result); for another image, what it would note."""
+    return image.info.get(APPLIED) or apply_photo_policy(image, orientation, notes_only=True)[1]
+
+
+def apply_photo_policy(
+    image: Image.Image, orientation: str = "exif", notes_only: bool = False
+) -> tuple[Image.Image, PhotoNotes]:
+    """The image a viewer shows, and what was done: the first frame of a multi-frame file (with a warning), its
+    EXIF orientation applied (`orientation="stored"`: the stored pixels) and its colour profile converted to
+    sRGB. The caller's image is not modified; where nothing changes it is returned itself."""
+    notes: list[str] = []
+    frames = getattr(image, "n_frames", 1)
+    if frames > 1:
+        notes.append(f"the file has {frames} frames; only the first was used (mlx-locate-video takes video)")
+    tag = _exif_orientation(image)
+    if notes_only:
+        return image, PhotoNotes(orientation, tag, tuple(notes))
+    if frames > 1:  # counting the frames moved through them: the first, decoded, as an image of one frame
+        image.seek(0)
+        image.load()
+        image = image.copy()
+    if orientation == "exif" and tag in UNDO_ORIENTATION and "original_orientation" not in image.info:
+        image = ImageOps.exif_transpose(image)
+    elif orientation == "stored" and "original_orientation" in image.info and tag in UNDO_ORIENTATION:
+        info = image.info  # libheif applied the rotation on decoding: undo it
+        image = image.transpose(UNDO_ORIENTATION[tag])
+        image.info = dict(info)
+    image, colour_warning = _to_srgb(image)
+    if colour_warning:
+        notes.append(colour_warning)
+    return image, PhotoNotes(orientation, tag, tuple(notes))
+
+
+def _exif_orientation(image: Image.Image) -> int:
+    """The EXIF Orientation tag (1 to 8; 1 where there is none or it is invalid). HEIF files report the rotation
+    libheif already applied."""
+    if "original_orientation" in image.info:
+        value = image.info["original_orientation"]
+    else:
+        try:
+            with warnings.catch_warnings():  # Pillow warns of a corrupt EXIF block; it only decides the frame
+                warnings.simplefilter("ignore")
+                value = image.getexif().get(EXIF_ORIENTATION, 1)
+        except Exception:  # a malformed EXIF block says nothing about the orientation
+            value = 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+SRGB = ImageCms.createProfile("sRGB")
+
+
+def _to_srgb(image: Image.Image) -> tuple[Image.Image, str | None]:
+    """`image` with its embedded ICC profile converted to sRGB (perceptual intent), and a warning where the
+    profile cannot be applied. No profile, or an sRGB one: the same pixels."""
+    icc = image.info.get("icc_profile")
+    if not icc:
+        return image, None
+    try:
+        profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        if ImageCms.getProfileDescription(profile).strip().lower().startswith("srgb"):
+            return image, None
+        source = (
+            image
+            if image.mode in ("RGB", "RGBA", "CMYK", "L")
+            else image.convert("RGBA" if "A" in image.mode else "RGB")
+        )
+        converted = ImageCms.profileToProfile(source, profile, SRGB, outputMode="RGBA" if "A" in source.mode else "RGB")
+    except Exception as e:  # LCMS rejects broken profiles and profiles of another colour space than the pixels
+        return image, f"its colour profile could not be applied ({type(e).__name__}: {e}); colours used as stored"
+    converted.info = {k: v for k, v in image.info.items() if k != "icc_profile"}
+    return converted, None
 
 
 def _open(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
@@ -115,7 +245,7 @@ def open_header(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
     """`fp` opened as the first allowed format whose signature it starts with, its header's size checked against
     `max_pixels`; no pixel decoded yet (`load_image` decodes it). Errors as `load_image`'s."""
     prefix = fp.read(16)
-    fmt = next((f for f in FORMATS if Image.OPEN[f][1](prefix) is True), None)
+    fmt = next((f for f in FORMATS if Image.OPEN[SIGNATURES.get(f, f)][1](prefix) is True), None)
     if fmt is None:
         raise ValueError(f"{name} is not a readable image: {_not_allowed(prefix)}")
     fp.seek(0)
@@ -139,7 +269,8 @@ def _decode(image: Image.Image, name: str) -> None:
 def _reason(error: Exception) -> str:
     if isinstance(error, Image.DecompressionBombError):
         return f"over Pillow's own limit, PIL.Image.MAX_IMAGE_PIXELS: {error}"
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    text = str(error).strip()  # libheif ends its messages with a newline
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _not_allowed(prefix: bytes) -> str:
@@ -148,7 +279,9 @@ def _not_allowed(prefix: bytes) -> str:
     allowed = f"{', '.join(list(FORMATS)[:-1])} or {list(FORMATS)[-1]}"
     for fmt, (_, accept) in Image.OPEN.items():
         try:
-            known = fmt not in FORMATS and accept is not None and accept(prefix) is True
+            known = (
+                fmt not in FORMATS and fmt not in SIGNATURES.values() and accept is not None and accept(prefix) is True
+            )
         except Exception:  # a plugin's signature test on arbitrary bytes; it only names the format
             known = False
         if known:
@@ -158,10 +291,7 @@ def _not_allowed(prefix: bytes) -> str:
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGBA is composited onto white using its alpha; 16-bit grey keeps its high byte (as Pillow reads 16-bit
-    colour); any other mode goes through `convert("RGB")`.
-
-    EXIF orientation is not applied, so coordinates refer to the stored pixels.
-    """
+    colour); any other mode goes through `convert("RGB")`. Orientation and colour are `load_image`'s."""
     if image.mode == "RGBA":
         canvas = Image.new("RGB", image.size, (255, 255, 255))
         canvas.paste(image, mask=image.getchannel("A"))

@@ -15,7 +15,7 @@ from PIL import Image
 
 from .decide import Guards, Mode
 from .parse import LocatedObject
-from .preprocess import Preprocessed, load_image, preprocess, to_rgb
+from .preprocess import ORIENTATIONS, PhotoNotes, Preprocessed, load_image, photo_notes, preprocess, to_rgb
 from .sampling import Sampling
 
 DEFAULT_TASK = "detect"
@@ -28,11 +28,13 @@ class RequestError(ValueError):
 
 
 class PreparedImage(NamedTuple):
-    """An image's host work, done once: RGB pixels, patches, and a key of its content."""
+    """An image's host work, done once: RGB pixels (as a viewer shows them), patches, a key of its content, and
+    what the image policy did."""
 
     rgb: Image.Image
     pre: Preprocessed
     key: tuple  # (sha256 of the resized pixels, original size, grid)
+    notes: PhotoNotes = PhotoNotes("exif", 1, ())
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class Request:
     rendering: str = "A"
     seed: int = 0
     max_pixels: int | None = None  # None: preprocess.DEFAULT_MAX_PIXELS
+    orientation: str = "exif"  # "exif": the frame a viewer shows (EXIF orientation applied); "stored": as stored
+    max_image_tokens: int | None = (
+        None  # a lower patch budget than the model's own (faster, coarser); None: the model's
+    )
     tiles: str | tuple[int, int] | None = None  # "auto" or (rows, cols): decode overlapping crops and merge
     tile_overlap: float = 0.2  # fraction of a tile shared with its neighbour
     tile_whole: bool = True  # with tiles, also decode the whole image and merge it in
@@ -70,6 +76,8 @@ class Result:
     image_size: tuple[int, int]  # (W0, H0) the pixel frame of every box and point
     mode: str
     truncated: bool  # the stream ended inside an item (length cap or stop)
+    orientation: str = "exif"  # the frame of `image_size`, boxes and points: "exif" (as a viewer shows) or "stored"
+    warnings: list[str] = field(default_factory=list)  # about the image (only its first frame used, ...)
     stats: dict = field(default_factory=dict)  # timings per phase (s), steps, host reads, stop reason
 
     def to_dict(self) -> dict:
@@ -87,12 +95,35 @@ def parse_mode(mode: str | Mode) -> Mode:
     return modes[mode]
 
 
+def check_image_options(orientation: str, max_image_tokens: int | None, in_token_limit: int) -> None:
+    """`RequestError` for an orientation or a patch budget the model cannot take."""
+    if orientation not in ORIENTATIONS:
+        raise RequestError(f"orientation must be one of {', '.join(ORIENTATIONS)}, got {orientation!r}")
+    if max_image_tokens is not None and (
+        isinstance(max_image_tokens, bool)
+        or not isinstance(max_image_tokens, int)
+        or not 4 <= max_image_tokens <= in_token_limit
+    ):
+        raise RequestError(
+            f"max_image_tokens must be a whole number of patches from 4 to the model's {in_token_limit:,}, "
+            f"got {max_image_tokens!r}"
+        )
+
+
 def prepare_image(
-    image: str | Path | Image.Image | PreparedImage, max_pixels: int | None, in_token_limit: int, patch_size: int
+    image: str | Path | Image.Image | PreparedImage,
+    max_pixels: int | None,
+    in_token_limit: int,
+    patch_size: int,
+    orientation: str = "exif",
+    max_image_tokens: int | None = None,
 ) -> PreparedImage:
-    """Load (checking the pixel limit), convert to RGB, cut into patches and key by content."""
+    """Load (checking the pixel limit) as a viewer shows it, convert to RGB, cut into patches within the patch
+    budget (`max_image_tokens`, at most the model's `in_token_limit`) and key by content."""
     if isinstance(image, PreparedImage):
         return image
-    rgb = to_rgb(load_image(image, max_pixels))
-    pre = preprocess(rgb, in_token_limit=in_token_limit, patch_size=patch_size)
-    return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid))
+    check_image_options(orientation, max_image_tokens, in_token_limit)
+    shown = load_image(image, max_pixels, orientation)
+    rgb = to_rgb(shown)
+    pre = preprocess(rgb, in_token_limit=max_image_tokens or in_token_limit, patch_size=patch_size)
+    return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid), photo_notes(shown, orientation))

@@ -147,9 +147,16 @@ class Runtime:
             self._host_pool = ThreadPoolExecutor(workers, thread_name_prefix="mlx-locate-host")
         return self._host_pool
 
-    def prepare(self, image: str | Path | Image.Image | PreparedImage, max_pixels: int | None = None) -> PreparedImage:
-        """Load (checking the pixel limit), convert to RGB, cut into patches and key by content."""
-        return prepare_image(image, max_pixels, self.in_token_limit, self.patch_size)
+    def prepare(
+        self,
+        image: str | Path | Image.Image | PreparedImage,
+        max_pixels: int | None = None,
+        orientation: str = "exif",
+        max_image_tokens: int | None = None,
+    ) -> PreparedImage:
+        """Load (checking the pixel limit) as a viewer shows it, convert to RGB, cut into patches within the
+        patch budget and key by content."""
+        return prepare_image(image, max_pixels, self.in_token_limit, self.patch_size, orientation, max_image_tokens)
 
     def prompt(self, user_text: str | UserText, grid: tuple[int, int], rendering: str = "A") -> list[int]:
         """The prompt ids of `user_text` (a string is a raw prompt) about one image of patch `grid`."""

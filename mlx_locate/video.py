@@ -566,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_decoding(p)
     cli.add_sampling(p)
     cli.add_tiling(p, "frame")
+    cli.add_image_options(p)
     return p
 
 

@@ -21,7 +21,7 @@ import mlx_locate
 from mlx_locate import Request, generate
 from mlx_locate import cli as cli_module
 from mlx_locate.locate import load
-from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, ImageTooLargeError, load_image, to_rgb
+from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, SIGNATURES, ImageTooLargeError, load_image, to_rgb
 from mlx_locate.request import RequestError
 
 DEMO = Path(mlx_locate.__file__).parent / "demo"
@@ -66,6 +66,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
         data = buffer.getvalue()
         paths[f"truncated.{name[3:]}"] = d / f"truncated.{name[3:]}"
         paths[f"truncated.{name[3:]}"].write_bytes(data[: len(data) // 2])
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 255, (96, 128, 3), dtype=np.uint8))
+    for suffix, fmt in (("heic", "HEIF"), ("avif", "AVIF")):  # a phone's formats: cut short, or a bomb's header
+        buffer = io.BytesIO()
+        photo.save(buffer, fmt)
+        data = buffer.getvalue()
+        paths[f"truncated.{suffix}"] = d / f"truncated.{suffix}"
+        paths[f"truncated.{suffix}"].write_bytes(data[: len(data) // 2])
+        at = data.index(b"ispe") + 8  # the image's spatial extent: width, height
+        paths[f"bomb.{suffix}"] = d / f"bomb.{suffix}"
+        paths[f"bomb.{suffix}"].write_bytes(data[:at] + struct.pack(">II", *HUGE) + data[at + 8 :])
     paths["bomb.png"] = d / "bomb.png"
     paths["bomb.png"].write_bytes(png_bytes((100_000, 100_000), zlib.compress(b"\x00" * 64)))
     paths["huge.png"] = d / "huge.png"
@@ -130,9 +140,16 @@ def answer(result: tuple[int, str, str]) -> dict:
 
 IMAGE_ERRORS = [
     ("missing.png", ["image file not found: ", "missing.png"]),
-    ("folder", ["is not a file; expected an image file (PNG, JPEG, WEBP, BMP, GIF, TIFF)"]),
+    ("folder", ["is not a file; expected an image file (PNG, JPEG, WEBP, BMP, GIF, TIFF, HEIC, AVIF)"]),
     ("empty.png", ["empty.png is not a readable image: the file is empty (0 bytes)"]),
-    ("notes.txt", ["notes.txt is not a readable image: no PNG, JPEG, WEBP, BMP, GIF or TIFF signature at its start"]),
+    (
+        "notes.txt",
+        ["notes.txt is not a readable image: no PNG, JPEG, WEBP, BMP, GIF, TIFF, HEIC or AVIF signature at its start"],
+    ),
+    ("truncated.heic", ["truncated.heic is not a readable image: its HEIF data is truncated or corrupt (ValueError"]),
+    ("truncated.avif", ["truncated.avif is not a readable image: broken AVIF header (SyntaxError"]),
+    ("bomb.heic", ["bomb.heic is 20000x12000 = 240,000,000 pixels, over the limit of 89,478,485 pixels"]),
+    ("bomb.avif", ["bomb.avif is 20000x12000 = 240,000,000 pixels, over the limit of 89,478,485 pixels"]),
     ("truncated.png", ["truncated.png is not a readable image: its PNG data is truncated or corrupt (OSError"]),
     ("truncated.jpg", ["truncated.jpg is not a readable image: its JPEG data is truncated or corrupt (OSError"]),
     ("icon.ico", ["icon.ico is not a readable image: its format is ICO, not one of PNG, JPEG"]),
@@ -160,7 +177,7 @@ def test_sizes_are_checked_from_the_header_before_decoding(files, monkeypatch):
         raise Decoded
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
-    for name in ("bomb.png", "huge.png"):
+    for name in ("bomb.png", "huge.png", "bomb.heic", "bomb.avif"):
         with pytest.raises(ImageTooLargeError, match=r"pixels, over the limit of 89,478,485 pixels"):
             load_image(files[name])
     with pytest.raises(ValueError, match=r"64x48 = 3,072 pixels, over the limit of 3,071 pixels"):
@@ -194,8 +211,9 @@ def test_api_max_pixels(demo, files):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_every_accepted_format_opens(tmp_path, fmt):
     path = tmp_path / f"image.{fmt.lower()}"
-    Image.new("RGB", (30, 20), (250, 250, 250)).save(path, fmt)
-    assert load_image(path).format == fmt and to_rgb(load_image(path)).size == (30, 20)
+    pillow_name = SIGNATURES.get(fmt, fmt)
+    Image.new("RGB", (30, 20), (250, 250, 250)).save(path, pillow_name)
+    assert load_image(path).format == pillow_name and to_rgb(load_image(path)).size == (30, 20)
 
 
 def test_one_pixel(cli, files):

@@ -237,7 +237,7 @@ class OneAtATime:
 def test_images_in_flight_are_bounded(model, tmp_path, monkeypatch):
     result = model.locate(IMAGE, "square", mode="fast", max_tokens=1)
     events, real_read = [], annotate.read_image
-    monkeypatch.setattr(annotate, "read_image", lambda path, limit: events.append("read") or real_read(path, limit))
+    monkeypatch.setattr(annotate, "read_image", lambda *args: events.append("read") or real_read(*args))
     questions = tuple(annotate.Question("detect", q) for q in QUERIES)
     paths = [str(tmp_path / f"{i}.png") for i in range(8)]
     for path in paths:

@@ -21,7 +21,7 @@ import mlx_locate
 from mlx_locate import cli as cli_module
 from mlx_locate import generate
 from mlx_locate.locate import load
-from mlx_locate.preprocess import FORMATS, load_image, preprocess
+from mlx_locate.preprocess import FORMATS, SIGNATURES, load_image, preprocess
 from mlx_locate.prompts import TASKS
 
 EXAMPLE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
@@ -76,7 +76,7 @@ def check(result: tuple[int, str, str]) -> None:
 
 def encoded(fmt: str) -> bytes:
     buffer = io.BytesIO()
-    Image.open(EXAMPLE).convert("RGB").resize((24, 16)).save(buffer, fmt)
+    Image.open(EXAMPLE).convert("RGB").resize((24, 16)).save(buffer, SIGNATURES.get(fmt, fmt))
     return buffer.getvalue()
 
 

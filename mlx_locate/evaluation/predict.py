@@ -98,6 +98,8 @@ class RunOptions:
     sampling: Sampling = Sampling()
     rendering: str = "A"
     max_rows: int | None = None
+    orientation: str = "exif"  # the benchmark's labels' frame: "stored" where they were made on stored pixels
+    max_image_tokens: int | None = None
     gui_task: str = "point"
     limit: int | None = None
 
@@ -122,6 +124,8 @@ def predict(model, bench: Benchmark, path: Path, options: RunOptions, progress: 
                 max_tokens=options.max_tokens,
                 sampling=options.sampling,
                 rendering=options.rendering,
+                orientation=options.orientation,
+                max_image_tokens=options.max_image_tokens,
                 tag=(s.index, k),
             )
             engine.submit(request)
