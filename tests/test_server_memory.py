@@ -152,7 +152,8 @@ def test_a_call_that_stops_waiting_frees_its_place():
 
 
 def test_decoded_bytes_cover_what_a_prepared_image_keeps():
-    """Pillow keeps 4 bytes a pixel; the engine keeps each view's patches."""
+    """Pillow keeps 4 bytes a pixel (twice where the image policy turns or converts it); the engine keeps each
+    view's patches."""
     model = mlx_locate.load("demo")
     image = Image.open(io.BytesIO(jpeg(0)))
     image.load()
@@ -161,7 +162,7 @@ def test_decoded_bytes_cover_what_a_prepared_image_keeps():
     need = decoded_bytes(image.size, image.mode, model.in_token_limit, model.patch_size)
     final = np.prod(target_size(*image.size, model.in_token_limit, model.patch_size).final)
     assert prepared.pre.pixels.nbytes == 3 * final
-    assert kept + prepared.pre.pixels.nbytes < need <= kept + 13 * final
+    assert kept + prepared.pre.pixels.nbytes < need <= 2 * kept + 13 * final
     request = Request(image, "square", tiles=(2, 2))
     views = split_request(request, image, model.in_token_limit, model.patch_size)
     crops = sum(4 * v.image.width * v.image.height for v in views)

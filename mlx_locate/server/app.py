@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 from ..engine import MAX_SEED, EventKind
 from ..locate import LocateModel
+from ..preprocess import ORIENTATIONS
 from ..prompts import GRAMMAR_TOKENS, TASK_TEMPLATES, TASKS
 from ..request import Request, RequestError, Result
 from ..sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, Sampling
@@ -337,6 +338,8 @@ class Decoding(BaseModel):
     top_k: Int = Field(0, ge=0)  # and at most the vocabulary: checked with the model (`check_request`)
     repetition_penalty: Float = Field(1.0, ge=PENALTY_LOW, le=PENALTY_HIGH)
     seed: Int = Field(0, ge=0, le=MAX_SEED)
+    orientation: Literal[ORIENTATIONS] = "exif"  # "stored": boxes in the stored pixels, EXIF orientation ignored
+    max_image_tokens: Int | None = Field(None, ge=4)  # a patch budget below the model's (at most the model's)
 
     @model_validator(mode="after")
     def _sampling_is_valid(self) -> Decoding:
@@ -354,6 +357,8 @@ class Decoding(BaseModel):
             "sampling": self.sampling(),
             "seed": self.seed,
             "max_pixels": settings.max_pixels,
+            "orientation": self.orientation,
+            "max_image_tokens": self.max_image_tokens,
         }
 
 
@@ -549,7 +554,8 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
                 await asyncio.wait_for(holding.turn(), settings.timeout_s)
             except asyncio.TimeoutError:
                 raise ApiError(504, "timeout", f"the request took longer than {settings.timeout_s:g} s") from None
-            holding.image = await anyio.to_thread.run_sync(decode_image, header, settings.max_pixels)
+            orientation = job_requests[0].orientation  # one image per call, so one frame
+            holding.image = await anyio.to_thread.run_sync(decode_image, header, settings.max_pixels, orientation)
         except BaseException:
             holding.release()
             raise

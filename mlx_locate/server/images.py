@@ -37,11 +37,12 @@ CLEAN_AFTER = 64 << 20  # bytes released since the last clean-up that make an em
 
 def decoded_bytes(size: tuple[int, int], mode: str, in_token_limit: int, patch: int, views: int = 1) -> int:
     """About the most bytes decoding and preparing an image of `size` pixels in Pillow `mode` holds: Pillow keeps
-    4 bytes a pixel, twice for a mode other than RGB (its RGB copy); a tiled call's crops cover the image about
+    4 bytes a pixel, once more for the image policy's turned or sRGB copy and once more for a mode other than RGB
+    (its RGB copy); a tiled call's crops cover the image about
     twice; each of its `views` keeps its patches (3 bytes a pixel of the model's resized image) and, while it is
     prepared, makes its resized copy (4 bytes a pixel), its pixel array and its hashed bytes (3 each)."""
     w, h = size
-    held = 4 * w * h * (1 if mode == "RGB" else 2)
+    held = 4 * w * h * (2 if mode == "RGB" else 3)
     try:
         resized = math.prod(target_size(w, h, in_token_limit, patch).final)
     except ValueError:  # a size the engine refuses (and reports): nothing is resized

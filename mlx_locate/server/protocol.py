@@ -99,10 +99,13 @@ def image_header(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Im
         return open_header(io.BytesIO(data), "the image data", max_pixels)
 
 
-def decode_image(header: Image.Image, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """The pixels of an image from `image_header` (`preprocess.load_image`); errors as `open_image`'s."""
+def decode_image(
+    header: Image.Image, max_pixels: int | None = DEFAULT_MAX_PIXELS, orientation: str = "exif"
+) -> Image.Image:
+    """The pixels of an image from `image_header` as `preprocess.load_image` shows them; errors as
+    `open_image`'s."""
     with input_errors():
-        return load_image(header, max_pixels)
+        return load_image(header, max_pixels, orientation)
 
 
 @contextmanager
