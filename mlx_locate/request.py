@@ -125,5 +125,5 @@ def prepare_image(
     check_image_options(orientation, max_image_tokens, in_token_limit)
     shown = load_image(image, max_pixels, orientation)
     rgb = to_rgb(shown)
-    pre = preprocess(rgb, in_token_limit=max_image_tokens or in_token_limit, patch_size=patch_size)
+    pre = preprocess(rgb, max_image_tokens or in_token_limit, patch_size, orientation=orientation)
     return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid), photo_notes(shown, orientation))

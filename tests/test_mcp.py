@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import approx_tree
+from PIL import Image
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
@@ -80,3 +81,17 @@ def test_locate_and_ground_over_stdio(alone):
     assert "image file not found" in messages[1]
     assert "needs a non-empty query" in messages[2]
     assert "mode" in messages[3]
+
+
+def test_a_rotated_jpeg_in_the_displayed_frame(tmp_path):
+    """The MCP tool opens files with the same image policy as the API: a phone's portrait shot answers upright."""
+    shown = Image.open(IMAGE).convert("RGB").crop((0, 28, 224, 196))  # 224 x 168, as a viewer shows it
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "portrait.jpg"
+    shown.transpose(Image.Transpose.ROTATE_90).save(path, "JPEG", quality=95, exif=exif.tobytes())
+    api = mlx_locate.load("demo").locate(path, "square")
+    _, (result,) = asyncio.run(session_calls([("locate", {"image_path": str(path), "query": "square"})]))
+    out = result.structured_content
+    assert out["image"] == {"width": 224, "height": 168}
+    assert [o["box"] for o in out["objects"]] == approx_tree([list(o.box) for o in api.objects])

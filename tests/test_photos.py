@@ -93,6 +93,8 @@ def test_stored_keeps_the_stored_pixels(demo, shown, tmp_path):
     assert kept.orientation == "stored" and kept.image_size == stored.size == (SIZE[1], SIZE[0])
     assert [o.box for o in kept.objects] == [o.box for o in bare.objects] and kept.token_ids == bare.token_ids
     assert photo_notes(load_image(path, orientation="stored")).exif_orientation == 6
+    opened = demo.locate(Image.open(path), "square", mode="slow", orientation="stored")  # a PIL image, tag and all
+    assert opened.image_size == stored.size and opened.token_ids == bare.token_ids
 
 
 def test_an_image_without_a_tag_or_profile_is_unchanged(shown):

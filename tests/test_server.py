@@ -887,3 +887,28 @@ def test_a_full_queue_is_refused_until_it_has_room():
         assert len(asyncio.run(run())) == 1 and worker.pending == 0
     finally:
         worker.stop()
+
+
+def rotated_jpeg() -> bytes:
+    """The demo's example cut to landscape and stored as a phone stores a portrait-held shot (EXIF orientation 6)."""
+    shown = Image.open(IMAGE).convert("RGB").crop((0, 28, 224, 196))  # 224 x 168, as a viewer shows it
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    out = io.BytesIO()
+    shown.transpose(Image.Transpose.ROTATE_90).save(out, "JPEG", quality=95, exif=exif.tobytes())
+    return out.getvalue()
+
+
+def test_a_rotated_jpeg_answers_as_the_api_in_the_displayed_frame(served, tmp_path):
+    path = tmp_path / "portrait.jpg"
+    path.write_bytes(rotated_jpeg())
+    model = mlx_locate.load("demo")
+    for orientation, size in (("exif", [224, 168]), ("stored", [168, 224])):
+        api = model.locate(path, "square", mode="fast", max_tokens=64, orientation=orientation)
+        with path.open("rb") as f:
+            form = {"query": "square", "mode": "fast", "max_tokens": "64", "orientation": orientation}
+            r = served.client.post("/v1/locate", files={"image": ("portrait.jpg", f, "image/jpeg")}, data=form)
+        assert r.status_code == 200, r.text
+        assert r.json()["image"] == {"width": size[0], "height": size[1]} and list(api.image_size) == size
+        expected = json.loads(json.dumps(answer_of(result_json(api))["objects"]))
+        assert answer_of(r.json())["objects"] == approx_tree(expected)
