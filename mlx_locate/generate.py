@@ -16,13 +16,16 @@ import argparse
 import json
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import cli
+from .checkpoint import resolve
 from .draw import draw_objects
+from .locate import image_settings
 from .preprocess import FORMATS, load_image
 from .prompts import task_text
-from .request import DEFAULT_TASK, Result
+from .request import DEFAULT_TASK, Result, prepare_image
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,12 +152,16 @@ def run(args: argparse.Namespace) -> str:
     image = load_image(args.image, args.max_pixels)
     if args.draw and Path(args.draw).exists() and not args.overwrite:
         raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
-    model = cli.load_model(args)
+    # The image is resized and cut into patches on a thread while the model loads.
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-image") as pool:
+        settings = image_settings(resolve(args.model))
+        prepared = None if tiling else pool.submit(prepare_image, image, args.max_pixels, *settings)
+        model = cli.load_model(args)
     if tiling:
         results = model.locate(image, queries, **tiling, **options)
     else:
         rendering = options.pop("rendering")
-        session = model.session(image, rendering=rendering)
+        session = model.session(prepared.result(), rendering=rendering)
         results = [session.locate(query, **options) for query in queries]
     if args.draw:
         objects = [obj for result in results for obj in result.objects]

@@ -129,6 +129,15 @@ class Session:
         return result
 
 
+def image_settings(folder: Path) -> tuple[int, int]:
+    """(in_token_limit, patch_size) of a checkpoint folder: what preparing an image needs, before the model
+    loads (`runtime.Runtime.prepare`)."""
+    limit = IN_TOKEN_LIMIT
+    if (folder / "preprocessor_config.json").is_file():
+        limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
+    return limit, ModelConfig.from_dict(read_json(folder, "config.json")).vision.patch_size
+
+
 def load(
     path_or_hub_id: str | Path,
     dtype: str | None = None,
@@ -162,9 +171,7 @@ def load(
     network.token_ids = tokenizer.token_ids(raw)
     if adapter_path is not None:
         apply_adapter(network, read_adapter(adapter_path))
-    limit = IN_TOKEN_LIMIT
-    if (folder / "preprocessor_config.json").is_file():
-        limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
+    limit, _ = image_settings(folder)
     choices = None
     if tuning := tunes(tune):
         choices = cached(model_key(network))

@@ -259,11 +259,15 @@ def measure(runtime: Runtime) -> Choices:
         runtime.prefill_chunk = PREFILL_ROWS
         measurements += 1
     runtime.idle()
-    budget = runtime.budget
-    probes = {
-        "patch_bytes": budget.patch_bytes,
-        "prefill_row_bytes": budget.prefill_row_bytes,
-        "prefill_key_bytes": budget.prefill_key_bytes,
+    measurements += 1  # the budget's probes, measured when the runtime was built
+    return Choices(probes_of(runtime), step_attention.value, row_costs, tower_chunked, prefill_chunk, compile_after)
+
+
+def probes_of(runtime: Runtime) -> dict[str, int]:
+    """The budget's probes as `memory.measure_probes` gave them."""
+    b = runtime.budget
+    return {
+        "patch_bytes": b.patch_bytes,
+        "prefill_row_bytes": b.prefill_row_bytes,
+        "prefill_key_bytes": b.prefill_key_bytes,
     }
-    measurements += 1  # the probes, measured when the runtime was built
-    return Choices(probes, step_attention.value, row_costs, tower_chunked, prefill_chunk, compile_after)
