@@ -234,14 +234,20 @@ def measure(runtime: Runtime) -> Choices:
     v = runtime.network.config.vision
     dtype = tower.patch_embed.proj.weight.dtype
     tower_chunked = False
+    score_budget = runtime.budget.score_budget
     if attention_path(backend(), dtype, v.head_dim, PROBE_PATCHES)[0] is not TowerPath.CHUNKED:
-        x = mx.zeros((1, 4 * PROBE_PATCHES, v.hidden_size), dtype)
-        grid = (32, 4 * PROBE_PATCHES // 32)
-        block_times = {}
-        for chunked in (False, True):
-            tower.chunked_attention = chunked
-            block_times[chunked] = best_of(lambda: tower.run_blocks(x, grid, 0, 1, runtime.budget.score_budget))
-        tower_chunked = block_times[True] < block_times[False]
+        # chunks only where they win at a small image's patches and at the largest image's: the fused kernel's
+        # lead grows with the patches (on the H200, chunks won at 1,024 patches and lost 3x at 25,600)
+        wins = []
+        for patches in (4 * PROBE_PATCHES, runtime.in_token_limit):
+            side = int(patches**0.5)
+            x = mx.zeros((1, side * side, v.hidden_size), dtype)
+            block_times = {}
+            for chunked in (False, True):
+                tower.chunked_attention = chunked
+                block_times[chunked] = best_of(lambda x=x, s=side: tower.run_blocks(x, (s, s), 0, 1, score_budget))
+            wins.append(block_times[True] < block_times[False])
+        tower_chunked = all(wins)
         tower.chunked_attention = False
         measurements += 1
     # the prefill chunk, where prefill calls are not capped (a GPU): a long prompt in chunks of each size
