@@ -73,8 +73,12 @@ def main(argv: list[str] | None = None) -> int:
                 "first_use_s": first[side]["seconds"],
                 "runs": runs[side],
             }
-            print(f"{image.name} {side}: " + ", ".join(f"{s:.2f}" for s in seconds) + " s; phases of the last: "
-                  + ", ".join(f"{k[:-2]} {runs[side][-1][k]:.2f}" for k in PHASES if runs[side][-1].get(k) is not None))
+            print(
+                f"{image.name} {side}: "
+                + ", ".join(f"{s:.2f}" for s in seconds)
+                + " s; phases of the last: "
+                + ", ".join(f"{k[:-2]} {runs[side][-1][k]:.2f}" for k in PHASES if runs[side][-1].get(k) is not None)
+            )
         if args.before:
             entry["before_over_after"] = entry["before"]["median_s"] / entry["after"]["median_s"]
         report["results"][image.name] = entry

@@ -38,7 +38,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("training", ("tuner",), False),
     (
         "commands and servers",
-        ("generate", "batch", "cluster", "video", "convert", "finetune", "evaluate", "server"),
+        ("generate", "batch", "cluster", "video", "convert", "finetune", "evaluate", "bench", "server"),
         True,
     ),
 )
