@@ -237,7 +237,7 @@ def measure(runtime: Runtime) -> Choices:
     score_budget = runtime.budget.score_budget
     if attention_path(backend(), dtype, v.head_dim, PROBE_PATCHES)[0] is not TowerPath.CHUNKED:
         # chunks only where they win at a small image's patches and at the largest image's: the fused kernel's
-        # lead grows with the patches (on the H200, chunks won at 1,024 patches and lost 3x at 25,600)
+        # lead grows with the patches (benchmarks/README.md, "Cold start")
         wins = []
         for patches in (4 * PROBE_PATCHES, runtime.in_token_limit):
             side = int(patches**0.5)
