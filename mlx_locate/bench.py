@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops-per-buffer", type=cli.positive_int, nargs="+", metavar="N",
                    help=f"also run the steps under each {OPS_ENV} value, each in its own process")  # fmt: skip
     p.add_argument("--steps-only", action="store_true", help=argparse.SUPPRESS)  # the --ops-per-buffer children
+    p.add_argument("--macs-rows", nargs="+", type=Path, metavar="JSON", help=argparse.SUPPRESS)  # maintainers:
+    # print the benchmarks/README "Macs" table's rows of these files, measure nothing
     p.add_argument("--json", metavar="PATH", help="write the results here (default: mlx-locate-bench.json)")
     return p
 
@@ -183,6 +185,9 @@ def steps_report(model: LocateModel, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.macs_rows:
+        print("\n".join(macs_row(json.loads(f.read_text()), f.name) for f in args.macs_rows))
+        return 0
     out = Path(args.json or "mlx-locate-bench.json")
     model = cli.load_model(args)
     if args.steps_only:
@@ -244,6 +249,16 @@ def markdown(r: dict) -> str:
     for n, o in r["ops_per_buffer"].items():
         rows.append((f"{OPS_ENV}={n}", f"block {o['block_ms']:.2f} ms, AR {o['ar_ms']:.2f} ms"))
     return "\n".join(["| what | measured |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
+
+
+def macs_row(r: dict, name: str) -> str:
+    """A row of benchmarks/README.md's "Macs" table from one `--json` file."""
+    m, s, f = r["machine"], r["steps"], r["folder"]
+    cells = [m["chip"], f"{m['memory_gb']:.0f} GB", m["os"], m["mlx"], f"{s['bandwidth_gb_s']:.0f}",
+             f"{s['block_x_floor']:.1f}", f"{s['ar_x_floor']:.1f}", f"{r['cold_start']['seconds']:.2f}",
+             f"{f['1']['images_per_s']:.2f} / {f['16']['images_per_s']:.2f}", f"{r['photo_12mp']['vision_s']:.2f}",
+             r["choices"]["step_attention"], name]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
 
 
 if __name__ == "__main__":

@@ -41,3 +41,5 @@ def test_bench_quick_on_the_demo_writes_every_field(tmp_path):
     assert c["step_attention"] in ("sdpa", "padded", "unfused") and c["row_costs_ms"]
     assert set(r["ops_per_buffer"]) == {"20", "60"}
     assert all(o["block_ms"] > 0 and o["ar_ms"] > 0 for o in r["ops_per_buffer"].values())
+    rows = subprocess.run([*cmd[:3], "--macs-rows", str(out)], env=env, capture_output=True, text=True, timeout=120)
+    assert rows.returncode == 0 and rows.stdout.count("|") == 13 and rows.stdout.strip().endswith("bench.json |")
