@@ -98,9 +98,9 @@ def step_ms(model: LocateModel, context: int, iters: int) -> dict:
     return out
 
 
-def one_shot(model_arg: str, image: Path, max_tokens: int) -> dict:
+def one_shot(model_flags: list[str], image: Path, max_tokens: int) -> dict:
     """The one-shot command in a new process: seconds from its start to its exit, and its phases."""
-    cmd = [sys.executable, "-m", "mlx_locate.generate", "--model", model_arg, "--image", str(image)]
+    cmd = [sys.executable, "-m", "mlx_locate.generate", *model_flags, "--image", str(image)]
     cmd += ["--query", QUERY, "--json", "--max-tokens", str(max_tokens)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """`add_model`'s flags as given, for the commands this one runs in their own processes."""
+    flags = ["--model", args.model, *(["--dtype", args.dtype] if args.dtype else [])]
+    return flags + (["--no-tune"] if args.tune is False else [])
+
+
 def steps_report(model: LocateModel, quick: bool) -> dict:
     bandwidth = measure_bandwidth(0.25 if quick else 6.4)
     weights = sum(v.nbytes for _, v in tree_flatten(model.network.language_model.parameters()))
@@ -200,22 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         images = write_images(work, 8 if args.quick else 32)
-        report["cold_start"] = one_shot(args.model, images[0], max_tokens)
+        report["cold_start"] = one_shot(model_flags(args), images[0], max_tokens)
         report["folder"] = {str(r): folder(model, images, r, max_tokens) for r in (1, 16)}
         report["photo_12mp"] = photo(model, work / "photo_12mp.jpg")
         report["ops_per_buffer"] = {}
         for n in args.ops_per_buffer or []:
             child = work / f"ops_{n}.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "mlx_locate.bench",
-                "--model",
-                args.model,
-                "--steps-only",
-                "--json",
-                str(child),
-            ]
+            cmd = [sys.executable, "-m", "mlx_locate.bench", *model_flags(args), "--steps-only", "--json", str(child)]
             cmd += ["--quick"] if args.quick else []
             subprocess.run(cmd, check=True, env={**os.environ, OPS_ENV: str(n)})
             report["ops_per_buffer"][str(n)] = json.loads(child.read_text())
