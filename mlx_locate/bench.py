@@ -30,7 +30,7 @@ from PIL import Image
 
 from . import cli
 from .attention import backend
-from .compiled import StepRunner
+from .compiled import PREFILL_ROWS, StepRunner
 from .locate import LocateModel
 from .request import Request
 from .synthetic.scenes import make_scene
@@ -146,7 +146,7 @@ def choices(model: LocateModel) -> dict:
         "tower_chunked_attention": model.network.vision_model.chunked_attention,
         "row_costs_ms": {str(r): 1e3 * s for r, s in sorted(model.row_costs.items())},
         "compile_after": model.steps.compile_after,
-        "prefill_chunk": model.prefill_chunk,
+        "prefill_chunk": model.prefill_chunk or PREFILL_ROWS,
     }
 
 
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-only", action="store_true", help=argparse.SUPPRESS)  # the --ops-per-buffer children
     p.add_argument("--macs-rows", nargs="+", type=Path, metavar="JSON", help=argparse.SUPPRESS)  # maintainers:
     # print the benchmarks/README "Macs" table's rows of these files, measure nothing
-    p.add_argument("--json", metavar="PATH", help="write the results here (default: mlx-locate-bench.json)")
+    cli.add_json(p, "write the results here (default: mlx-locate-bench.json)", path=True)
     return p
 
 

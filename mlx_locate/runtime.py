@@ -111,7 +111,7 @@ class Runtime:
         self.patch_size = network.config.vision.patch_size
         self.steps = CompiledSteps(network)
         self.budget = Budget.measure(network, probes)  # `probes`: the budget's measurements, kept (`tune.py`)
-        self.prefill_chunk = PREFILL_ROWS  # one sequence's rows per prefill call at most (`tune.py` may lower it)
+        self.prefill_chunk: int | None = None  # one sequence's rows per prefill call at most (None: PREFILL_ROWS)
         self.load_s = 0.0  # seconds the weights took to load, until the first forward had them (`locate.load`)
         self._weights_ready = False
         self.row_costs: dict[int, float] = {}  # seconds of a block step by rows, where measured (`measure_rows`)
@@ -321,7 +321,7 @@ class Runtime:
         last: dict[int, mx.array] = {}
         work, calls = list(items), 0
         limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work)) if work else PREFILL_ROWS
-        chunk_rows = min(limit, self.prefill_chunk)
+        chunk_rows = min(limit, self.prefill_chunk or PREFILL_ROWS)
         while work:
             by_rows: dict[int, list] = {}
             for slot, x, c in work:

@@ -262,7 +262,7 @@ def measure(runtime: Runtime) -> Choices:
             cache = runtime.new_cache(1)
             chunk_times[chunk] = best_of(lambda c=cache: list(runtime.prefill(c, [(0, x, 0)]).values()), repeats=1)
         prefill_chunk = min(chunk_times, key=chunk_times.get)
-        runtime.prefill_chunk = PREFILL_ROWS
+        runtime.prefill_chunk = None
         measurements += 1
     runtime.idle()
     measurements += 1  # the budget's probes, measured when the runtime was built

@@ -16,7 +16,7 @@ from test_engine import MODES, check_golden, golden_request
 
 import mlx_locate
 from mlx_locate import tune
-from mlx_locate.compiled import Phase
+from mlx_locate.compiled import PREFILL_ROWS, Phase
 from mlx_locate.language import AttentionPath
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,9 +112,7 @@ def test_golden_and_batch_parity_on_every_path_the_tuner_can_choose(golden_model
         model.clear_caches()
         tune.apply(
             model,
-            tune.Choices(
-                tune.probes_of(model), path.value, {1: 1.0}, tower_chunked, model.prefill_chunk, compile_after
-            ),
+            tune.Choices(tune.probes_of(model), path.value, {1: 1.0}, tower_chunked, PREFILL_ROWS, compile_after),
         )
         pairs = [(n, m) for n in golden_cases() if n.startswith(checkpoint) for m in MODES]
         for rows in (1, len(pairs)):  # alone, then every case in one batch
