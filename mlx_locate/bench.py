@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = 48
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        images = write_images(work, 8 if args.quick else 32)
+        images = write_images(work, 4 if args.quick else 32)
         report["cold_start"] = one_shot(model_flags(args), images[0], max_tokens)
         report["folder"] = {str(r): folder(model, images, r, max_tokens) for r in (1, 16)}
         report["photo_12mp"] = photo(model, work / "photo_12mp.jpg")
