@@ -191,6 +191,14 @@ def steps_report(model: LocateModel, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (OSError, ValueError, RuntimeError) as e:  # a model that does not load, a file that cannot be written
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     if args.macs_rows:
         print("\n".join(macs_row(json.loads(f.read_text()), f.name) for f in args.macs_rows))
         return 0

@@ -17,6 +17,15 @@ def test_the_command_is_installed():
     assert 'mlx-locate-bench = "mlx_locate.bench:main"' in (ROOT / "pyproject.toml").read_text()
 
 
+def test_a_model_that_does_not_load_is_one_error_line(tmp_path, capsys):
+    from mlx_locate.bench import main
+
+    assert main(["--model", str(tmp_path / "missing"), "--quick", "--json", str(tmp_path / "out.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing" in err and err.count("\n") == 1
+    assert not (tmp_path / "out.json").exists()
+
+
 @pytest.mark.slow
 def test_bench_quick_on_the_demo_writes_every_field(tmp_path):
     out = tmp_path / "bench.json"
