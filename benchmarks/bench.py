@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mlx_locate  # noqa: E402
+from mlx_locate.bench import measure_bandwidth, timed_ms  # noqa: E402
 from mlx_locate.checkpoint import resolve  # noqa: E402
 from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
@@ -105,21 +106,6 @@ def weight_bytes(model: LocateModel, decoder_only: bool = True) -> int:
     return sum(v.nbytes for _, v in tree_flatten(tree))
 
 
-def measure_bandwidth(gigabytes: float = 6.4) -> float:
-    """Bytes/s of a read-only pass (a sum) over `gigabytes` of bf16: the floor of a step is its weight bytes over
-    this. A small copy (128 MB) understates it: the L2 cache and the write traffic distort it."""
-    x = mx.ones((int(gigabytes * 1e9) // 2 // 4096, 4096), dtype=mx.bfloat16)  # a dimension is an int32
-    mx.eval(x)
-    for _ in range(2):
-        mx.eval(mx.sum(x, stream=mx.gpu))
-    n = 10
-    t0 = time.perf_counter()
-    for _ in range(n):
-        mx.eval(mx.sum(x))
-    seconds = (time.perf_counter() - t0) / n
-    return x.nbytes / seconds
-
-
 def step_costs(model: LocateModel, context: int, iters: int) -> dict:
     """ms per AR step (1 row) and per block step (12 rows) at a given cached length, one eval per step."""
     runner = StepRunner(model.steps, model.new_cache())
@@ -138,15 +124,6 @@ def step_costs(model: LocateModel, context: int, iters: int) -> dict:
             runner.offset = base
         out[name] = 1e3 * (time.perf_counter() - t0) / iters
     return out
-
-
-def timed_ms(fn, iters: int) -> float:
-    for _ in range(3):  # warm-up (compile)
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return 1e3 * (time.perf_counter() - t0) / iters
 
 
 def batch_step_costs(model: LocateModel, context: int, batches: list[int], iters: int) -> dict:

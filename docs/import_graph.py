@@ -32,13 +32,13 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("memory", ("memory",), False),
     ("weights", ("checkpoint", "lora", "loader", "random_checkpoint", "cards"), False),
     ("decoding", ("compiled", "sampling", "decide", "row_decoder"), False),
-    ("requests", ("request", "runtime", "tiles", "engine"), False),
+    ("requests", ("request", "runtime", "tune", "tiles", "engine"), False),
     ("API", ("locate", "__init__"), False),
     ("shared by the commands", ("cli", "annotate", "evaluation"), False),
     ("training", ("tuner",), False),
     (
         "commands and servers",
-        ("generate", "batch", "cluster", "video", "convert", "finetune", "evaluate", "server"),
+        ("generate", "batch", "cluster", "video", "convert", "finetune", "evaluate", "bench", "server"),
         True,
     ),
 )

@@ -19,11 +19,11 @@ from enum import Enum
 import mlx.core as mx
 
 from .cpu import stream_spans
+from .language import FUSED_MIN_QUERIES
 
 # Head sizes of MLX's fused Metal kernel for long queries (`sdpa_full`): 72 since MLX 0.32.1, 64/80/128 before.
 METAL_HEAD_DIMS = (64, 72, 80, 96, 128)
 METAL_HEAD_DIMS_BEFORE_0_32_1 = (64, 80, 128)
-FUSED_MIN_QUERIES = 9  # Metal's full kernel runs above 8 query rows; below, its vector kernel takes other sizes
 CUDA_MAX_HEAD_DIM = 128  # cuDNN's fused attention: half-precision, head size a multiple of 8 up to 128
 SCORE_BUDGET = 256 << 20  # bytes of scores one fallback call may hold unless the caller says
 
@@ -75,11 +75,13 @@ def chunk_rows(batch: int, heads: int, keys: int, score_budget: int) -> int:
     return max(1, score_budget // (SCORE_BYTES * batch * heads * keys))
 
 
-def image_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, score_budget: int = SCORE_BUDGET) -> mx.array:
-    """Unmasked attention over (B, H, L, D) by `attention_path`; the same arithmetic per query row on every path
-    (to float rounding)."""
+def image_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, score_budget: int = SCORE_BUDGET, chunked: bool = False
+) -> mx.array:
+    """Unmasked attention over (B, H, L, D) by `attention_path` (`chunked`: CHUNKED whatever the path); the same
+    arithmetic per query row on every path (to float rounding)."""
     B, heads, L, D = q.shape
-    path, size = attention_path(backend(), q.dtype, D, L)
+    path, size = (Path.CHUNKED, D) if chunked else attention_path(backend(), q.dtype, D, L)
     if path is Path.FUSED:
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
     if path is Path.PADDED:

@@ -97,6 +97,13 @@ def add_model(p: argparse.ArgumentParser, adapter: bool = True) -> None:
     add_dtype(p)
     if adapter:
         p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter folder on top of --model (ours or PEFT's)")
+    p.add_argument(
+        "--no-tune",
+        dest="tune",
+        action="store_false",
+        default=None,
+        help="do not measure this device's choices or read their cache (as MLX_LOCATE_TUNE=0)",
+    )
 
 
 def add_dtype(p, default: str | None = None, what: str = "cast the weights (default: as stored; float32 on a CPU)"):
@@ -108,14 +115,16 @@ def add_overwrite(p, what: str) -> None:
     p.add_argument("--overwrite", "--force", dest="overwrite", action="store_true", help=f"replace {what}")
 
 
-def add_json(p, what: str = "print one JSON object instead of text") -> None:
-    p.add_argument("--json", action="store_true", help=what)
+def add_json(p, what: str = "print one JSON object instead of text", path: bool = False) -> None:
+    """--json: a switch, or with `path` the file a command writes its JSON to."""
+    p.add_argument("--json", **({"metavar": "PATH"} if path else {"action": "store_true"}), help=what)
 
 
 def load_model(args: argparse.Namespace):
     """The model `add_model`'s flags name (a `locate.LocateModel`), within --memory-limit where given."""
     apply_memory_limit(args)
-    return load(args.model, dtype=args.dtype, adapter_path=getattr(args, "adapter", None))
+    tune = {"tune": False} if getattr(args, "tune", None) is False else {}  # --no-tune; else MLX_LOCATE_TUNE decides
+    return load(args.model, dtype=args.dtype, adapter_path=getattr(args, "adapter", None), **tune)
 
 
 # --- questions ---

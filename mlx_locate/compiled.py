@@ -14,11 +14,13 @@ their own steps.
 from __future__ import annotations
 
 import threading
+import time
 from enum import Enum
 
 import mlx.core as mx
 
 from .cache import SlotCache, Where
+from .language import AttentionPath
 from .masks import BLOCK, step_mask, step_positions
 from .model import LocateAnything
 
@@ -55,40 +57,60 @@ def head_rows(phase: Phase) -> int:
 
 class CompiledSteps:
     """The step functions, one cache per thread: a traced function keeps the CPU streams it was traced with
-    (the head's, `language.PanelEmbedding`), and MLX streams belong to the thread that made them."""
+    (the head's, `language.PanelEmbedding`), and MLX streams belong to the thread that made them.
 
-    def __init__(self, model: LocateAnything, compile: bool = True):
+    A function runs eagerly for its first `compile_after` calls and is compiled at the next one: a short answer
+    (a one-shot command's few steps) never pays a compilation that would cost more than its steps save
+    (`tune.py` measures where that lies on the device). `compile_s` sums the calls that compiled a function,
+    each evaluated at once (the trace, the kernels' builds and that first run)."""
+
+    def __init__(self, model: LocateAnything, compile: bool = True, compile_after: int = 0):
         self.model = model
         self.compile = compile
+        self.compile_after = compile_after
+        self.attention = AttentionPath.SDPA  # AR and block steps' attention (`language.attend`); prefills: SDPA
         self.per_thread = threading.local()
         self.traces = 0
+        self.compile_s = 0.0
+        self._weights_ready = False
 
     @property
     def functions(self) -> dict:
-        """The calling thread's functions, by key."""
+        """The calling thread's functions by key: [function, compiled, calls]."""
         if not hasattr(self.per_thread, "functions"):
             self.per_thread.functions = {}
         return self.per_thread.functions
 
     def get(self, phase: Phase, R: int, Q: int, U: int, cache_rows: int, dense: bool):
+        """(function, whether this call compiles it) for the key, counting the call."""
         key = (phase, R, Q, U, cache_rows, dense)
         functions = self.functions
-        if key not in functions:
-            fn = self._make(phase, Q, U, dense)
-            functions[key] = mx.compile(fn) if self.compile else fn
-        return functions[key]
+        entry = functions.get(key)
+        compiles = self.compile and (entry is None or not entry[1]) and (entry[2] if entry else 0) >= self.compile_after
+        if compiles:
+            if not self._weights_ready:  # a weight still loading would be captured as its load (`locate.load`)
+                mx.eval(self.model.language_model.parameters())
+                self._weights_ready = True
+            entry = [mx.compile(self._make(phase, Q, U, dense, count=True)), True, entry[2] if entry else 0]
+            functions[key] = entry
+        elif entry is None:
+            entry = functions[key] = [self._make(phase, Q, U, dense, count=False), False, 0]
+        entry[2] += 1
+        return entry[0], compiles
 
-    def _make(self, phase: Phase, Q: int, U: int, dense: bool):
+    def _make(self, phase: Phase, Q: int, U: int, dense: bool, count: bool):
         lm = self.model.language_model
         H = head_rows(phase)
+        path = AttentionPath.SDPA if phase is Phase.PREFILL else self.attention
 
         def step(inputs: mx.array, rows: mx.array, c: mx.array, q: mx.array, block: mx.array, *kv: mx.array):
             """inputs: (R, Q, D) embeddings (prefill) or (R, Q) ids; rows, c, q, block: (R,)."""
-            self.traces += 1  # runs only while tracing when compiled
+            if count:
+                self.traces += 1  # runs only while tracing
             embeds = inputs if phase is Phase.PREFILL else lm.model.embed_tokens(inputs)
             positions = step_positions(c, q, Q, block)
             mask = step_mask(c, q, Q, U, block)
-            hidden, new_kv = lm(embeds, positions, mask, list(kv), Where(rows, c, dense))
+            hidden, new_kv = lm(embeds, positions, mask, list(kv), Where(rows, c, dense), path)
             picked = mx.maximum(q[:, None] - H + mx.arange(H, dtype=mx.int32)[None, :], 0)  # (R, H)
             logits = lm.logits(mx.take_along_axis(hidden, picked[..., None], axis=1))  # (R, H, V)
             return (logits, *new_kv)
@@ -110,10 +132,14 @@ class CompiledSteps:
         real row count and whether it takes a block. Writes their K|V; returns logits (R, H, V)."""
         R, Q = inputs.shape[:2]
         U = cache.reserve(max(c) + Q)
-        fn = self.get(phase, R, Q, U, cache.buffer_rows, dense)
+        fn, compiles = self.get(phase, R, Q, U, cache.buffer_rows, dense)
+        t0 = time.perf_counter()
         i32 = mx.int32
         block = mx.array(block if block is not None else [False] * R)
         logits, *cache.kv = fn(inputs, mx.array(rows, i32), mx.array(c, i32), mx.array(q, i32), block, *cache.kv)
+        if compiles:
+            mx.eval(logits, cache.kv)
+            self.compile_s += time.perf_counter() - t0
         return logits
 
 

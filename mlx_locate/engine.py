@@ -440,6 +440,7 @@ class Engine:
         redecode = r.redecode_labels if r.redecode_labels is not None else r.task == "ocr" and mode is Mode.HYBRID
         options = DecodeOptions(mode, budget, r.sampling, r.strict, r.guards, redecode_labels=redecode, seed=r.seed)
         timings = {"queue_s": t0 - handle.submitted, "preprocess_s": time.perf_counter() - t0}
+        timings["compile_s"] = model.compile_s  # at the start: the result counts what was compiled since
         return _Row(handle, image, ids, ids.index(model.token_ids.img_end) + 1, options, budget, timings)
 
     def _in_turn(self) -> Iterator[Handle]:
@@ -841,6 +842,8 @@ def build_result(model: Runtime, row: _Row) -> Result:
         "prefix_prefill_s": t["prefix_prefill_s"],
         "prefill_s": prefill_s,
         "decode_s": s.decode_s,
+        "load_s": model.load_s,  # the model's, once per process (`locate.load`)
+        "compile_s": model.compile_s - t["compile_s"],  # step functions compiled while this request ran
         "first_step_s": None if s.first_step_s is None else prefill_s + s.first_step_s,
         "first_box_s": None if s.first_box_s is None else prefill_s + s.first_box_s,
         "tokens": len(out.tokens),

@@ -16,13 +16,16 @@ import argparse
 import json
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import cli
+from .checkpoint import resolve
 from .draw import draw_objects
+from .locate import image_settings
 from .preprocess import FORMATS, load_image, photo_notes
 from .prompts import task_text
-from .request import DEFAULT_TASK, Result
+from .request import DEFAULT_TASK, Result, prepare_image
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,12 +155,17 @@ def run(args: argparse.Namespace) -> str:
         print(f"warning: {args.image}: {warning}", file=sys.stderr)
     if args.draw and Path(args.draw).exists() and not args.overwrite:
         raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
-    model = cli.load_model(args)
+    # The image is resized and cut into patches on a thread while the model loads.
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-image") as pool:
+        settings = image_settings(resolve(args.model))
+        frame = (args.orientation, args.max_image_tokens)
+        prepared = None if tiling else pool.submit(prepare_image, image, args.max_pixels, *settings, *frame)
+        model = cli.load_model(args)
     if tiling:
         results = model.locate(image, queries, **tiling, **options)
     else:
         rendering = options.pop("rendering")
-        session = model.session(image, rendering, args.max_pixels, args.orientation, args.max_image_tokens)
+        session = model.session(prepared.result(), rendering=rendering)
         results = [session.locate(query, **options) for query in queries]
     if args.draw:
         objects = [obj for result in results for obj in result.objects]

@@ -12,6 +12,7 @@ identity), which also leaves K and V side by side for the single cache write.
 from __future__ import annotations
 
 import copy
+from enum import Enum
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -21,6 +22,8 @@ from .cache import Where, write_rows
 from .config import TextConfig
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+FUSED_MIN_QUERIES = 9  # query rows from which Metal's full attention kernel runs (fewer: its vector kernel or none)
 
 
 def rope_tables(positions: mx.array, head_dim: int, theta: float, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
@@ -58,8 +61,42 @@ def additive_mask(mask: mx.array, dtype: mx.Dtype) -> mx.array:
     return mx.where(mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
 
 
-def attend(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array) -> mx.array:
-    """q (B, H, T, D), k/v (B, KV, K, D), mask (T, K) boolean or additive -> (B, H, T, D)."""
+class AttentionPath(Enum):
+    """How a decoder step's attention runs (`attend`); `tune.py` picks one by measurement on the device.
+
+    - SDPA: MLX's fused attention as called (the kernel MLX picks for the step's query rows).
+    - PADDED: 2-8 query rows padded with zero rows to FUSED_MIN_QUERIES, so that Metal's full kernel takes them
+      (its vector kernel takes at most 32 query rows x GQA factor); the padded rows are sliced off.
+    - UNFUSED: matmul -> float32 softmax -> matmul.
+    """
+
+    SDPA = "sdpa"
+    PADDED = "padded"
+    UNFUSED = "unfused"
+
+
+def attend(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array, path: AttentionPath = AttentionPath.SDPA
+) -> mx.array:
+    """q (B, H, T, D), k/v (B, KV, K, D), mask (T, K) or (B, 1, T, K), boolean or additive -> (B, H, T, D)."""
+    B, H, T, D = q.shape
+    if path is AttentionPath.UNFUSED:
+        KV = k.shape[1]
+        g = (q * scale).reshape(B, KV, H // KV, T, D)
+        scores = g @ k[:, :, None].swapaxes(-1, -2)  # (B, KV, G, T, K)
+        m = mask[:, :, None] if mask.ndim == 4 else mask
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        else:
+            scores = scores + m
+        weights = mx.softmax(scores, axis=-1, precise=True)
+        return (weights @ v[:, :, None]).reshape(B, H, T, D)
+    if path is AttentionPath.PADDED and 1 < T < FUSED_MIN_QUERIES:
+        n = FUSED_MIN_QUERIES - T
+        q = mx.pad(q, [(0, 0), (0, 0), (0, n), (0, 0)])
+        fill = True if mask.dtype == mx.bool_ else 0
+        mask = mx.pad(mask, [(0, 0)] * (mask.ndim - 2) + [(0, n), (0, 0)], constant_values=fill)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)[:, :, :T]
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -80,13 +117,14 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
 
 
 def fuse_projections(layers: list[DecoderLayer]) -> None:
-    """q|k|v and gate|up as one matrix each, layer by layer (memory grows by one layer's projections at
-    most). Parts that are not alike (say, quantized with different bits) stay separate."""
+    """q|k|v and gate|up as one matrix each, layer by layer (each layer's fused matrices are scheduled as its
+    parts load, so memory grows by about one layer's projections). Parts that are not alike (say, quantized with
+    different bits) stay separate."""
     for layer in layers:
         for module in (layer.self_attn, layer.mlp):
             for fused_name, names in FUSED.items():
                 if all(n in module for n in names) and (fused := fuse_linears([module[n] for n in names])):
-                    mx.eval(fused.parameters())
+                    mx.async_eval(fused.parameters())
                     for n in names:
                         del module[n]
                     module[fused_name] = fused
@@ -109,7 +147,7 @@ class Attention(nn.Module):
             return self.qkv_proj(x)
         return mx.concatenate([self.q_proj(x), self.k_proj(x), self.v_proj(x)], axis=-1)
 
-    def __call__(self, x, cos, sin, mask, kv=None, at: Where | None = None):
+    def __call__(self, x, cos, sin, mask, kv=None, at: Where | None = None, path=AttentionPath.SDPA):
         """cos/sin from `qkv_tables`; kv (rows, 2, KV, U, D) or None; returns the output and the K|V rows
         (the updated buffer, or this call's own (B, 2, KV, T, D))."""
         B, T, _ = x.shape
@@ -120,7 +158,7 @@ class Attention(nn.Module):
         view = kv_rows
         if kv is not None:
             kv_rows, view = write_rows(kv, kv_rows, at)
-        out = attend(q, view[:, 0], view[:, 1], self.scale, mask)
+        out = attend(q, view[:, 0], view[:, 1], self.scale, mask, path)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1)), kv_rows
 
 
@@ -147,8 +185,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def __call__(self, x, cos, sin, mask, kv=None, at=None):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, at)
+    def __call__(self, x, cos, sin, mask, kv=None, at=None, path=AttentionPath.SDPA):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv, at, path)
         h = x + h
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -178,6 +216,7 @@ class LanguageModel(nn.Module):
         mask: mx.array,  # (T, K) or (B, 1, T, K) bool, True = attend
         kv: list[mx.array] | None = None,  # per layer (rows, 2, KV, U, D)
         at: Where | None = None,  # the cache rows of the B sequences and their first slots
+        path: AttentionPath = AttentionPath.SDPA,  # how the attention runs (`attend`)
     ) -> tuple[mx.array, list[mx.array]]:
         """Returns the hidden states before the final norm (B, T, D) and the updated K|V buffers."""
         t = self.config
@@ -186,7 +225,7 @@ class LanguageModel(nn.Module):
         mask = additive_mask(mask, embeds.dtype)
         x, new_kv = embeds, []
         for i, layer in enumerate(self.model.layers):
-            x, layer_kv = layer(x, cos, sin, mask, None if kv is None else kv[i], at)
+            x, layer_kv = layer(x, cos, sin, mask, None if kv is None else kv[i], at, path)
             new_kv.append(layer_kv)
         return x, new_kv
 

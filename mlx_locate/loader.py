@@ -134,7 +134,11 @@ def assemble_model(
         weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     check_names_and_shapes(model, weights, where)
     model.load_weights(list(weights.items()), strict=True)
-    # Materialise once here: a lazy weight captured by several compiled steps would be loaded by each.
-    mx.eval(model.parameters())
+    # The tower's weights are read now; the decoder's are scheduled to read behind them, while the caller decodes
+    # the image and runs the tower (`locate.load`). A compiled step waits for them before it traces: a lazy weight
+    # captured by several compiled steps would be loaded by each (`compiled.CompiledSteps`).
+    params = model.parameters()
+    mx.eval(params["vision_model"], params["mlp1"])
+    mx.async_eval(params["language_model"])
     model.eval()
     return model

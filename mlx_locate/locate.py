@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from .preprocess import IN_TOKEN_LIMIT
 from .request import PreparedImage, Request, RequestError, Result
 from .runtime import Runtime
 from .tokenizer import Tokenizer
+from .tune import cached, model_key, tuned
+from .tune import enabled as tunes
 
 __all__ = ["LocateModel", "Result", "Session", "load"]
 
@@ -141,7 +144,21 @@ class Session:
         return result
 
 
-def load(path_or_hub_id: str | Path, dtype: str | None = None, adapter_path: str | Path | None = None) -> LocateModel:
+def image_settings(folder: Path) -> tuple[int, int]:
+    """(in_token_limit, patch_size) of a checkpoint folder: what preparing an image needs, before the model
+    loads (`runtime.Runtime.prepare`)."""
+    limit = IN_TOKEN_LIMIT
+    if (folder / "preprocessor_config.json").is_file():
+        limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
+    return limit, ModelConfig.from_dict(read_json(folder, "config.json")).vision.patch_size
+
+
+def load(
+    path_or_hub_id: str | Path,
+    dtype: str | None = None,
+    adapter_path: str | Path | None = None,
+    tune: bool | None = None,
+) -> LocateModel:
     """Load a checkpoint folder or hub id (original Hugging Face, mlx-vlm or converted layout).
 
     `dtype` ("bfloat16", "float16", "float32") casts the weights. By default they stay as stored, except on
@@ -149,18 +166,32 @@ def load(path_or_hub_id: str | Path, dtype: str | None = None, adapter_path: str
     kernels instead of BLAS, many times slower than float32's, so float32 is the fast path (CPU_DTYPE).
     `adapter_path`: a LoRA adapter folder (`mlx-locate-finetune`'s, or a PEFT one) applied on top
     (`lora.apply_adapter`: merged into a float base, kept beside a quantized one); the base's files are
-    only read.
+    only read. `tune`: measure this device's choices once and cache them (`tune.py`; default: unless
+    MLX_LOCATE_TUNE=0).
+
+    The tokenizer is built on a thread while the weights load; the tower's weights are read first and the
+    decoder's load behind them (`loader.assemble_model`), so a caller's image and vision tower run while they
+    do. `LocateModel.load_s` is the load's seconds, the wait of the first forward for the decoder included.
     """
+    t0 = time.perf_counter()
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = CPU_DTYPE
     folder = resolve(path_or_hub_id)
     raw = read_json(folder, "config.json")
     config = ModelConfig.from_dict(raw)
-    tokenizer = Tokenizer.from_folder(folder)
-    network = build_model(folder, config, tokenizer.token_ids(raw), dtype)
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-tokenizer") as pool:
+        tokenizer_job = pool.submit(lambda: Tokenizer.from_folder(folder).warm())
+        network = build_model(folder, config, None, dtype)
+        tokenizer = tokenizer_job.result()
+    network.token_ids = tokenizer.token_ids(raw)
     if adapter_path is not None:
         apply_adapter(network, read_adapter(adapter_path))
-    limit = IN_TOKEN_LIMIT
-    if (folder / "preprocessor_config.json").is_file():
-        limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
-    return LocateModel(network, tokenizer, in_token_limit=limit)
+    limit, _ = image_settings(folder)
+    choices = None
+    if tuning := tunes(tune):
+        choices = cached(model_key(network))
+    model = LocateModel(network, tokenizer, in_token_limit=limit, probes=choices.probes if choices else None)
+    if tuning:
+        tuned(model, choices)
+    model.load_s = time.perf_counter() - t0
+    return model

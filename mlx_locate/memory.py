@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .attention import SCORE_BUDGET, SCORE_BYTES, Path, attention_path, backend
 from .cache import kv_bucket
@@ -107,6 +108,15 @@ def prefill_bytes_per_key(network: LocateAnything) -> int:
     return t.num_attention_heads * SCORE_BYTES
 
 
+def measure_probes(network: LocateAnything) -> dict[str, int]:
+    """What the budget measures by running the network: a tower patch's and a prefill row's bytes."""
+    return {
+        "patch_bytes": tower_bytes_per_patch(network),
+        "prefill_row_bytes": prefill_bytes_per_row(network),
+        "prefill_key_bytes": prefill_bytes_per_key(network),
+    }
+
+
 def kv_bytes_per_slot(network: LocateAnything) -> int:
     t = network.config.text
     dtype = network.language_model.model.norm.weight.dtype
@@ -128,8 +138,11 @@ class Budget:
     prefill_cap: int | None  # rows per prefill call at most on this device (None: what the working memory holds)
 
     @classmethod
-    def measure(cls, network: LocateAnything) -> Budget:
-        limit, weights = device_limit(), mx.get_active_memory()
+    def measure(cls, network: LocateAnything, probes: dict[str, int] | None = None) -> Budget:
+        """The budget now; `probes` (`measure_probes`' result, kept by `tune.py`) skips running the probes."""
+        limit = device_limit()
+        params = sum(a.nbytes for _, a in tree_flatten(network.parameters()))
+        weights = max(mx.get_active_memory(), params)  # weights still loading count as loaded
         free = max(0, limit - weights - RESERVE)
         device = "gpu" if mx.default_device() == mx.gpu else "cpu"
         working = working_bytes(free, device)  # the tower runs, in pieces if need be
@@ -138,9 +151,7 @@ class Budget:
             weights=weights,
             working=working,
             kv=max(0, free - working),  # at least one row always runs (`Engine._fits`)
-            patch_bytes=tower_bytes_per_patch(network),
-            prefill_row_bytes=prefill_bytes_per_row(network),
-            prefill_key_bytes=prefill_bytes_per_key(network),
+            **(probes or measure_probes(network)),
             slot_bytes=kv_bytes_per_slot(network),
             prefill_cap=CPU_PREFILL_ROWS if device == "cpu" else None,
         )

@@ -97,7 +97,13 @@ class Runtime:
     Takes over `network` for inference: its decoder's projections are fused (`language.fuse_projections`) and,
     on the CPU backend, its wide ones and the head stored for the CPU's BLAS (`cpu.store_input_major`)."""
 
-    def __init__(self, network: LocateAnything, tokenizer: Tokenizer, in_token_limit: int = IN_TOKEN_LIMIT):
+    def __init__(
+        self,
+        network: LocateAnything,
+        tokenizer: Tokenizer,
+        in_token_limit: int = IN_TOKEN_LIMIT,
+        probes: dict[str, int] | None = None,
+    ):
         fuse_projections(network.language_model.model.layers)
         if mx.default_device() == mx.cpu:
             store_input_major(network.language_model.model)
@@ -107,7 +113,10 @@ class Runtime:
         self.in_token_limit = in_token_limit
         self.patch_size = network.config.vision.patch_size
         self.steps = CompiledSteps(network)
-        self.budget = Budget.measure(network)
+        self.budget = Budget.measure(network, probes)  # `probes`: the budget's measurements, kept (`tune.py`)
+        self.prefill_chunk: int | None = None  # one sequence's rows per prefill call at most (None: PREFILL_ROWS)
+        self.load_s = 0.0  # seconds the weights took to load, until the first forward had them (`locate.load`)
+        self._weights_ready = False
         self.row_costs: dict[int, float] = {}  # seconds of a block step by rows, where measured (`measure_rows`)
         self.tower_block_s: dict[tuple[int, int], float] = {}  # seconds of a tower block per image, by grid
         self.device_idle_s = 0.0  # time between a wait for the device and the next one (`sync`)
@@ -135,6 +144,11 @@ class Runtime:
     def compilations(self) -> int:
         """How many times a compiled step function was traced so far."""
         return self.steps.traces
+
+    @property
+    def compile_s(self) -> float:
+        """Seconds spent compiling step functions so far (`compiled.CompiledSteps`)."""
+        return self.steps.compile_s
 
     # --- host side: images, prompts, text ---
 
@@ -300,7 +314,13 @@ class Runtime:
         block: list[bool] | None = None,
         dense: bool = False,
     ) -> mx.array:
-        """One compiled forward (`compiled.CompiledSteps.run`): writes the entries' K|V, returns their logits."""
+        """One compiled forward (`compiled.CompiledSteps.run`): writes the entries' K|V, returns their logits. The
+        first one waits for the decoder's weights to finish loading, and counts that wait in `load_s`."""
+        if not self._weights_ready:
+            t0 = time.perf_counter()
+            mx.eval(self.network.language_model.parameters())
+            self.load_s += time.perf_counter() - t0
+            self._weights_ready = True
         return self.steps.run(phase, cache, inputs, rows, c, q, block, dense)
 
     def prefill(self, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:
@@ -311,7 +331,7 @@ class Runtime:
         last: dict[int, mx.array] = {}
         work, calls = list(items), 0
         limit = self.prefill_rows(max(c + x.shape[0] for _, x, c in work), cache) if work else PREFILL_ROWS
-        chunk_rows = min(limit, PREFILL_ROWS)
+        chunk_rows = min(limit, self.prefill_chunk or PREFILL_ROWS)
         while work:
             by_rows: dict[int, list] = {}
             for slot, x, c in work:

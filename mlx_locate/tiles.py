@@ -374,6 +374,8 @@ def merge_stats(children: list[Request], results: list[Result], kept: list[int],
             sources[name] = sources.get(name, 0) + n
     stats["sources"] = sources
     stats["compilations"] = max(r.stats.get("compilations") or 0 for r in results)
+    for key in ("load_s", "compile_s"):  # the views decode together: the same load, compilations shared
+        stats[key] = max(r.stats.get(key) or 0.0 for r in results)
     stats["max_tokens"] = results[0].stats.get("max_tokens")
     stats["max_tokens_clipped"] = any(r.stats.get("max_tokens_clipped") for r in results)
     stats["peak_memory_gb"] = max(r.stats.get("peak_memory_gb") or 0.0 for r in results)

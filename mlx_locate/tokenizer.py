@@ -99,6 +99,13 @@ class Tokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         return cls(tok, int(config.get("model_max_length", DEFAULT_MODEL_MAX_LENGTH)))
 
+    def warm(self) -> Tokenizer:
+        """Build now what the first prompt would build (the plain pipeline, the added tokens' pattern and
+        vocabulary); returns self."""
+        _ = self._plain, self.added_pattern, self.vocab
+        self._tok.encode("warm", add_special_tokens=False)
+        return self
+
     def encode(self, text: str, plain: bool = False) -> list[int]:
         """Ids of `text`; `plain`: no added token is matched (`<|im_end|>` is the BPE of its characters).
         `ValueError` for text that is not valid Unicode (a lone surrogate)."""

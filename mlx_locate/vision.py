@@ -127,10 +127,17 @@ class Block(nn.Module):
         self.mlp = MLP(dim, config.intermediate_size)
 
     def __call__(
-        self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None = None, score_budget: int = SCORE_BUDGET
+        self,
+        x: mx.array,
+        cos: mx.array,
+        sin: mx.array,
+        mask: mx.array | None = None,
+        score_budget: int = SCORE_BUDGET,
+        chunked: bool = False,
     ) -> mx.array:
         """x (B, L, C), cos/sin (B or 1, L, D/2); `mask` keeps each padded image's keys to its own patches
-        (training); without it attention holds at most `score_budget` bytes of scores where it falls back."""
+        (training); without it attention holds at most `score_budget` bytes of scores where it falls back
+        (`chunked`: always falls back, `attention.image_attention`)."""
         B, L, dim = x.shape
         head_dim = dim // self.num_heads
         qkv = self.wqkv(self.norm0(x)).reshape(B, L, 3, self.num_heads, head_dim)
@@ -140,7 +147,7 @@ class Block(nn.Module):
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, H, L, D)
         scale = head_dim**-0.5
         if mask is None:
-            attn = image_attention(q, k, v, scale, score_budget)
+            attn = image_attention(q, k, v, scale, score_budget, chunked)
         else:
             attn = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         x = x + self.wo(attn.transpose(0, 2, 1, 3).reshape(B, L, dim))
@@ -166,6 +173,7 @@ class VisionTower(nn.Module):
         self.config = config
         self.patch_embed = PatchEmbed(config)
         self.encoder = Encoder(config)
+        self.chunked_attention = False  # the fallback's chunks even where a fused kernel runs (`tune.py`)
 
     def __call__(self, patches: mx.array, grid: tuple[int, int]) -> mx.array:
         """patches (h*w, 3, p, p) of one image, or (B, h*w, 3, p, p) of B images of one grid (either also
@@ -185,7 +193,7 @@ class VisionTower(nn.Module):
         """Blocks `start`..`stop` - 1 over x (B, h*w, C)."""
         cos, sin = rope2d_tables(*grid, self.config.head_dim, self.config.rope_theta)
         for block in self.encoder.blocks[start:stop]:
-            x = block(x, cos[None], sin[None], score_budget=score_budget)
+            x = block(x, cos[None], sin[None], score_budget=score_budget, chunked=self.chunked_attention)
         return x
 
     def finish(self, x: mx.array) -> mx.array:

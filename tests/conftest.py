@@ -7,6 +7,7 @@ the slow one."""
 from __future__ import annotations
 
 import json
+import os
 from functools import cache
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from mlx_locate.tokens import TokenIds, token_ids_from_config
 DATA = Path(__file__).parent / "data"
 GOLDEN = DATA / "golden"
 TOKENIZER_DIR = GOLDEN / "tokenizer"
+# Tests run on the defaults, never on choices measured on this machine (tests/test_tune.py turns tuning on)
+os.environ["MLX_LOCATE_TUNE"] = "0"
 FAST_SHARE = 8  # the fast tier runs 1/FAST_SHARE of a property test's examples (its @example cases always run)
 SLOW_TIER = False  # set by pytest_configure: this run is `-m slow`
 

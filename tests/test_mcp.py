@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from conftest import approx_tree
-from PIL import Image
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from PIL import Image
 
 import mlx_locate
 

@@ -271,6 +271,7 @@ class Worker:
             model = self._load()
             engine = model.engine(self.max_rows)
             if self.warmup:
+                model.steps.compile_after = 0  # a server's steps are many: compiled in the warm-up, not eagerly run
                 t0 = time.perf_counter()
                 warm_up(engine)
                 self.stats.warmup_s = time.perf_counter() - t0

@@ -1,0 +1,122 @@
+"""Choices measured on the device once and cached (`mlx_locate/tune.py`): a second process measures nothing, a
+bad or stale cache file is ignored with a warning, and every path the tuner can choose keeps golden and batch
+parity."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import golden_cases
+from test_engine import MODES, check_golden, golden_request
+
+import mlx_locate
+from mlx_locate import tune
+from mlx_locate.compiled import PREFILL_ROWS, Phase
+from mlx_locate.language import AttentionPath
+
+ROOT = Path(__file__).resolve().parents[1]
+COUNT = "import mlx_locate, mlx_locate.tune as t; mlx_locate.load('demo'); print(t.measurements)"
+
+
+def measurements_in_a_new_process(cache: Path, *extra: str) -> int:
+    env = {**os.environ, "MLX_LOCATE_TUNE": "1", tune.CACHE_ENV: str(cache), "PYTHONPATH": str(ROOT)}
+    for flag in extra:
+        env.pop(flag, None)
+    out = subprocess.run([sys.executable, "-c", COUNT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+def test_a_second_process_reads_the_cache_and_measures_nothing(tmp_path):
+    assert measurements_in_a_new_process(tmp_path) >= 4  # probes, step attention, rows, compile_after (CPU)
+    (file,) = tmp_path.glob("tune-*.json")
+    choices = tune.Choices.from_dict(json.loads(file.read_text())["choices"])
+    assert choices.row_costs and choices.step_attention in {p.value for p in AttentionPath}
+    assert measurements_in_a_new_process(tmp_path) == 0
+    assert measurements_in_a_new_process(tmp_path / "another") > 0  # the folder is the variable's
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(tune.CACHE_ENV, str(tmp_path))
+    return tmp_path
+
+
+def test_no_tune_measures_nothing_and_writes_nothing(cache):
+    before = tune.measurements
+    model = mlx_locate.load("demo", tune=False)
+    assert tune.measurements == before and not list(cache.iterdir())
+    assert model.steps.compile_after == 0 and model.steps.attention is AttentionPath.SDPA
+
+
+def corrupt(file: Path) -> None:
+    file.write_text(file.read_text()[:40])
+
+
+def stale(file: Path) -> None:
+    data = json.loads(file.read_text())
+    data["device"]["mlx"] = "0.0.1"
+    file.write_text(json.dumps(data))
+
+
+def bad_value(file: Path) -> None:
+    data = json.loads(file.read_text())
+    data["choices"]["step_attention"] = "magic"
+    file.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("spoil, why", [(corrupt, "not a readable"), (stale, "measured on"), (bad_value, "magic")])
+def test_a_bad_or_stale_cache_file_is_ignored_with_a_warning_and_replaced(cache, spoil, why):
+    mlx_locate.load("demo", tune=True)
+    (file,) = cache.glob("tune-*.json")
+    good = json.loads(file.read_text())
+    spoil(file)
+    before = tune.measurements
+    with pytest.warns(UserWarning, match=f"ignoring {file}.*{why}"):
+        model = mlx_locate.load("demo", tune=True)
+    assert tune.measurements > before  # measured again, not trusted
+    assert json.loads(file.read_text())["device"] == good["device"]  # and replaced
+    assert model.locate(ROOT / "tests/data/golden/images/shapes_640x480.png", "square").objects is not None
+
+
+def test_a_step_function_runs_eagerly_until_compiling_pays(cache):
+    model = mlx_locate.load("demo", tune=False)
+    model.steps.compile_after = 2
+    run = tune.step_probe(model, Phase.BLOCK, 12)
+    for calls in (1, 2):
+        run()
+        assert model.compilations == 0 and model.compile_s == 0, calls
+    run()
+    assert model.compilations == 1 and model.compile_s > 0
+    run()
+    assert model.compilations == 1  # compiled once
+
+
+PATHS = [(p, after, chunked) for p in AttentionPath for after, chunked in ((0, False), (3, True))]
+
+
+@pytest.fixture(scope="module")
+def golden_models(golden_dir):
+    return {name: mlx_locate.load(golden_dir(name), dtype="float32") for name in ("tiny_random", "tiny_peaky")}
+
+
+@pytest.mark.parametrize("path, compile_after, tower_chunked", PATHS, ids=lambda v: str(getattr(v, "value", v)))
+def test_golden_and_batch_parity_on_every_path_the_tuner_can_choose(golden_models, path, compile_after, tower_chunked):
+    for checkpoint, model in golden_models.items():
+        model.steps.functions.clear()
+        model.clear_caches()
+        tune.apply(
+            model,
+            tune.Choices(tune.probes_of(model), path.value, {1: 1.0}, tower_chunked, PREFILL_ROWS, compile_after),
+        )
+        pairs = [(n, m) for n in golden_cases() if n.startswith(checkpoint) for m in MODES]
+        for rows in (1, len(pairs)):  # alone, then every case in one batch
+            engine = model.engine(rows)
+            handles = [engine.submit(golden_request(n, m)) for n, m in pairs]
+            engine.run()
+            check_golden(engine, pairs, handles)
