@@ -75,12 +75,14 @@ class LocateModel(Runtime):
         `RequestError` (a ValueError) when it cannot run.
         """
         queries = query if isinstance(query, list) else [query]
+        source = (image.rgb if isinstance(image, PreparedImage) else image, kwargs.get("max_pixels"))  # for draw()
         if isinstance(image, (str, Path)):
             image = self.prepare(image, kwargs.get("max_pixels"))  # loaded once for every query
         results = self.locate_many([Request(image, q, rendering=rendering, **kwargs) for q in queries])
         for r in results:
             if isinstance(r, RequestError):
                 raise r
+            r.source = source
         return results if isinstance(query, list) else results[0]
 
 
