@@ -343,7 +343,9 @@ def run(args: argparse.Namespace) -> int:
     failed = sum(not done[p] for p in part)
     where = f" by {len(workers)} Ray workers" if args.ray is not None and pending else ""
     print(
-        f"{len(part)} images ({len(pending)} run now{where}), {failed} with errors; results in {out}", file=sys.stderr
+        f"{len(part)} images ({len(pending)} run now{where}), {failed} with errors; results in {out}"
+        + (f", drawings in {args.draw}" if args.draw else ""),
+        file=sys.stderr,
     )
     return 0
 

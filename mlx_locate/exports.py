@@ -21,6 +21,8 @@ from pathlib import Path
 from urllib.parse import quote
 from xml.sax.saxutils import quoteattr
 
+from .parse import PIXEL_DECIMALS, json_pixels
+
 FLAGS = {  # export -> its flag; dir: a folder of files, else one file
     "coco": "--coco",
     "coco_results": "--coco-results",
@@ -74,7 +76,7 @@ def count_points(ds: Dataset) -> int:
 
 def xywh(box: list[float]) -> list[float]:
     x1, y1, x2, y2 = box
-    return [round(x1, 3), round(y1, 3), round(x2 - x1, 3), round(y2 - y1, 3)]
+    return list(json_pixels((x1, y1, x2 - x1, y2 - y1)))
 
 
 # --- The formats: Dataset -> file contents ------------------------------------------------------------------
@@ -104,7 +106,7 @@ def coco_dataset(ds: Dataset) -> dict:
     annotations = []
     for result in coco_results(ds):
         _, _, w, h = result["bbox"]
-        annotations.append({"id": len(annotations) + 1, **result, "area": round(w * h, 3), "iscrowd": 0})
+        annotations.append({"id": len(annotations) + 1, **result, "area": round(w * h, PIXEL_DECIMALS), "iscrowd": 0})
     categories = [{"id": i, "name": name, "supercategory": "object"} for i, name in enumerate(ds.categories, 1)]
     return {"images": images, "categories": categories, "annotations": annotations}
 

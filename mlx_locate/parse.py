@@ -14,6 +14,13 @@ from dataclasses import asdict, dataclass, fields
 
 from .tokens import TokenIds
 
+PIXEL_DECIMALS = 3  # pixel coordinates in JSON: finer than any image needs, without float noise
+
+
+def json_pixels(values: Sequence[float]) -> tuple[float, ...]:
+    """Pixel coordinates as every JSON output writes them: to PIXEL_DECIMALS."""
+    return tuple(round(v, PIXEL_DECIMALS) for v in values)
+
 
 @dataclass(frozen=True)
 class LocatedObject:
@@ -31,8 +38,13 @@ class LocatedObject:
             object.__setattr__(self, "box", (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)))
 
     def to_dict(self) -> dict:
-        """JSON fields: the label, and the box or the point (pixels and 0..1000) with its confidence."""
-        return {k: v for k, v in asdict(self).items() if v is not None or k == "label"}
+        """JSON fields: the label, and the box or the point (pixels to PIXEL_DECIMALS, and 0..1000) with its
+        confidence."""
+        out = {k: v for k, v in asdict(self).items() if v is not None or k == "label"}
+        for key in ("box", "point"):
+            if key in out:
+                out[key] = json_pixels(out[key])
+        return out
 
 
 @dataclass(frozen=True)

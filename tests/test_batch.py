@@ -442,7 +442,8 @@ def test_draw_writes_one_png_per_image_and_never_overwrites(run, folder, finishe
     # A missing drawing of a finished image is redrawn from its JSONL line, without the model.
     before = (drawings / "a.png").read_bytes()
     (drawings / "a.png").unlink()
-    assert run("--images", str(folder), "--out", str(out), "--draw", str(drawings))[0] == 0
+    code, err = run("--images", str(folder), "--out", str(out), "--draw", str(drawings))
+    assert code == 0 and f"drawings in {drawings}\n" in err
     assert (drawings / "a.png").read_bytes() == before and run.loads == []
 
     # An image still to do whose drawing exists: refused before any work unless --overwrite.
