@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     done = scan_output(out, settings.questions)
     pending = [p for p in part if p not in done]
     targets = export_targets(args)
-    exports.check_targets(targets, owned_exports([out]), args.overwrite)
+    exports.check_targets(targets, owned_exports([out]), args.overwrite, [out])
     if args.draw:
         names: dict[Path, str] = {}
         for p in part:
@@ -397,7 +397,7 @@ def merge(out: Path, parts: list[Path], targets: dict[str, Path], overwrite: boo
     for part in parts:
         if not part.is_file():
             raise FileNotFoundError(f"no such JSONL file: {part}")
-    exports.check_targets(targets, owned_exports([out, *parts]), overwrite)
+    exports.check_targets(targets, owned_exports([out, *parts]), overwrite, [out, *parts])
     questions = None
     for part in parts:
         scan_output(part, None, repair=False)

@@ -268,11 +268,18 @@ def writable(path: Path, folder: Path) -> None:
         raise PermissionError(f"cannot write {path}: {folder} is not writable")
 
 
-def check_targets(targets: dict[str, Path], owned: set[str], overwrite: bool) -> None:
-    """Before any work: every export path can be written, is a folder where a folder is wanted (or a file
-    where a file is), and holds nothing but what `owned` (the manifest) lists, unless `overwrite`."""
+def check_targets(targets: dict[str, Path], owned: set[str], overwrite: bool, jsonls: Iterable[Path]) -> None:
+    """Before any work: every export path is its own, none of `jsonls` (nor a manifest), can be written, is a
+    folder where a folder is wanted (or a file where a file is), and holds nothing but what `owned` (the
+    manifests) lists, unless `overwrite`."""
+    reserved = {key(p) for path in jsonls for p in (path, manifest_path(path))}
+    seen: dict[str, str] = {}
     for kind, target in targets.items():
         flag = FLAGS[kind]
+        if key(target) in reserved:
+            raise ValueError(f"{flag} {target} is a results JSONL (or its manifest); choose another path")
+        if (other := seen.setdefault(key(target), flag)) != flag:
+            raise ValueError(f"{other} and {flag} both name {target}; give each its own path")
         if kind in FOLDERS:
             if target.exists() and not target.is_dir():
                 raise NotADirectoryError(f"{flag} {target} is a file; it needs a folder")

@@ -178,7 +178,7 @@ def test_label_studio_keeps_points_and_the_others_say_they_left_them_out(tmp_pat
     assert [a["category_id"] for a in exports.coco_dataset(ds)["annotations"]] == [2]
 
 
-def test_a_rerun_regenerates_its_exports_and_protects_other_files(run, folder, exported, tmp_path):
+def test_a_rerun_regenerates_its_exports_and_protects_other_files(run, folder, exported, tmp_path, monkeypatch):
     out = tmp_path / "results.jsonl"
     lines = (exported / "results.jsonl").read_text().splitlines(keepends=True)
     out.write_text("".join(lines[:-1]))  # as if interrupted before the last image
@@ -202,12 +202,31 @@ def test_a_rerun_regenerates_its_exports_and_protects_other_files(run, folder, e
         (["--voc", str(tmp_path / "mine.json")], "is a file; it needs a folder"),
         (["--labelstudio", str(tmp_path / "yolo")], "is a folder; it needs a file name"),
         (["--coco", str(tmp_path / "mine.json" / "c.json")], "is a file, not a folder"),
+        (["--coco", str(other), "--overwrite"], "is a results JSONL"),
+        (["--coco", str(tmp_path / "c.json"), "--coco-results", str(tmp_path / "c.json")], "both name"),
     ]
     for extra, message in cases:
         code, err = run("--images", str(folder), "--out", str(other), *extra, questions=RUN)
         assert code == 2 and message in err, (extra, err)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only folder (root may write anywhere)
+    code, err = run("--images", str(folder), "--out", str(other), "--voc", str(tmp_path / "new"), questions=RUN)
+    assert code == 2 and f"cannot write {tmp_path / 'new'}: {tmp_path} is not writable" in err
     assert run.loads == ["demo"] and not other.exists() and (tmp_path / "mine.json").read_text() == "mine"
     assert (tmp_path / "yolo" / "notes.txt").read_text() == "mine"
+
+
+def test_points_go_to_label_studio_and_the_others_say_they_left_them_out(run, folder, tmp_path):
+    args = ["--images", str(folder / "a.png"), "--out", str(tmp_path / "p.jsonl"), *export_args(tmp_path)]
+    code, err = run(*args, questions=["--task", "point", "--query", "circle", "--mode", "fast"])
+    assert code == 0, err
+    points = [o["point"] for o in test_batch.lines_of(tmp_path / "p.jsonl")[0]["results"][0]["objects"]]
+    assert points and f"note: {len(points)} points left out of --coco, --yolo, --voc (no points in the format)" in err
+    (task,) = json.loads((tmp_path / "tasks.json").read_text())
+    width, height = test_batch.lines_of(tmp_path / "p.jsonl")[0]["size"]
+    got = [(r["value"]["x"] * width / 100, r["value"]["y"] * height / 100) for r in task["predictions"][0]["result"]]
+    assert [r["value"]["keypointlabels"] for r in task["predictions"][0]["result"]] == [["circle"]] * len(points)
+    np.testing.assert_allclose(got, points, atol=0.01)
+    assert json.loads((tmp_path / "coco.json").read_text())["annotations"] == []
 
 
 def test_a_full_disk_mid_export_keeps_the_jsonl_and_the_rerun_finishes(run, folder, exported, tmp_path, monkeypatch):
