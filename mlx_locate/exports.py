@@ -23,14 +23,14 @@ from xml.sax.saxutils import quoteattr
 
 from .parse import PIXEL_DECIMALS, json_pixels
 
-FLAGS = {  # export -> its flag; dir: a folder of files, else one file
+FLAGS = {  # export -> its flag
     "coco": "--coco",
     "coco_results": "--coco-results",
     "yolo": "--yolo",
     "voc": "--voc",
     "labelstudio": "--labelstudio",
 }
-FOLDERS = ("yolo", "voc")
+FOLDERS = ("yolo", "voc")  # exports that are a folder of files; the others are one file
 POINTLESS = ("coco", "coco_results", "yolo", "voc")  # formats without points: theirs are left out
 LABEL_STUDIO_IMAGES = "/data/local-files/?d="  # Label Studio's URL of a file under its local-files root
 

@@ -330,7 +330,7 @@ def test_model_failure_stops_and_keeps_what_was_written(run, folder, finished, t
 
 def test_output_failure_stops_and_keeps_what_was_written(run, folder, tmp_path, monkeypatch):
     out = tmp_path / "results.jsonl"
-    real_fsync, calls = batch.os.fsync, []
+    real_fsync, calls = annotate.os.fsync, []
 
     def disk_full(fd):
         calls.append(fd)
@@ -338,7 +338,7 @@ def test_output_failure_stops_and_keeps_what_was_written(run, folder, tmp_path, 
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
-    monkeypatch.setattr(batch.os, "fsync", disk_full)
+    monkeypatch.setattr(annotate.os, "fsync", disk_full)
     code, err = run("--images", str(folder), "--out", str(out))
     monkeypatch.undo()
     assert code == 2 and f"error: cannot write {out}: [Errno 28] No space left on device" in err
