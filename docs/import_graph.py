@@ -34,7 +34,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("decoding", ("compiled", "sampling", "decide", "row_decoder"), False),
     ("requests", ("request", "runtime", "tune", "tiles", "engine"), False),
     ("API", ("locate", "__init__"), False),
-    ("shared by the commands", ("cli", "annotate", "evaluation"), False),
+    ("shared by the commands", ("cli", "annotate", "exports", "evaluation"), False),
     ("training", ("tuner",), False),
     (
         "commands and servers",

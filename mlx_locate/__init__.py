@@ -3,7 +3,7 @@
 from .decide import Guards, Mode
 from .engine import Engine, EngineEvent, EventKind, Handle
 from .locate import LocateModel, load
-from .parse import LocatedObject
+from .parse import LocatedObject, parse_text
 from .request import Request, RequestError, Result
 from .sampling import Sampling
 
@@ -21,4 +21,5 @@ __all__ = [
     "Result",
     "Sampling",
     "load",
+    "parse_text",
 ]

@@ -13,17 +13,20 @@
   only a failure of the model or of the output stops it (exit 2; every line written stays). Rerunning with
   the same `--out` resumes by image path: images already in the file are skipped; a last line cut short by
   an interruption is dropped and its image done again. Delete an error line to retry that image.
-- `--coco out.json`: COCO detection results, `[{"image_id", "category_id", "bbox": [x, y, w, h], "score"}]`,
-  in pixels; points are not boxes and are left out. `category_id` is the 1-based position of the question;
-  `image_id` the 1-based position of the image in the sorted list of all images. The tables go next to it
-  as `out.images.json`: `{"images": [{"id", "file_name", "width", "height"}], "categories": [{"id", "name"}]}`.
+- Exports (`exports.py`), written once the run is done from the whole JSONL, so a resumed run and `--merge`
+  write them complete: `--coco F` a COCO dataset (images, categories in the order asked, annotations with
+  scores), `--coco-results F` COCO detection results in the same ids, `--yolo DIR` a YOLO dataset, `--voc
+  DIR` Pascal VOC XML, `--labelstudio F` Label Studio tasks with predictions (its labelling config printed).
+  `image_id` is the 1-based position of the image in the sorted list of all images, `category_id` that of
+  the question. Formats without points leave them out and say so.
 - `--draw DIR`: `DIR/<image file name>` (same name and format; `.png` added to a name without an image
   suffix) with every question's objects drawn. Images already in the JSONL
   whose drawing is missing are drawn from their JSONL line, without the model.
 
 Many machines: `--shard I/N` runs the I-th of N disjoint parts (a stable hash of each path), `--merge OUT
 PART...` joins the parts' JSONL files, and `--ray [ADDRESS]` spreads the images over a Ray cluster
-(`cluster.py`). `--overwrite` lets `--coco` and `--draw` replace existing files; a JSONL is never overwritten.
+(`cluster.py`). Exports a run wrote are listed in `OUT.exports.json` and rewritten by its reruns; `--overwrite`
+lets exports and `--draw` replace other existing files; a JSONL is never overwritten.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ import argparse
 import dataclasses
 import glob
 import hashlib
-import json
-import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -41,7 +42,7 @@ from pathlib import Path
 from PIL import Image
 from tqdm import tqdm
 
-from . import cli, jsonl
+from . import cli, exports, jsonl
 from .annotate import (
     LEAN_DROPPED,
     Annotated,
@@ -87,9 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_tiling(p)
     p.add_argument("--out", help="JSONL results, one line per image; an existing file is resumed")
     p.add_argument("--full", action="store_true", help=f"keep {' and '.join(LEAN_DROPPED)} in the JSONL")
-    p.add_argument("--coco", metavar="PATH", help="also write COCO detection results (and PATH's .images.json)")
+    p.add_argument("--coco", metavar="PATH", help="also write a COCO dataset (instances JSON with scores)")
+    p.add_argument("--coco-results", metavar="PATH", help="also write COCO detection results, in --coco's ids")
+    p.add_argument("--yolo", metavar="DIR", help="also write a YOLO dataset: DIR/images, DIR/labels, DIR/data.yaml")
+    p.add_argument("--voc", metavar="DIR", help="also write one Pascal VOC XML per image into DIR")
+    p.add_argument("--labelstudio", metavar="PATH", help="also write Label Studio tasks with predictions")
     p.add_argument("--draw", metavar="DIR", help="save each image with its objects drawn as DIR/<name>.png")
-    cli.add_overwrite(p, "existing --coco files and --draw drawings")
+    cli.add_overwrite(p, "existing export files this run did not write and --draw drawings")
 
     m = p.add_argument_group("many machines")
     m.add_argument("--shard", type=shard_spec, metavar="I/N", help="run only part I of N (1-based; a hash of the path)")
@@ -97,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--merge",
         nargs="+",
         metavar="PATH",
-        help="OUT PART [PART ...]: join the JSONL files of shards into OUT without duplicates (with --coco: "
-        "write the COCO files of the joined lines)",
+        help="OUT PART [PART ...]: join the JSONL files of shards into OUT without duplicates (with exports: "
+        "write them from the joined lines)",
     )
     m.add_argument(
         "--ray",
@@ -152,8 +157,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     cli.check_questions(parser, args)
     cli.check_decoding(parser, args)
     cli.check_tiling_flags(parser, args)
-    if args.overwrite and not (args.coco or args.draw):
-        parser.error("--overwrite only applies to --coco and --draw")
+    if args.overwrite and not (export_targets(args) or args.draw):
+        parser.error("--overwrite only applies to exports and --draw")
     if args.ray is None and args.actors is not None:
         parser.error("--actors only applies to --ray")
 
@@ -242,50 +247,38 @@ def draw_line(
         raise OutputError(f"cannot write {drawing_path(folder, line['image'])}: {e}") from e
 
 
-def coco_tables_path(coco: str | Path) -> Path:
-    coco = Path(coco)
-    return coco.with_name(f"{coco.stem}.images.json")
+def export_targets(args: argparse.Namespace) -> dict[str, Path]:
+    """The exports asked for: kind -> path."""
+    return {kind: Path(getattr(args, kind)) for kind in exports.FLAGS if getattr(args, kind)}
 
 
-def coco_detections(line: dict, image_id: int) -> Iterator[dict]:
-    """COCO results of one answered line: boxes as [x, y, w, h] in pixels, points left out."""
-    for category_id, result in enumerate(line["results"], start=1):
-        for obj in result["objects"]:
-            if "box" not in obj:
-                continue
-            x1, y1, x2, y2 = obj["box"]
-            bbox = [round(v, 2) for v in (x1, y1, x2 - x1, y2 - y1)]
-            yield {"image_id": image_id, "category_id": category_id, "bbox": bbox, "score": obj["confidence"]}
+def owned_exports(jsonls: Iterable[Path]) -> set[str]:
+    """The export files that earlier runs writing these JSONL files recorded."""
+    return set().union(*(exports.read_manifest(exports.manifest_path(p)) for p in jsonls))
 
 
-def write_coco(coco: Path, lines: Iterable[dict], ids: dict[str, int], categories: list[str]) -> None:
-    """Stream the COCO results and tables of `lines` (images outside `ids` skipped); each file is written
-    under a temporary name and renamed, so an existing one is replaced whole or not at all."""
-    tables = coco_tables_path(coco)
-    staged = [coco.with_name(coco.name + ".partial"), tables.with_name(tables.name + ".partial")]
+def write_exports(targets: dict[str, Path], out: Path, ids: dict[str, int], categories: list[str]) -> None:
+    """Write every export from the whole JSONL `out` and record them beside it; a failure leaves `out` intact."""
+    if not targets:
+        return
+    ds = exports.dataset(output_lines(out), ids, categories, exports.images_root(ids))
+    written: list[str] = []
     try:
-        with staged[0].open("w") as results, staged[1].open("w") as images:
-            results.write("[")
-            images.write('{"images": [')
-            first_detection = first_image = True
-            for line in lines:
-                image_id = ids.get(line["image"])
-                if image_id is None or "results" not in line:
-                    continue
-                width, height = line["size"]
-                entry = {"id": image_id, "file_name": line["image"], "width": width, "height": height}
-                images.write(("" if first_image else ",\n") + json.dumps(entry))
-                first_image = False
-                for detection in coco_detections(line, image_id):
-                    results.write(("" if first_detection else ", ") + json.dumps(detection))
-                    first_detection = False
-            results.write("]")
-            table = [{"id": i, "name": name} for i, name in enumerate(categories, start=1)]
-            images.write(f'],\n"categories": {json.dumps(table)}}}\n')
-        os.replace(staged[0], coco)
-        os.replace(staged[1], tables)
+        for kind, target in targets.items():
+            written += exports.write_export(kind, ds, target)
     except OSError as e:
-        raise OutputError(f"cannot write {coco}: {e}") from e
+        raise OutputError(
+            f"cannot write {target}: {e}; {out} is intact, run the same command again to write the exports"
+        ) from e
+    finally:
+        exports.record(exports.manifest_path(out), written)
+    points = exports.count_points(ds)
+    pointless = [exports.FLAGS[k] for k in targets if k in exports.POINTLESS]
+    if points and pointless:
+        print(f"note: {points} points left out of {', '.join(pointless)} (no points in the format)", file=sys.stderr)
+    if "labelstudio" in targets:
+        print("Label Studio labelling config (Settings > Labeling Interface > Code):", file=sys.stderr)
+        print(exports.labelstudio_config(categories))
 
 
 def check_new(paths: Iterable[Path], overwrite: bool, what: str) -> None:
@@ -300,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     check_args(parser, args)
     try:
         if args.merge is not None:
-            return merge(Path(args.merge[0]), [Path(p) for p in args.merge[1:]], args.coco, args.overwrite)
+            return merge(Path(args.merge[0]), [Path(p) for p in args.merge[1:]], export_targets(args), args.overwrite)
         return run(args)
     except (OSError, ValueError, ImportError, OutputError) as e:  # OSError: a path that cannot be read or made
         print(f"error: {e}", file=sys.stderr)
@@ -315,8 +308,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     done = scan_output(out, settings.questions)
     pending = [p for p in part if p not in done]
-    if args.coco:
-        check_new([Path(args.coco), coco_tables_path(args.coco)], args.overwrite, "it")
+    targets = export_targets(args)
+    exports.check_targets(targets, owned_exports([out]), args.overwrite, [out])
     if args.draw:
         names: dict[Path, str] = {}
         for p in part:
@@ -353,13 +346,14 @@ def run(args: argparse.Namespace) -> int:
             return code
         write_sorted(out, [out])  # done: the lines in the images' order, whatever order they finished in
 
-    if args.coco:
-        ids = {path: i for i, path in enumerate(images, start=1)}
-        write_coco(Path(args.coco), output_lines(out), ids, [q.name() for q in settings.questions])
+    ids = {path: i for i, path in enumerate(images, start=1)}
+    write_exports(targets, out, ids, [q.name() for q in settings.questions])
     failed = sum(not done[p] for p in part)
     where = f" by {len(workers)} Ray workers" if args.ray is not None and pending else ""
     print(
-        f"{len(part)} images ({len(pending)} run now{where}), {failed} with errors; results in {out}", file=sys.stderr
+        f"{len(part)} images ({len(pending)} run now{where}), {failed} with errors; results in {out}"
+        + (f", drawings in {args.draw}" if args.draw else ""),
+        file=sys.stderr,
     )
     return 0
 
@@ -401,18 +395,17 @@ def write_lines(
         jsonl.close()
 
 
-def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> int:
+def merge(out: Path, parts: list[Path], targets: dict[str, Path], overwrite: bool) -> int:
     """Join the JSONL outputs `parts` into `out`, as one run over all their images writes it: one line per
-    image (an answered line wins over an error line, else the first), in the images' sorted order; with
-    `coco`, the COCO files of the joined lines (ids: positions in their sorted list of images, the same as a
-    single run over the whole folder)."""
+    image (an answered line wins over an error line, else the first), in the images' sorted order; then the
+    exports `targets` of the joined lines (ids: positions in their sorted list of images, the same as a single
+    run over the whole folder)."""
     if out.exists():
         raise FileExistsError(f"{out} already exists; --merge writes a new file")
     for part in parts:
         if not part.is_file():
             raise FileNotFoundError(f"no such JSONL file: {part}")
-    if coco:
-        check_new([Path(coco), coco_tables_path(coco)], overwrite, "it")
+    exports.check_targets(targets, owned_exports([out, *parts]), overwrite, [out, *parts])
     questions = None
     for part in parts:
         scan_output(part, None, repair=False)
@@ -424,10 +417,10 @@ def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> in
                     raise ValueError(f"{part} answers {question_keys(line)}, {first} answers {questions}")
                 break
     written, duplicates = write_sorted(out, parts)
-    if coco:
+    if targets:
         ids = {line["image"]: i for i, line in enumerate(output_lines(out), start=1)}
         names = [Question(q.get("task"), q.get("query"), q.get("prompt")).name() for q in questions or []]
-        write_coco(Path(coco), output_lines(out), ids, names)
+        write_exports(targets, out, ids, names)
     print(f"{written} images from {len(parts)} files into {out} ({duplicates} duplicates dropped)", file=sys.stderr)
     return 0
 

@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> str:
     if args.draw:
         objects = [obj for result in results for obj in result.objects]
         draw_objects(image, objects, args.draw, overwrite=args.overwrite)
+        print(f"drawn: {args.draw}", file=sys.stderr)
     return format_json(queries, results) if args.json else format_many(queries, results)
 
 

@@ -85,6 +85,7 @@ class LocateModel(Runtime):
         Raises the request's `RequestError` (a ValueError) when it cannot run.
         """
         queries = query if isinstance(query, list) else [query]
+        source = (image.rgb if isinstance(image, PreparedImage) else image, kwargs.get("max_pixels"))  # for draw()
         if isinstance(image, (str, Path)):
             image = self.prepare(  # loaded once for every query
                 image, kwargs.get("max_pixels"), kwargs.get("orientation", "exif"), kwargs.get("max_image_tokens")
@@ -93,6 +94,7 @@ class LocateModel(Runtime):
         for r in results:
             if isinstance(r, RequestError):
                 raise r
+            r.source = source
         return results if isinstance(query, list) else results[0]
 
 

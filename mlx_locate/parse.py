@@ -8,10 +8,18 @@ untrusted, and anything outside the grammar is skipped or counted.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from .tokens import TokenIds
+
+PIXEL_DECIMALS = 3  # pixel coordinates in JSON: finer than any image needs, without float noise
+
+
+def json_pixels(values: Sequence[float]) -> tuple[float, ...]:
+    """Pixel coordinates as every JSON output writes them: to PIXEL_DECIMALS."""
+    return tuple(round(v, PIXEL_DECIMALS) for v in values)
 
 
 @dataclass(frozen=True)
@@ -30,8 +38,13 @@ class LocatedObject:
             object.__setattr__(self, "box", (min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)))
 
     def to_dict(self) -> dict:
-        """JSON fields: the label, and the box or the point (pixels and 0..1000) with its confidence."""
-        return {k: v for k, v in asdict(self).items() if v is not None or k == "label"}
+        """JSON fields: the label, and the box or the point (pixels to PIXEL_DECIMALS, and 0..1000) with its
+        confidence."""
+        out = {k: v for k, v in asdict(self).items() if v is not None or k == "label"}
+        for key in ("box", "point"):
+            if key in out:
+                out[key] = json_pixels(out[key])
+        return out
 
 
 @dataclass(frozen=True)
@@ -145,3 +158,56 @@ def parse_tokens(
             continue
         i += 1  # stray tokens outside an item (<null>, <switch>, text, lone coordinates or </box>)
     return result()
+
+
+# Answer text -> the id grammar above, for `parse_text`: the text's own special tokens, each text run one id.
+_TEXT_TOKENS = re.compile(r"<\|im_end\|>|</?ref>|</?box>|<null>|<switch>|<(\d{1,4})>|<\|[^<>|]*\|>")
+
+
+def _text_ids() -> TokenIds:
+    """Special ids for text: negative, so every text run (ids 0, 1, ...) is in [0, vocab_size)."""
+    names = [f.name for f in fields(TokenIds) if f.name not in ("coord_start", "coord_end", "vocab_size")]
+    specials = {name: -1 - i for i, name in enumerate(names)}
+    return TokenIds(**specials, coord_start=-2000, coord_end=-1000, vocab_size=2**62)
+
+
+def parse_text(text: str, image_size: tuple[int, int]) -> ParseResult:
+    """Parse a LocateAnything answer text (ours, NVIDIA's or mlx-vlm's: `<ref>label</ref><box><x1><y1><x2><y2>
+    </box>...`; plain integers inside a box are read as coordinates too) into objects in the pixels of
+    `image_size` = (W0, H0), by `parse_tokens`' rules. Text carries no probabilities: confidences are None."""
+    tk = _text_ids()
+    marks = {"<|im_end|>": tk.im_end, "<ref>": tk.ref_start, "</ref>": tk.ref_end, "<box>": tk.box_start}
+    marks.update({"</box>": tk.box_end, "<null>": tk.null, "<switch>": tk.switch})
+    runs: list[str] = []
+    ids: list[int] = []
+    in_box = False
+
+    def add_text(run: str) -> None:
+        if not in_box:
+            ids.append(len(runs))
+            runs.append(run)
+            return
+        for piece in re.split(r"[\s,()\[\]]+", run):
+            if piece in ("None", "none"):
+                ids.append(tk.none)
+            elif piece.isdigit() and int(piece) <= 1000:
+                ids.append(tk.coord_token(int(piece)))
+            elif piece:
+                ids.append(len(runs))
+                runs.append(piece)
+
+    end = 0
+    for match in _TEXT_TOKENS.finditer(text):
+        if match.start() > end:
+            add_text(text[end : match.start()])
+        end = match.end()
+        token = match.group()
+        if match.group(1) is not None and int(match.group(1)) <= 1000:
+            ids.append(tk.coord_token(int(match.group(1))))
+        elif token in marks:
+            ids.append(marks[token])
+            in_box = token == "<box>" or (in_box and token not in ("</box>", "<ref>", "<|im_end|>"))
+        # other special tokens (<|endoftext|>, an out-of-range coordinate) are skipped
+    if end < len(text):
+        add_text(text[end:])
+    return parse_tokens(ids, tk, lambda text_ids: "".join(runs[i] for i in text_ids), image_size)

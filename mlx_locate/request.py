@@ -6,14 +6,17 @@ The engine, tiling and the public API all build on these; this module imports no
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import io
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 from PIL import Image
 
 from .decide import Guards, Mode
+from .draw import draw_objects
 from .parse import LocatedObject
 from .preprocess import ORIENTATIONS, PhotoNotes, Preprocessed, load_image, photo_notes, preprocess, to_rgb
 from .sampling import Sampling
@@ -79,11 +82,54 @@ class Result:
     orientation: str = "exif"  # the frame of `image_size`, boxes and points: "exif" (as a viewer shows) or "stored"
     warnings: list[str] = field(default_factory=list)  # about the image (only its first frame used, ...)
     stats: dict = field(default_factory=dict)  # timings per phase (s), steps, host reads, stop reason
+    # (image or path, max_pixels) that `locate()` answered, for `draw`; not a field, so never copied or serialised
+    source = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["objects"] = [o.to_dict() for o in self.objects]
         return out
+
+    def to_supervision(self, classes: Sequence[str] = ()):
+        """The objects as `supervision.Detections`: `xyxy` (a point as a box of no size at it), `confidence`,
+        `class_id` (the label's position in `classes`, then labels in order of first appearance) and
+        `data["class_name"]`. Needs the extra: pip install "mlx-locate[supervision]"."""
+        try:
+            import supervision as sv
+        except ImportError:
+            raise ImportError(
+                'to_supervision needs the supervision extra: pip install "mlx-locate[supervision]"'
+            ) from None
+        names = [o.label or "" for o in self.objects]
+        order = list(dict.fromkeys([*classes, *names]))
+        boxes = [o.box if o.box is not None else (*o.point, *o.point) for o in self.objects]
+        confidences = [o.confidence for o in self.objects]
+        return sv.Detections(
+            xyxy=np.array(boxes, dtype=np.float32).reshape(-1, 4),
+            confidence=None if None in confidences else np.array(confidences, dtype=np.float32),
+            class_id=np.array([order.index(n) for n in names], dtype=int),
+            data={"class_name": np.array(names, dtype=str)},
+        )
+
+    def draw(self, image: str | Path | Image.Image | None = None) -> Image.Image:
+        """An RGB copy of `image` with the boxes, points, labels and confidences drawn (`draw.draw_objects`);
+        without `image`, the one `locate()` was given (read again from its path, so no copy is kept)."""
+        max_pixels = None
+        if image is None:
+            if self.source is None:
+                raise ValueError("this result does not hold its image (only locate()'s do); pass it: draw(image)")
+            image, max_pixels = self.source
+        if not isinstance(image, Image.Image):
+            image = load_image(image, max_pixels)
+        return draw_objects(image, self.objects)
+
+    def _repr_png_(self) -> bytes | None:
+        """Jupyter's picture of a `locate()` result: its image, drawn."""
+        if self.source is None:
+            return None
+        buffer = io.BytesIO()
+        self.draw().save(buffer, "PNG")
+        return buffer.getvalue()
 
 
 def parse_mode(mode: str | Mode) -> Mode:

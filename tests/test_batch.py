@@ -16,7 +16,7 @@ import pytest
 from conftest import approx_tree
 from PIL import Image
 
-from mlx_locate import annotate, batch
+from mlx_locate import annotate, batch, exports
 from mlx_locate import cli as cli_module
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
@@ -103,11 +103,22 @@ def run(model, capfd):
 
 @pytest.fixture(scope="module")
 def finished(model, folder):
-    """One complete run over `folder` with --coco and --draw: (jsonl, coco, drawings folder)."""
+    """One complete run over `folder` with --coco-results, --coco (root/dataset.json) and --draw: (jsonl, coco
+    results, drawings folder)."""
     root = folder.parent
     out, coco, drawings = root / "results.jsonl", root / "coco.json", root / "drawn"
     code, _ = Runner(model, None)(
-        "--images", str(folder), "--out", str(out), "--coco", str(coco), "--draw", str(drawings), "--batch-size", "4"
+        *(
+            "--images",
+            str(folder),
+            "--out",
+            str(out),
+            "--coco-results",
+            str(coco),
+            "--coco",
+            str(root / "dataset.json"),
+        ),
+        *("--draw", str(drawings), "--batch-size", "4"),
     )
     assert code == 0
     return out, coco, drawings
@@ -319,7 +330,7 @@ def test_model_failure_stops_and_keeps_what_was_written(run, folder, finished, t
 
 def test_output_failure_stops_and_keeps_what_was_written(run, folder, tmp_path, monkeypatch):
     out = tmp_path / "results.jsonl"
-    real_fsync, calls = batch.os.fsync, []
+    real_fsync, calls = annotate.os.fsync, []
 
     def disk_full(fd):
         calls.append(fd)
@@ -327,7 +338,7 @@ def test_output_failure_stops_and_keeps_what_was_written(run, folder, tmp_path, 
             raise OSError(errno.ENOSPC, "No space left on device")
         real_fsync(fd)
 
-    monkeypatch.setattr(batch.os, "fsync", disk_full)
+    monkeypatch.setattr(annotate.os, "fsync", disk_full)
     code, err = run("--images", str(folder), "--out", str(out))
     monkeypatch.undo()
     assert code == 2 and f"error: cannot write {out}: [Errno 28] No space left on device" in err
@@ -382,18 +393,18 @@ def coco_expected(lines: dict[str, dict], ids: dict[str, int]) -> list[tuple]:
 def test_coco_results_format(run, folder, finished):
     out, coco, _ = finished
     detections = json.loads(coco.read_text())
-    tables = json.loads(coco.with_name("coco.images.json").read_text())
-    assert tables["categories"] == [{"id": i + 1, "name": q} for i, q in enumerate(QUERIES)]
+    tables = json.loads(coco.with_name("dataset.json").read_text())
+    assert [(c["id"], c["name"]) for c in tables["categories"]] == [(i + 1, q) for i, q in enumerate(QUERIES)]
     # Image ids are positions in the sorted file list (a b bad bomb chunk cut.jpg text); bad files have none.
     images = {entry["id"]: entry for entry in tables["images"]}
-    assert {i: e["file_name"] for i, e in images.items()} == {1: str(folder / "a.png"), 2: str(folder / "b.png")}
+    assert {i: e["file_name"] for i, e in images.items()} == {1: "a.png", 2: "b.png"}  # relative to the folder
     assert all(
         set(e) == {"id", "file_name", "width", "height"} and e["width"] == Image.open(IMAGE).width
         for e in images.values()
     )
 
     assert isinstance(detections, list) and detections
-    ids = {e["file_name"]: i for i, e in images.items()}
+    ids = {str(folder / e["file_name"]): i for i, e in images.items()}
     lines = {image: line for image, line in answers(out).items() if "results" in line}
     got = sorted(detections, key=lambda d: (d["image_id"], d["category_id"], d["score"]))
     expected = coco_expected(lines, ids)
@@ -405,11 +416,9 @@ def test_coco_results_format(run, folder, finished):
         assert len(det["bbox"]) == 4 and all(isinstance(v, (int, float)) and v >= 0 for v in det["bbox"])
         np.testing.assert_allclose(det["bbox"], bbox, atol=0.005)
 
-    # The run is done, so these reruns only rewrite the COCO files from the JSONL.
+    # The run is done, so this rerun only rewrites the COCO files it wrote from the JSONL, without --overwrite.
     before = coco.read_bytes()
-    code, err = run("--images", str(folder), "--out", str(out), "--coco", str(coco))
-    assert code == 2 and "--overwrite" in err and coco.read_bytes() == before
-    assert run("--images", str(folder), "--out", str(out), "--coco", str(coco), "--overwrite")[0] == 0
+    assert run("--images", str(folder), "--out", str(out), "--coco-results", str(coco))[0] == 0
     assert coco.read_bytes() == before and run.loads == []
 
 
@@ -418,7 +427,7 @@ def test_an_inverted_model_box_is_ordered_in_the_line_and_in_coco():
     objects = json.loads(json.dumps([written.to_dict()]))
     assert objects[0]["box"] == [10.0, 5.0, 30.0, 40.0] and objects[0]["box_norm"] == [300, 800, 100, 100]
     line = {"image": "x.png", "size": [100, 50], "results": [{"query": "q", "objects": objects}]}
-    detections = list(batch.coco_detections(line, 7))
+    detections = exports.coco_results(exports.dataset([line], {"x.png": 7}, ["q"], Path(".")))
     assert detections == [{"image_id": 7, "category_id": 1, "bbox": [10.0, 5.0, 20.0, 35.0], "score": 0.5}]
 
 
@@ -433,7 +442,8 @@ def test_draw_writes_one_png_per_image_and_never_overwrites(run, folder, finishe
     # A missing drawing of a finished image is redrawn from its JSONL line, without the model.
     before = (drawings / "a.png").read_bytes()
     (drawings / "a.png").unlink()
-    assert run("--images", str(folder), "--out", str(out), "--draw", str(drawings))[0] == 0
+    code, err = run("--images", str(folder), "--out", str(out), "--draw", str(drawings))
+    assert code == 0 and f"drawings in {drawings}\n" in err
     assert (drawings / "a.png").read_bytes() == before and run.loads == []
 
     # An image still to do whose drawing exists: refused before any work unless --overwrite.
@@ -494,13 +504,16 @@ def test_shards_are_disjoint_and_complete_and_merge_equals_one_run(run, folder, 
     monkeypatch.chdir(folder.parent)  # relative paths, so the shards (a hash of each path) are the same every run
     parts = [tmp_path / f"part{i}.jsonl" for i in (1, 2, 3)]
     for i, part in enumerate(parts, start=1):
-        code, err = run("--images", "images", "--out", str(part), "--shard", f"{i}/3", "--coco", f"{part}.coco.json")
+        code, err = run(
+            "--images", "images", "--out", str(part), "--shard", f"{i}/3", "--coco-results", f"{part}.coco.json"
+        )
         assert code == 0, err
     images = [{Path(image).name for image in answers(part)} for part in parts]
     assert images == [{"b.png", "bomb.png", "chunk.png"}, {"cut.jpg"}, {"a.png", "bad.png", "text.png"}]
 
     merged, coco = tmp_path / "merged.jsonl", tmp_path / "merged_coco.json"
-    code, err = run("--merge", str(merged), *map(str, parts), str(parts[2]), "--coco", str(coco), questions=[])
+    merged_args = ("--coco-results", str(coco), "--coco", str(tmp_path / "dataset.json"))
+    code, err = run("--merge", str(merged), *map(str, parts), str(parts[2]), *merged_args, questions=[])
     assert code == 0, err
     assert "7 images from 4 files" in err and "(3 duplicates dropped)" in err
     relative = tmp_path / "relative.jsonl"  # the single run, its paths relative to the working directory
@@ -509,8 +522,7 @@ def test_shards_are_disjoint_and_complete_and_merge_equals_one_run(run, folder, 
     # rounding: the shards decoded in other company).
     assert list(answers(merged).items()) == approx_tree(list(answers(relative).items()))
     assert json.loads(coco.read_text()) == approx_tree(json.loads(finished[1].read_text()))
-    tables = coco.with_name("merged_coco.images.json").read_text()
-    assert tables == finished[1].with_name("coco.images.json").read_text().replace(f"{folder.parent}/", "")
+    assert (tmp_path / "dataset.json").read_text() == finished[1].with_name("dataset.json").read_text()
     # Each shard's own COCO file uses the image ids of the single run.
     shard_detections = [d for part in parts for d in json.loads(Path(f"{part}.coco.json").read_text())]
     assert sorted(shard_detections, key=json.dumps) == approx_tree(sorted(json.loads(coco.read_text()), key=json.dumps))
@@ -525,11 +537,12 @@ def test_merge_writes_the_single_run_byte_for_byte(run, finished, tmp_path):
     parts = [tmp_path / "odd.jsonl", tmp_path / "even.jsonl"]
     parts[0].write_text("".join(reversed(lines[1::2])))
     parts[1].write_text("".join(lines[::2]))
-    merged, coco = tmp_path / "merged.jsonl", tmp_path / "merged.json"
-    assert run("--merge", str(merged), *map(str, parts), "--coco", str(coco), questions=[])[0] == 0
+    merged, coco, dataset = tmp_path / "merged.jsonl", tmp_path / "merged.json", tmp_path / "dataset.json"
+    merged_args = ("--coco-results", str(coco), "--coco", str(dataset))
+    assert run("--merge", str(merged), *map(str, parts), *merged_args, questions=[])[0] == 0
     assert merged.read_bytes() == finished[0].read_bytes()
     assert coco.read_bytes() == finished[1].read_bytes()
-    assert coco.with_name("merged.images.json").read_bytes() == finished[1].with_name("coco.images.json").read_bytes()
+    assert dataset.read_bytes() == finished[1].with_name("dataset.json").read_bytes()
 
 
 def test_merge_prefers_an_answer_to_an_error_line(run, finished, tmp_path):

@@ -143,6 +143,7 @@ def test_draw(cli, tmp_path):
     path = tmp_path / "drawn.png"
     code, _, err = cli(*WITH_BOX, "--draw", str(path))
     assert code == 0, err
+    assert f"drawn: {path}\n" in err
     drawn = np.asarray(Image.open(path).convert("RGB"), dtype=np.int16)
     source = np.asarray(Image.open(IMAGE).convert("RGB"), dtype=np.int16)
     assert drawn.shape == source.shape and np.abs(drawn - source).max() > 0

@@ -74,7 +74,7 @@ def single(folder):
     with pytest.MonkeyPatch.context() as mp:
         model = load("demo")
         mp.setattr(cli_module, "load", lambda path, dtype=None, adapter_path=None: model)
-        assert main("--images", str(folder), "--out", str(out), "--coco", str(coco)) == 0
+        assert main("--images", str(folder), "--out", str(out), "--coco-results", str(coco)) == 0
     return out, coco
 
 
@@ -105,7 +105,7 @@ def test_interrupted_then_resumed_with_a_worker_killed_it_ends_as_one_process_do
     # The rerun sends only the other eight images; one worker is killed once its first line is back, while both
     # still hold batches.
     monkeypatch.setattr(cluster, "ray_lines", kill_the_first_worker)
-    code = main("--images", str(folder), "--out", str(out), "--coco", str(coco), "--draw", str(drawings), *RAY)
+    code = main("--images", str(folder), "--out", str(out), "--coco-results", str(coco), "--draw", str(drawings), *RAY)
     err = capfd.readouterr().err
     assert code == 0, err
     assert "9 images (8 run now by 3 Ray workers), 1 with errors" in err

@@ -101,6 +101,8 @@ def test_three_modes_notebook(checkpoint, tmp_path, monkeypatch):
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the three drawings, inline
+    (shown,) = [c for c in nb.cells if c.cell_type == "code" and c.source.startswith("model.locate(")]
+    assert ["image/png" in o.get("data", {}) for o in shown.outputs] == [True]  # a Result shows itself
     (table,) = [o.data["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
     assert [row.split("|")[1].strip() for row in table.splitlines()[2:]] == ["slow", "fast", "hybrid"]
 

@@ -308,3 +308,14 @@ def test_golden_hybrid_point_stream(tk):
     case = golden_case("tiny_peaky__shapes_448x448__point")
     result = parse(tk, case["generation"]["hybrid"]["generated_ids"], size=tuple(case["image"]["size"]))
     assert result.objects == [] and result.malformed == 1 and result.truncated and not result.ended
+
+
+def test_json_pixels_are_rounded_to_3_decimals_and_values_stay_integers():
+    # 487/1000 * 224 = 109.088 and 661/1000 * 224 = 148.064 carry float noise ([..., 148.06400000000002, ...]).
+    obj = LocatedObject("q", to_pixels((487, 317, 661, 487), (224, 224)), (487, 317, 661, 487), None, None, 0.5)
+    assert obj.box != tuple(round(v, 3) for v in obj.box)  # the noise this rounding removes
+    out = json.loads(json.dumps(obj.to_dict()))
+    assert out["box"] == [109.088, 71.008, 148.064, 109.088] and out["box_norm"] == [487, 317, 661, 487]
+    assert all(type(v) is int for v in out["box_norm"])
+    point = LocatedObject(None, None, None, to_pixels((333, 667), (7, 3)), (333, 667), None).to_dict()
+    assert point["point"] == (2.331, 2.001) and point["point_norm"] == (333, 667)

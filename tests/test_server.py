@@ -279,7 +279,8 @@ def test_binds_localhost_by_default_and_warns_elsewhere(monkeypatch, capsys):
     port = free_port()
     assert server_cli.main(["--port", str(port)]) == 0
     assert bound[-1] == ("127.0.0.1", port)
-    assert "warning" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning" not in err and f"serving on http://127.0.0.1:{port}\n" in err
     assert server_cli.main(["--host", "0.0.0.0", "--port", str(port)]) == 0
     assert bound[-1] == ("0.0.0.0", port)
     assert "warning: binding to 0.0.0.0" in capsys.readouterr().err

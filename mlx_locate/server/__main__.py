@@ -137,6 +137,12 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def url_of(sock: socket.socket) -> str:
+    """The http:// address of a bound socket (an IPv6 address in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     warning = bind_warning(args.host)
     if warning:
         print(warning, file=sys.stderr)
+    print(f"serving on {url_of(sock)}", file=sys.stderr)
     settings = Settings(
         model_name=args.model,
         host=args.host,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from ..engine import check_request
+from ..parse import json_pixels
 from ..preprocess import load_image, open_header
 from ..prompts import task_text
 from ..request import Request, RequestError, Result
@@ -168,7 +169,7 @@ def answer_json(result: Result) -> dict:
 
 
 def _list(values: tuple | None) -> list | None:
-    return None if values is None else list(values)
+    return None if values is None else list(json_pixels(values))
 
 
 def ground_json(point: Result, region: Result) -> dict:
@@ -190,9 +191,9 @@ def ground_json(point: Result, region: Result) -> dict:
         xy, norm, confidence = None, None, None
     return {
         "found": xy is not None,
-        "point": None if xy is None else list(xy),
+        "point": _list(xy),
         "point_norm": norm,
-        "box": None if box is None else list(box),
+        "box": _list(box),
         "confidence": confidence,
         "image": {"width": width, "height": height},
         "text": {"point": point.text, "gui": region.text},

@@ -1,0 +1,257 @@
+"""`mlx-locate-batch` exports read back by the tools' own libraries (pycocotools, supervision): every box and label
+of the JSONL, within 1.5 px; reruns that regenerate their own exports; other files protected; name clashes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import supervision as sv
+import test_batch
+from pycocotools.coco import COCO
+
+from mlx_locate import exports
+from mlx_locate.locate import load
+from mlx_locate.synthetic.scenes import make_scene
+
+QUERIES = ["circle", "square"]
+RUN = ["--query", QUERIES[0], "--query", QUERIES[1], "--mode", "fast", "--max-tokens", "24"]
+IMAGES = ["a.png", "one/x.png", "two/x.png", "two/x.jpg"]  # x three times: two subfolders, two suffixes
+TOLERANCE = 1.5  # px: VOC's whole pixels; the others keep 3 decimals
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load("demo")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Small drawn scenes of circles and squares, in subfolders."""
+    root = tmp_path_factory.mktemp("exports") / "images"
+    for seed, name in enumerate(IMAGES):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        scene = make_scene(np.random.default_rng(seed), n_objects=3, shapes=("circle", "square"))
+        scene.image.save(root / name)
+    return root
+
+
+@pytest.fixture
+def run(model, capfd):
+    return test_batch.Runner(model, capfd)
+
+
+def export_args(where: Path) -> list[str]:
+    names = {"--coco": "coco.json", "--yolo": "yolo", "--voc": "voc", "--labelstudio": "tasks.json"}
+    return [arg for flag, name in names.items() for arg in (flag, str(where / name))]
+
+
+@pytest.fixture(scope="module")
+def exported(model, folder):
+    """One run over the folder with every export: the folder of its outputs."""
+    where = folder.parent / "out"
+    args = ["--images", f"{folder}/**/*.*", "--out", str(where / "results.jsonl"), *export_args(where)]
+    code, _ = test_batch.Runner(model, None)(*args, questions=RUN)
+    assert code == 0
+    return where
+
+
+def expected(out: Path, root: Path) -> dict[str, list[tuple[str, list[float]]]]:
+    """Each answered image (relative to `root`) -> its (category, box) pairs, from the JSONL."""
+    boxes = {}
+    for line in test_batch.lines_of(out):
+        assert "results" in line, line
+        rel = Path(line["image"]).relative_to(root).as_posix()
+        boxes[rel] = sorted(
+            (QUERIES[i], obj["box"]) for i, result in enumerate(line["results"]) for obj in result["objects"]
+        )
+    return boxes
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for image, pairs in want.items():
+        found = sorted(got[image])
+        assert [name for name, _ in found] == [name for name, _ in pairs], image
+        for (_, a), (_, b) in zip(found, pairs, strict=True):
+            np.testing.assert_allclose(a, b, atol=TOLERANCE, err_msg=image)
+
+
+def by_image(dataset: sv.DetectionDataset, name_of) -> dict:
+    return {
+        name_of(path): [(dataset.classes[c], list(map(float, box))) for box, c in zip(d.xyxy, d.class_id, strict=True)]
+        for path, _, d in dataset
+    }
+
+
+def test_every_export_loads_in_the_tools_with_every_box(folder, exported):
+    want = expected(exported / "results.jsonl", folder)
+    assert sorted(want) == sorted(IMAGES) and sum(map(len, want.values())) >= 4  # the demo finds shapes
+
+    coco = COCO(str(exported / "coco.json"))
+    assert [c["name"] for c in coco.loadCats(coco.getCatIds())] == QUERIES
+    got = {}
+    for image in coco.loadImgs(coco.getImgIds()):
+        anns = coco.loadAnns(coco.getAnnIds(imgIds=image["id"]))
+        assert all(
+            a["iscrowd"] == 0 and a["area"] == pytest.approx(a["bbox"][2] * a["bbox"][3], abs=0.01) for a in anns
+        )
+        boxes = [
+            (coco.cats[a["category_id"]]["name"], [*a["bbox"][:2], *np.add(a["bbox"][:2], a["bbox"][2:])]) for a in anns
+        ]
+        got[image["file_name"]] = boxes
+    assert_same(got, want)
+    assert sorted(a["id"] for a in coco.dataset["annotations"]) == list(range(1, len(coco.dataset["annotations"]) + 1))
+
+    dataset = sv.DetectionDataset.from_coco(str(folder), str(exported / "coco.json"))
+    assert dataset.classes == QUERIES
+    assert_same(by_image(dataset, lambda p: Path(p).relative_to(folder).as_posix()), want)
+
+    # YOLO and VOC: one flat folder, the images linked under their new names.
+    yolo = exported / "yolo"
+    original = {
+        name: Path(os.path.realpath(yolo / "images" / name)).relative_to(folder).as_posix()
+        for name in os.listdir(yolo / "images")
+    }
+    assert sorted(original.values()) == sorted(IMAGES)
+    dataset = sv.DetectionDataset.from_yolo(str(yolo / "images"), str(yolo / "labels"), str(yolo / "data.yaml"))
+    assert dataset.classes == QUERIES
+    assert_same(by_image(dataset, lambda p: original[Path(p).name]), want)
+    dataset = sv.DetectionDataset.from_pascal_voc(str(yolo / "images"), str(exported / "voc"))
+    assert_same(by_image(dataset, lambda p: original[Path(p).name]), want)
+
+    tasks = json.loads((exported / "tasks.json").read_text())
+    got = {}
+    for task in tasks:
+        rel = task["data"]["image"].removeprefix(exports.LABEL_STUDIO_IMAGES)
+        got[rel] = []
+        for item in task["predictions"][0]["result"]:
+            w, h = item["original_width"], item["original_height"]
+            v = item["value"]
+            box = [
+                v["x"] * w / 100,
+                v["y"] * h / 100,
+                (v["x"] + v["width"]) * w / 100,
+                (v["y"] + v["height"]) * h / 100,
+            ]
+            got[rel].append((v["rectanglelabels"][0], box))
+    assert_same(got, want)
+
+
+def test_label_studio_keeps_points_and_the_others_say_they_left_them_out(tmp_path):
+    line = {
+        "image": str(tmp_path / "p.png"),
+        "size": [200, 100],
+        "results": [
+            {"objects": [{"label": None, "point": [50.0, 25.0], "point_norm": [250, 250], "confidence": 0.9}]},
+            {
+                "objects": [
+                    {
+                        "label": "b",
+                        "box": [20.0, 10.0, 120.0, 60.0],
+                        "box_norm": [100, 100, 600, 600],
+                        "confidence": 0.8,
+                    }
+                ]
+            },
+        ],
+    }
+    ds = exports.dataset([line], {line["image"]: 1}, ["tip", "box"], tmp_path)
+    point, box = exports.labelstudio_tasks(ds)[0]["predictions"][0]["result"]
+    assert point["type"] == "keypointlabels" and point["value"]["keypointlabels"] == ["tip"]
+    assert (point["value"]["x"], point["value"]["y"]) == (25.0, 25.0)
+    assert box["value"] | {} == {
+        "x": 10.0,
+        "y": 10.0,
+        "width": 50.0,
+        "height": 50.0,
+        "rotation": 0,
+        "rectanglelabels": ["box"],
+    }
+    config = exports.labelstudio_config(["tip", 'say "hi"'])
+    assert '<Label value="tip"/>' in config and "<Label value='say \"hi\"'/>" in config and "<KeyPointLabels" in config
+    assert exports.count_points(ds) == 1
+    assert [a["category_id"] for a in exports.coco_dataset(ds)["annotations"]] == [2]
+
+
+def test_a_rerun_regenerates_its_exports_and_protects_other_files(run, folder, exported, tmp_path, monkeypatch):
+    out = tmp_path / "results.jsonl"
+    lines = (exported / "results.jsonl").read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:-1]))  # as if interrupted before the last image
+    args = ["--images", f"{folder}/**/*.*", "--out", str(out), *export_args(tmp_path)]
+    code, err = run(*args, questions=RUN)  # a first run over this JSONL: new export paths
+    assert code == 0, err
+    coco = json.loads((tmp_path / "coco.json").read_text())
+    assert len(coco["images"]) == len(IMAGES) and coco == json.loads((exported / "coco.json").read_text())
+    assert run(*args, questions=RUN)[0] == 0 and len(run.loads) == 1  # the rerun: no --overwrite, no model
+
+    # Someone else's files at export paths: refused before the model loads, left as they were.
+    other = tmp_path / "other.jsonl"
+    (tmp_path / "mine.json").write_text("mine")
+    (tmp_path / "yolo" / "notes.txt").write_text("mine")
+    code, err = run(*args, questions=RUN)  # this JSONL's own --yolo folder, now holding a file it did not write
+    assert code == 2 and "notes.txt" in err and "--overwrite" in err
+    cases = [
+        (["--coco", str(tmp_path / "mine.json")], "mine.json already exists"),
+        (["--yolo", str(tmp_path / "yolo")], "yolo holds"),  # another JSONL's export
+        (["--coco", str(tmp_path / "coco.json")], "coco.json already exists"),  # another JSONL's export
+        (["--voc", str(tmp_path / "mine.json")], "is a file; it needs a folder"),
+        (["--labelstudio", str(tmp_path / "yolo")], "is a folder; it needs a file name"),
+        (["--coco", str(tmp_path / "mine.json" / "c.json")], "is a file, not a folder"),
+        (["--coco", str(other), "--overwrite"], "is a results JSONL"),
+        (["--coco", str(tmp_path / "c.json"), "--coco-results", str(tmp_path / "c.json")], "both name"),
+    ]
+    for extra, message in cases:
+        code, err = run("--images", str(folder), "--out", str(other), *extra, questions=RUN)
+        assert code == 2 and message in err, (extra, err)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # a read-only folder (root may write anywhere)
+    code, err = run("--images", str(folder), "--out", str(other), "--voc", str(tmp_path / "new"), questions=RUN)
+    assert code == 2 and f"cannot write {tmp_path / 'new'}: {tmp_path} is not writable" in err
+    assert run.loads == ["demo"] and not other.exists() and (tmp_path / "mine.json").read_text() == "mine"
+    assert (tmp_path / "yolo" / "notes.txt").read_text() == "mine"
+
+
+def test_points_go_to_label_studio_and_the_others_say_they_left_them_out(run, folder, tmp_path):
+    args = ["--images", str(folder / "a.png"), "--out", str(tmp_path / "p.jsonl"), *export_args(tmp_path)]
+    code, err = run(*args, questions=["--task", "point", "--query", "circle", "--mode", "fast"])
+    assert code == 0, err
+    points = [o["point"] for o in test_batch.lines_of(tmp_path / "p.jsonl")[0]["results"][0]["objects"]]
+    assert points and f"note: {len(points)} points left out of --coco, --yolo, --voc (no points in the format)" in err
+    (task,) = json.loads((tmp_path / "tasks.json").read_text())
+    width, height = test_batch.lines_of(tmp_path / "p.jsonl")[0]["size"]
+    got = [(r["value"]["x"] * width / 100, r["value"]["y"] * height / 100) for r in task["predictions"][0]["result"]]
+    assert [r["value"]["keypointlabels"] for r in task["predictions"][0]["result"]] == [["circle"]] * len(points)
+    np.testing.assert_allclose(got, points, atol=0.01)
+    assert json.loads((tmp_path / "coco.json").read_text())["annotations"] == []
+
+
+def test_a_full_disk_mid_export_keeps_the_jsonl_and_the_rerun_finishes(run, folder, exported, tmp_path, monkeypatch):
+    out = tmp_path / "results.jsonl"
+    out.write_text((exported / "results.jsonl").read_text())
+    before = out.read_bytes()
+    real = exports.replace_text
+
+    def full(path, text):
+        if path.name.endswith(".xml"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(exports, "replace_text", full)
+    args = ["--images", f"{folder}/**/*.*", "--out", str(out), *export_args(tmp_path)]
+    code, err = run(*args, questions=RUN)
+    assert code == 2 and "No space left" in err and "run the same command again" in err
+    assert out.read_bytes() == before and not list((tmp_path / "voc").glob("*.xml"))
+    monkeypatch.setattr(exports, "replace_text", real)
+    assert run(*args, questions=RUN)[0] == 0 and len(list((tmp_path / "voc").glob("*.xml"))) == len(IMAGES)
+
+
+def test_flat_names_keep_every_image(tmp_path):
+    paths = [str(tmp_path / p) for p in ["a.png", "one/x.png", "two/x.png", "two/x.jpg", "b.png", "sub/b.jpg"]]
+    lines = [{"image": p, "size": [1, 1], "results": []} for p in paths]
+    names = exports.flat_names(exports.dataset(lines, {p: 1 for p in paths}, [], tmp_path))
+    assert list(names.values()) == ["a.png", "one__x.png", "two__x_png.png", "two__x_jpg.jpg", "b.png", "sub__b.jpg"]
+    assert len({Path(n).stem for n in names.values()}) == len(paths)  # YOLO labels go by stem
