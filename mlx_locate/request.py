@@ -46,7 +46,8 @@ class Request:
     mode: str | Mode = DEFAULT_MODE
     max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: Sampling = Sampling()
-    strict: bool = False
+    strict: bool = False  # the reference's decisions: every guard off, several categories in one joint prompt
+    joint: bool = False  # several detect categories in one prompt (the reference's), not one row each
     guards: Guards = Guards()
     redecode_labels: bool | None = None  # None: on for task "ocr" in hybrid mode
     rendering: str = "A"
