@@ -58,7 +58,7 @@ from .annotate import (
 )
 from .draw import draw_objects
 from .parse import LocatedObject
-from .prompts import task_text
+from .prompts import CATEGORY_SEPARATOR, task_text
 from .request import DEFAULT_TASK
 
 DEFAULT_IMAGES_PER_TASK = 16
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         '.jsonl list of paths (one JSON string or {"image": PATH} per line; relative to the list\'s folder)',
     )
     cli.add_questions(p)
+    cli.add_categories(p)
     cli.add_max_pixels(p)
     cli.add_rows(p)
     cli.add_progress(p)
@@ -140,7 +141,11 @@ def shard_of(path: str, count: int) -> int:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express; each exits with status 2 through `parser.error`."""
     if args.merge is not None:
-        used = [f"--{n}" for n in ("images", "out", "query", "prompt", "draw", "shard", "ray") if getattr(args, n)]
+        used = [
+            f"--{n}"
+            for n in ("images", "out", "query", "categories", "prompt", "draw", "shard", "ray")
+            if getattr(args, n)
+        ]
         if used:
             parser.error(f"--merge joins finished outputs; drop {', '.join(used)}")
         if len(args.merge) < 2:
@@ -163,7 +168,9 @@ def settings_of(args: argparse.Namespace) -> Settings:
         questions = tuple(Question(None, None, prompt) for prompt in args.prompt)
     else:
         task = args.task or DEFAULT_TASK
-        questions = tuple(Question(task, query) for query in (args.query or [None]))
+        categories = cli.categories_of(args)
+        queries = [CATEGORY_SEPARATOR.join(categories)] if categories is not None else args.query or [None]
+        questions = tuple(Question(task, query) for query in queries)
     for q in questions:
         if q.prompt is None:
             task_text(q.task, q.query)
@@ -241,13 +248,17 @@ def coco_tables_path(coco: str | Path) -> Path:
 
 def coco_detections(line: dict, image_id: int) -> Iterator[dict]:
     """COCO results of one answered line: boxes as [x, y, w, h] in pixels, points left out."""
-    for category_id, result in enumerate(line["results"], start=1):
+    first = 1  # the question's first category id; a detect question of several categories has one id each
+    for result in line["results"]:
+        names = Question(result.get("task"), result.get("query"), result.get("prompt")).names()
         for obj in result["objects"]:
-            if "box" not in obj:
+            if "box" not in obj or (len(names) > 1 and obj.get("label") not in names):
                 continue
+            category_id = first + (names.index(obj["label"]) if len(names) > 1 else 0)
             x1, y1, x2, y2 = obj["box"]
             bbox = [round(v, 2) for v in (x1, y1, x2 - x1, y2 - y1)]
             yield {"image_id": image_id, "category_id": category_id, "bbox": bbox, "score": obj["confidence"]}
+        first += len(names)
 
 
 def write_coco(coco: Path, lines: Iterable[dict], ids: dict[str, int], categories: list[str]) -> None:
@@ -347,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.coco:
         ids = {path: i for i, path in enumerate(images, start=1)}
-        write_coco(Path(args.coco), output_lines(out), ids, [q.name() for q in settings.questions])
+        write_coco(Path(args.coco), output_lines(out), ids, [n for q in settings.questions for n in q.names()])
     failed = sum(not done[p] for p in part)
     where = f" by {len(workers)} Ray workers" if args.ray is not None and pending else ""
     print(
@@ -418,7 +429,8 @@ def merge(out: Path, parts: list[Path], coco: str | None, overwrite: bool) -> in
     written, duplicates = write_sorted(out, parts)
     if coco:
         ids = {line["image"]: i for i, line in enumerate(output_lines(out), start=1)}
-        names = [Question(q.get("task"), q.get("query"), q.get("prompt")).name() for q in questions or []]
+        questions = [Question(q.get("task"), q.get("query"), q.get("prompt")) for q in questions or []]
+        names = [n for q in questions for n in q.names()]
         write_coco(Path(coco), output_lines(out), ids, names)
     print(f"{written} images from {len(parts)} files into {out} ({duplicates} duplicates dropped)", file=sys.stderr)
     return 0

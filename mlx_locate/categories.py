@@ -72,7 +72,13 @@ def merge_categories(names: list[str], results: list[Result]) -> Result:
     # Counts are summed; the rows run side by side, so times and `steps` are the longest row's.
     stats: dict = {k: sum(r.stats.get(k) or 0 for r in results) for k in SUMMED_STATS if not k.endswith("_s")}
     stats["row_steps"] = stats["steps"]
-    for key in ("steps", "max_tokens", "compilations", "peak_memory_gb", *(k for k in SUMMED_STATS if k.endswith("_s"))):
+    for key in (
+        "steps",
+        "max_tokens",
+        "compilations",
+        "peak_memory_gb",
+        *(k for k in SUMMED_STATS if k.endswith("_s")),
+    ):
         stats[key] = max(r.stats.get(key) or 0 for r in results)
     for key in ("first_step_s", "first_box_s"):
         values = [r.stats[key] for r in results if r.stats.get(key) is not None]
@@ -87,7 +93,12 @@ def merge_categories(names: list[str], results: list[Result]) -> Result:
             sources[name] = sources.get(name, 0) + n
     stats["sources"] = sources
     stats["categories"] = [
-        {"category": n, "objects": len(r.objects), "steps": r.stats.get("steps"), "stop_reason": r.stats.get("stop_reason")}
+        {
+            "category": n,
+            "objects": len(r.objects),
+            "steps": r.stats.get("steps"),
+            "stop_reason": r.stats.get("stop_reason"),
+        }
         for n, r in zip(names, results, strict=True)
     ]
     return Result(
