@@ -62,6 +62,15 @@ def split_categories(request: Request) -> tuple[list[str], list[Request]]:
     return names, [replace(request, query=name, joint=True, tag=name) for name in names]
 
 
+def category_pieces(name: str, result: Result) -> list[str]:
+    """One category's row as answer text, in the model's grammar, one piece per item (its objects, or
+    `<box>None</box>` when it has none), every object under the category's name."""
+    if not result.objects:
+        return [answer_text([], [name])]
+    first, *rest = result.objects
+    return [answer_text([replace(first, label=name)], [])] + [answer_text([replace(o, label=None)], []) for o in rest]
+
+
 def merge_categories(names: list[str], results: list[Result]) -> Result:
     """One `Result` from the rows of a split request: each row's objects labelled with its category, in category
     order; a category with no object among `empty_labels`. Counts are summed over the rows (`row_steps`: their
@@ -104,7 +113,7 @@ def merge_categories(names: list[str], results: list[Result]) -> Result:
     return Result(
         objects=objects,
         empty_labels=empty,
-        text=answer_text(objects, empty),
+        text="".join(p for name, r in zip(names, results, strict=True) for p in category_pieces(name, r)),
         prompt_ids=[],
         token_ids=[t for r in results for t in r.token_ids],
         token_probs=[p for r in results for p in r.token_probs],

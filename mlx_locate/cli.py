@@ -140,7 +140,9 @@ def add_questions(p: argparse.ArgumentParser, several_prompts: bool = True) -> N
 def check_questions(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     categories = has_categories(args)
     if args.prompt is not None and (args.task is not None or args.query or categories):
-        parser.error("--prompt is the whole user text; it cannot be combined with --task, --query or --categories")
+        parser.error(
+            "--prompt is the whole user text; it cannot be combined with --task or --query, nor with --categories"
+        )
     if categories and (args.task or DEFAULT_TASK) != "detect":
         parser.error(f"--categories: only --task detect takes several categories, not --task {args.task}")
     if categories and args.query:

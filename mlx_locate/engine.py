@@ -49,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import SlotCache, rows_bucket
-from .categories import is_multi, merge_categories, split_categories
+from .categories import category_pieces, is_multi, merge_categories, split_categories
 from .compiled import BLOCK_ROWS, Phase, padded_rows
 from .decide import Mode, Next
 from .parse import LocatedObject, parse_tokens
@@ -360,7 +360,7 @@ class Engine:
             self._fail(parent, child.error, out)
             return
         if categories is not None:
-            self._categories_done(parent, categories, children, out)
+            self._categories_done(parent, child, categories, children, out)
             return
         view, tile, size = children.index(child), child.request.tag, image.rgb.size
         objects = [to_image(o, tile, size) for o in child.result.objects]
@@ -379,9 +379,16 @@ class Engine:
                 self._emit(parent, EngineEvent(parent, EventKind.EMPTY, label=label), out)
             self._succeed(parent, result, out)
 
-    def _categories_done(self, parent: Handle, names: list[str], children: list[Handle], out) -> None:
-        """A category's row finished: when every one has, the parent's objects and its merged result."""
-        if not all(c.result is not None for c in children):
+    def _categories_done(self, parent: Handle, child: Handle, names: list[str], children: list[Handle], out) -> None:
+        """A category's row finished: its text (with `text`) once the categories before it have finished, in
+        category order; when every row has, the parent's objects and its merged result."""
+        done = [c.result is not None for c in children]
+        at = children.index(child)
+        if parent.text and all(done[:at]):
+            for k in range(at, done.index(False) if False in done else len(done)):
+                for piece in category_pieces(names[k], children[k].result):
+                    self._emit(parent, EngineEvent(parent, EventKind.TEXT, text=piece), out)
+        if not all(done):
             return
         self.tiles.pop(parent)
         result = merge_categories(names, [c.result for c in children])
@@ -389,8 +396,6 @@ class Engine:
             self._emit(parent, EngineEvent(parent, EventKind.OBJECT, object=obj), out)
         for label in result.empty_labels:
             self._emit(parent, EngineEvent(parent, EventKind.EMPTY, label=label), out)
-        if parent.text:
-            self._emit(parent, EngineEvent(parent, EventKind.TEXT, text=result.text), out)
         self._succeed(parent, result, out)
 
     # --- isolation: a step that raises is retried over halves of its rows ---
