@@ -205,3 +205,12 @@ def test_coco_ids_of_a_split_question_follow_its_categories():
         ]
     }
     assert [d["category_id"] for d in coco_detections(line, 1)] == [1, 3, 2]
+
+
+def test_split_with_tiles_equals_each_category_tiled_alone(demo):
+    image, names = scene(3), ["circle", "square", "triangle"]
+    split = demo.locate(image, categories=names, mode="fast", tiles=(1, 2))
+    alone = demo.locate(image, [[c] for c in names], mode="fast", tiles=(1, 2))
+    assert split.objects == [
+        dataclasses.replace(o, label=c) for c, r in zip(names, alone, strict=True) for o in r.objects
+    ]
