@@ -237,7 +237,8 @@ class Engine:
         self.cache: SlotCache | None = None
         self.rows: list[_Row | None] = []  # by slot
         self.seen: mx.array | None = None  # (cache rows, V) bool: ids already in each sequence (repetition penalty)
-        self.tiles: dict[Handle, tuple[_Tiled, list[Handle]]] = {}  # tiled and split requests, their views
+        self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}  # tiled and split requests
+        self.categories: dict[Handle, list[str]] = {}  # a split request's categories
         self.prefetch: dict[Handle, Future] = {}  # host work started ahead, by handle
         self.staged: deque[_Row] = deque()  # taken from `waiting` in turn, host work done, waiting for a row
         self.vision_ahead: TowerJob | None = None  # vision of staged rows, in pieces behind decode steps
@@ -280,7 +281,8 @@ class Engine:
         self.prefetch.pop(handle, None)
         for row in [r for r in self.staged if r.handle is handle]:
             self.staged.remove(row)
-        for child in self.tiles.pop(handle, (None, []))[1]:
+        self.categories.pop(handle, None)
+        for child in self.tiles.pop(handle, (None, [], []))[2]:
             self.cancel(child)
 
     @property
@@ -352,15 +354,16 @@ class Engine:
         parent = child.parent
         if parent not in self.tiles or parent.cancelled:
             return
-        (image, requests, categories), children = self.tiles[parent]
+        image, requests, children = self.tiles[parent]
         if child.error is not None:
             self.tiles.pop(parent)
+            self.categories.pop(parent, None)
             for other in children:
                 self.cancel(other)
             self._fail(parent, child.error, out)
             return
-        if categories is not None:
-            self._categories_done(parent, child, categories, children, out)
+        if parent in self.categories:
+            self._categories_done(parent, child, self.categories[parent], children, out)
             return
         view, tile, size = children.index(child), child.request.tag, image.rgb.size
         objects = [to_image(o, tile, size) for o in child.result.objects]
@@ -391,6 +394,7 @@ class Engine:
         if not all(done):
             return
         self.tiles.pop(parent)
+        self.categories.pop(parent)
         result = merge_categories(names, [c.result for c in children])
         for obj in result.objects:
             self._emit(parent, EngineEvent(parent, EventKind.OBJECT, object=obj), out)
@@ -515,7 +519,9 @@ class Engine:
             if isinstance(work, _Tiled):
                 # The views take the tiled request's place: its group keeps its turn.
                 children = [Handle(next(self._ids), c, parent=handle, group=handle.group) for c in work.requests]
-                self.tiles[handle] = (work, children)
+                self.tiles[handle] = (work.image, work.requests, children)
+                if work.categories is not None:
+                    self.categories[handle] = work.categories
                 views = self.waiting.pop(handle.group, deque())
                 views.extendleft(reversed(children))
                 self.waiting[handle.group] = views
