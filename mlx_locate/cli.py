@@ -181,7 +181,7 @@ def categories_of(args: argparse.Namespace) -> list[str] | None:
     if args.categories_file is not None:
         path = Path(args.categories_file)
         if not path.is_file():
-            raise FileNotFoundError(f"--categories-file {path}: no such file")
+            raise FileNotFoundError(f"--categories-file {path}: {'not a file' if path.exists() else 'no such file'}")
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError:
