@@ -214,3 +214,24 @@ def test_split_with_tiles_equals_each_category_tiled_alone(demo):
     assert split.objects == [
         dataclasses.replace(o, label=c) for c, r in zip(names, alone, strict=True) for o in r.objects
     ]
+
+
+def test_merged_rows_carry_the_asked_names_whatever_the_model_wrote():
+    """A row's objects take its category's name (the model may write another spelling); a row without objects
+    is the category's `<box>None</box>`; counts sum, steps are the longest row's."""
+    from mlx_locate.categories import merge_categories
+    from mlx_locate.parse import LocatedObject
+    from mlx_locate.request import Result
+
+    def row(labels, steps):
+        objects = [LocatedObject(label, (1.0, 2.0, 3.0, 4.0), (1, 2, 3, 4), None, None, 0.5) for label in labels]
+        stats = {"steps": steps, "tokens": 3, "decode_s": 0.1 * steps, "stop_reason": "im_end"}
+        return Result(objects, [], "", [], [7] * steps, [0.5] * steps, [2, 2], (10, 10), "fast", False, stats)
+
+    merged = merge_categories(["Red Car", "dog"], [row(["red car", "cars"], 4), row([], 2)])
+    assert [o.label for o in merged.objects] == ["Red Car", "Red Car"] and merged.empty_labels == ["dog"]
+    assert (
+        merged.text == "<ref>Red Car</ref><box><1><2><3><4></box><box><1><2><3><4></box><ref>dog</ref><box>None</box>"
+    )
+    assert (merged.stats["steps"], merged.stats["row_steps"], merged.stats["tokens"]) == (4, 6, 6)
+    assert merged.stats["decode_s"] == pytest.approx(0.4)
