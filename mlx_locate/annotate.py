@@ -22,6 +22,7 @@ from . import jsonl
 from .engine import EventKind
 from .locate import LocateModel
 from .preprocess import load_image
+from .prompts import CATEGORY_SEPARATOR
 from .request import DEFAULT_TASK, Request, Result
 
 LEAN_DROPPED = ("prompt_ids", "token_probs")  # per-token fields left out of the JSONL unless --full
@@ -43,6 +44,12 @@ class Question(NamedTuple):
     def name(self) -> str:
         """The COCO category name."""
         return next(v for v in (self.prompt, self.query, self.task) if v is not None)
+
+    def names(self) -> list[str]:
+        """The COCO category names it answers: each category of a detect query joined by `</c>`, else `name()`."""
+        if self.prompt is None and (self.task or DEFAULT_TASK) == "detect" and self.query is not None:
+            return self.query.split(CATEGORY_SEPARATOR)
+        return [self.name()]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,7 @@ from .annotate import (
 )
 from .draw import draw_objects
 from .parse import LocatedObject
-from .prompts import task_text
+from .prompts import CATEGORY_SEPARATOR, task_text
 from .request import DEFAULT_TASK
 
 DEFAULT_IMAGES_PER_TASK = 16
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         '.jsonl list of paths (one JSON string or {"image": PATH} per line; relative to the list\'s folder)',
     )
     cli.add_questions(p)
+    cli.add_categories(p)
     cli.add_max_pixels(p)
     cli.add_image_options(p)
     cli.add_rows(p)
@@ -146,7 +147,11 @@ def shard_of(path: str, count: int) -> int:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express; each exits with status 2 through `parser.error`."""
     if args.merge is not None:
-        used = [f"--{n}" for n in ("images", "out", "query", "prompt", "draw", "shard", "ray") if getattr(args, n)]
+        used = [
+            f"--{n}"
+            for n in ("images", "out", "query", "categories", "prompt", "draw", "shard", "ray")
+            if getattr(args, n)
+        ]
         if used:
             parser.error(f"--merge joins finished outputs; drop {', '.join(used)}")
         if len(args.merge) < 2:
@@ -169,7 +174,9 @@ def settings_of(args: argparse.Namespace) -> Settings:
         questions = tuple(Question(None, None, prompt) for prompt in args.prompt)
     else:
         task = args.task or DEFAULT_TASK
-        questions = tuple(Question(task, query) for query in (args.query or [None]))
+        categories = cli.categories_of(args)
+        queries = [CATEGORY_SEPARATOR.join(categories)] if categories is not None else args.query or [None]
+        questions = tuple(Question(task, query) for query in queries)
     for q in questions:
         if q.prompt is None:
             task_text(q.task, q.query)
@@ -257,11 +264,11 @@ def owned_exports(jsonls: Iterable[Path]) -> set[str]:
     return set().union(*(exports.read_manifest(exports.manifest_path(p)) for p in jsonls))
 
 
-def write_exports(targets: dict[str, Path], out: Path, ids: dict[str, int], categories: list[str]) -> None:
+def write_exports(targets: dict[str, Path], out: Path, ids: dict[str, int], groups: list[list[str]]) -> None:
     """Write every export from the whole JSONL `out` and record them beside it; a failure leaves `out` intact."""
     if not targets:
         return
-    ds = exports.dataset(output_lines(out), ids, categories, exports.images_root(ids))
+    ds = exports.dataset(output_lines(out), ids, groups, exports.images_root(ids))
     written: list[str] = []
     try:
         for kind, target in targets.items():
@@ -278,7 +285,7 @@ def write_exports(targets: dict[str, Path], out: Path, ids: dict[str, int], cate
         print(f"note: {points} points left out of {', '.join(pointless)} (no points in the format)", file=sys.stderr)
     if "labelstudio" in targets:
         print("Label Studio labelling config (Settings > Labeling Interface > Code):", file=sys.stderr)
-        print(exports.labelstudio_config(categories))
+        print(exports.labelstudio_config(ds.categories))
 
 
 def check_new(paths: Iterable[Path], overwrite: bool, what: str) -> None:
@@ -347,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
         write_sorted(out, [out])  # done: the lines in the images' order, whatever order they finished in
 
     ids = {path: i for i, path in enumerate(images, start=1)}
-    write_exports(targets, out, ids, [q.name() for q in settings.questions])
+    write_exports(targets, out, ids, [q.names() for q in settings.questions])
     failed = sum(not done[p] for p in part)
     where = f" by {len(workers)} Ray workers" if args.ray is not None and pending else ""
     print(
@@ -419,8 +426,8 @@ def merge(out: Path, parts: list[Path], targets: dict[str, Path], overwrite: boo
     written, duplicates = write_sorted(out, parts)
     if targets:
         ids = {line["image"]: i for i, line in enumerate(output_lines(out), start=1)}
-        names = [Question(q.get("task"), q.get("query"), q.get("prompt")).name() for q in questions or []]
-        write_exports(targets, out, ids, names)
+        questions = [Question(q.get("task"), q.get("query"), q.get("prompt")) for q in questions or []]
+        write_exports(targets, out, ids, [q.names() for q in questions])
     print(f"{written} images from {len(parts)} files into {out} ({duplicates} duplicates dropped)", file=sys.stderr)
     return 0
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from pathlib import Path
 
 import mlx.core as mx
 
+from .categories import category_names
 from .checkpoint import DTYPES
 from .decide import Guards, Mode
 from .locate import load
@@ -145,8 +147,59 @@ def add_questions(p: argparse.ArgumentParser, several_prompts: bool = True) -> N
 
 
 def check_questions(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.prompt is not None and (args.task is not None or args.query):
-        parser.error("--prompt is the whole user text; it cannot be combined with --task or --query")
+    categories = has_categories(args)
+    if args.prompt is not None and (args.task is not None or args.query or categories):
+        parser.error(
+            "--prompt is the whole user text; it cannot be combined with --task or --query, nor with --categories"
+        )
+    if categories and (args.task or DEFAULT_TASK) != "detect":
+        parser.error(f"--categories: only --task detect takes several categories, not --task {args.task}")
+    if categories and args.query:
+        parser.error("--categories make one detect request; ask separate questions with --query instead")
+    if getattr(args, "joint_categories", False) and not categories:
+        parser.error("--joint-categories only applies with --categories, --category or --categories-file")
+
+
+def add_categories(p: argparse.ArgumentParser) -> None:
+    """--categories, repeatable --category, --categories-file and --joint-categories: one detect request for
+    several categories, decoded one category per row (or in one joint prompt)."""
+    c = p.add_argument_group("categories (one detect request, one row per category unless --joint-categories)")
+    c.add_argument("--categories", metavar="LIST", type=utf8_text, help='comma-separated categories, e.g. "car,person"')
+    c.add_argument("--category", action="append", type=utf8_text, help="one category; repeatable")
+    c.add_argument("--categories-file", metavar="PATH", help="a text file of categories, one per line")
+    c.add_argument(
+        "--joint-categories",
+        action="store_true",
+        help="ask every category in ONE prompt joined by </c>, as the reference does (also implied by --strict); "
+        "by default each category decodes in its own row of the batch, sharing the image's work",
+    )
+
+
+def has_categories(args: argparse.Namespace) -> bool:
+    given = ("categories", "category", "categories_file")
+    return any(getattr(args, name, None) is not None for name in given)
+
+
+def categories_of(args: argparse.Namespace) -> list[str] | None:
+    """The categories `add_categories`' flags give, in order (--categories, --category, --categories-file), or
+    None; `ValueError` for a missing, unreadable or empty file or a bad name (`categories.category_names`)."""
+    if not has_categories(args):
+        return None
+    names = args.categories.split(",") if args.categories is not None else []
+    names += args.category or []
+    if args.categories_file is not None:
+        path = Path(args.categories_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--categories-file {path}: {'not a file' if path.exists() else 'no such file'}")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"--categories-file {path}: not UTF-8 text") from None
+        lines = [line for line in lines if line.strip()]
+        if not lines:
+            raise ValueError(f"--categories-file {path} is empty; write one category per line")
+        names += lines
+    return category_names(names)
 
 
 # --- decoding and sampling ---
@@ -163,7 +216,11 @@ def add_decoding(p: argparse.ArgumentParser, max_tokens: int = DEFAULT_MAX_TOKEN
         "(default: %(default)s)",
     )
     add_max_tokens(d, max_tokens)
-    d.add_argument("--strict", action="store_true", help="the reference's decisions exactly: every guard off")
+    d.add_argument(
+        "--strict",
+        action="store_true",
+        help="the reference's decisions exactly: every guard off, several categories in one joint prompt",
+    )
     d.add_argument("--no-end-guard", action="store_true", help="do not stop when <|im_end|> or <null> leads a block")
     d.add_argument("--no-loop-guard", action="store_true", help="do not stop when a box repeats the previous one")
     d.add_argument("--box-start-guard", action="store_true", help="block decoding fails unless <box> leads")
@@ -234,6 +291,7 @@ def request_options(args: argparse.Namespace) -> dict:
         "max_tokens": args.max_tokens,
         "sampling": sampling_of(args),
         "strict": args.strict,
+        "joint": getattr(args, "joint_categories", False),
         "guards": guards_of(args),
         "redecode_labels": args.redecode_labels,
         "rendering": args.rendering,

@@ -49,6 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import SlotCache, rows_bucket
+from .categories import category_pieces, is_multi, merge_categories, split_categories
 from .compiled import BLOCK_ROWS, Phase, padded_rows
 from .decide import Mode, Next
 from .parse import LocatedObject, parse_tokens
@@ -203,10 +204,12 @@ class _Row:
 
 
 class _Tiled(NamedTuple):
-    """A tiled request's host work: its image and its views' requests."""
+    """A tiled or split request's host work: its image and its views' requests (a split request's: one per
+    category, whose names are `categories`)."""
 
     image: PreparedImage
     requests: list[Request]
+    categories: list[str] | None = None
 
 
 class _Saved(NamedTuple):
@@ -234,7 +237,8 @@ class Engine:
         self.cache: SlotCache | None = None
         self.rows: list[_Row | None] = []  # by slot
         self.seen: mx.array | None = None  # (cache rows, V) bool: ids already in each sequence (repetition penalty)
-        self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}
+        self.tiles: dict[Handle, tuple[PreparedImage, list[Request], list[Handle]]] = {}  # tiled and split requests
+        self.categories: dict[Handle, list[str]] = {}  # a split request's categories
         self.prefetch: dict[Handle, Future] = {}  # host work started ahead, by handle
         self.staged: deque[_Row] = deque()  # taken from `waiting` in turn, host work done, waiting for a row
         self.vision_ahead: TowerJob | None = None  # vision of staged rows, in pieces behind decode steps
@@ -277,6 +281,7 @@ class Engine:
         self.prefetch.pop(handle, None)
         for row in [r for r in self.staged if r.handle is handle]:
             self.staged.remove(row)
+        self.categories.pop(handle, None)
         for child in self.tiles.pop(handle, (None, [], []))[2]:
             self.cancel(child)
 
@@ -352,9 +357,13 @@ class Engine:
         image, requests, children = self.tiles[parent]
         if child.error is not None:
             self.tiles.pop(parent)
+            self.categories.pop(parent, None)
             for other in children:
                 self.cancel(other)
             self._fail(parent, child.error, out)
+            return
+        if parent in self.categories:
+            self._categories_done(parent, child, self.categories[parent], children, out)
             return
         view, tile, size = children.index(child), child.request.tag, image.rgb.size
         objects = [to_image(o, tile, size) for o in child.result.objects]
@@ -373,6 +382,26 @@ class Engine:
             for label in result.empty_labels:
                 self._emit(parent, EngineEvent(parent, EventKind.EMPTY, label=label), out)
             self._succeed(parent, result, out)
+
+    def _categories_done(self, parent: Handle, child: Handle, names: list[str], children: list[Handle], out) -> None:
+        """A category's row finished: its text (with `text`) once the categories before it have finished, in
+        category order; when every row has, the parent's objects and its merged result."""
+        done = [c.result is not None for c in children]
+        at = children.index(child)
+        if parent.text and all(done[:at]):
+            for k in range(at, done.index(False) if False in done else len(done)):
+                for piece in category_pieces(names[k], children[k].result):
+                    self._emit(parent, EngineEvent(parent, EventKind.TEXT, text=piece), out)
+        if not all(done):
+            return
+        self.tiles.pop(parent)
+        self.categories.pop(parent)
+        result = merge_categories(names, [c.result for c in children])
+        for obj in result.objects:
+            self._emit(parent, EngineEvent(parent, EventKind.OBJECT, object=obj), out)
+        for label in result.empty_labels:
+            self._emit(parent, EngineEvent(parent, EventKind.EMPTY, label=label), out)
+        self._succeed(parent, result, out)
 
     # --- isolation: a step that raises is retried over halves of its rows ---
 
@@ -429,7 +458,12 @@ class Engine:
         r, model = handle.request, self.model
         t0 = time.perf_counter()
         check_request(r, model.token_ids.vocab_size)
+        names, views = split_categories(r) if is_multi(r) else (None, [])
+        if names is not None:
+            r = replace(r, query=names)  # checked, repeats merged
         image = model.prepare(r.image, r.max_pixels, r.orientation, r.max_image_tokens)
+        if views:  # one row per category, each on the image prepared once
+            return _Tiled(image, [replace(v, image=image) for v in views], names)
         limit = r.max_image_tokens or model.in_token_limit
         if r.tiles is not None and (views := split_request(r, image.rgb, limit, model.patch_size)):
             return _Tiled(image, views)
@@ -489,6 +523,8 @@ class Engine:
                 # The views take the tiled request's place: its group keeps its turn.
                 children = [Handle(next(self._ids), c, parent=handle, group=handle.group) for c in work.requests]
                 self.tiles[handle] = (work.image, work.requests, children)
+                if work.categories is not None:
+                    self.categories[handle] = work.categories
                 views = self.waiting.pop(handle.group, deque())
                 views.extendleft(reversed(children))
                 self.waiting[handle.group] = views

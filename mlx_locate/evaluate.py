@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_rendering(p)
     cli.add_image_options(p)
     cli.add_rows(p)
+    p.add_argument(
+        "--split-categories",
+        action="store_true",
+        help="decode a detection sample's categories one per row (default: one joint prompt, the paper's protocol)",
+    )
     p.add_argument("--gui-task", choices=("point", "gui"), default="point", help="GUI prompt: a point or a box")
     p.add_argument("--limit", type=cli.positive_int, help="only the first N samples of each benchmark")
     p.add_argument("--out", help="folder for answer files and report.json, report.md, f1_vs_iou.png")
@@ -108,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             max_image_tokens=args.max_image_tokens,
             gui_task=args.gui_task,
             limit=args.limit,
+            split_categories=args.split_categories,
         )
         rows, sources = evaluate(model, benches, out, args.modes, options, progress=not args.no_progress)
     report = build_report(rows, sources, **about)

@@ -41,27 +41,38 @@ class Dataset:
 
     lines: list[dict]  # {"image": PATH, "size": [W, H], "results": [{"objects": [...]}, ...]}
     ids: dict[str, int]  # image path -> COCO image id
-    categories: list[str]  # the questions' names, in the order asked
+    groups: list[list[str]]  # each question's category names (several for a detect question of several)
     root: Path  # the images' folder: file names are relative to it
 
+    @property
+    def categories(self) -> list[str]:
+        """Every question's names, in the order asked."""
+        return [name for names in self.groups for name in names]
+
     def objects(self, line: dict) -> Iterable[tuple[int, dict]]:
-        """(0-based category, object) of every object of a line."""
-        for category, result in enumerate(line["results"]):
+        """(0-based category, object) of every object of a line: its question's, or for a question of several
+        categories the one its label names (an object labelled otherwise is left out)."""
+        first = 0
+        for names, result in zip(self.groups, line["results"], strict=True):
             for obj in result["objects"]:
-                yield category, obj
+                if len(names) == 1:
+                    yield first, obj
+                elif obj.get("label") in names:
+                    yield first + names.index(obj["label"]), obj
+            first += len(names)
 
     def relative(self, line: dict) -> str:
         return Path(os.path.relpath(Path(line["image"]).absolute(), self.root.absolute())).as_posix()
 
 
-def dataset(lines: Iterable[dict], ids: dict[str, int], categories: list[str], root: Path) -> Dataset:
+def dataset(lines: Iterable[dict], ids: dict[str, int], groups: list[list[str]], root: Path) -> Dataset:
     """The answered lines of `lines` that have an id, kept to what the exports read."""
     kept = [
         {"image": line["image"], "size": line["size"], "results": [{"objects": r["objects"]} for r in line["results"]]}
         for line in lines
         if "results" in line and line["image"] in ids
     ]
-    return Dataset(kept, ids, categories, root)
+    return Dataset(kept, ids, groups, root)
 
 
 def images_root(paths: Iterable[str]) -> Path:

@@ -1,8 +1,9 @@
 """Command line: `mlx-locate --model M --image I --query Q [--query Q2 ...] [--json] [--draw out.png]`.
 
 Each `--query` is its own question about the image: the image goes through vision and the prompt prefix once
-(one `Session`) and each query decodes on its own. `--categories "car,person"` (or repeated `--category`) asks
-one detect prompt for several categories, joined by `</c>`. `--json` prints one result's object, or for several
+(one `Session`) and each query decodes on its own. `--categories "car,person"` (or repeated `--category`, or
+`--categories-file`) asks one detect question of several categories: one row each, or one prompt joined by `</c>`
+with `--joint-categories`. `--json` prints one result's object, or for several
 queries `{"queries": [{"query": Q, ...}, ...]}`. `python -m mlx_locate.generate` runs the same `main`.
 
 Errors a user can cause (a missing, unreadable or too large image, a missing model folder, a bad config, an
@@ -38,15 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_max_pixels(p)
     cli.add_image_options(p)
     cli.add_questions(p, several_prompts=False)
-    p.add_argument(
-        "--categories",
-        metavar="LIST",
-        type=cli.utf8_text,
-        help='comma-separated categories asked in ONE detect prompt, e.g. "car,person" (joined by </c>)',
-    )
-    p.add_argument(
-        "--category", action="append", type=cli.utf8_text, help="one category of that detect prompt; repeatable"
-    )
+    cli.add_categories(p)
     cli.add_decoding(p)
     cli.add_sampling(p)
     cli.add_tiling(p)
@@ -59,13 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express; each exits with status 2 through `parser.error`."""
-    categories = args.categories is not None or args.category
-    if args.prompt is not None and (args.task is not None or args.query or categories):
-        parser.error("--prompt is the whole user text; it cannot be combined with --task, --query or --categories")
-    if categories and (args.task or DEFAULT_TASK) != "detect":
-        parser.error(f"--categories/--category: only --task detect takes several categories, not --task {args.task}")
-    if categories and args.query:
-        parser.error("--categories/--category make one detect prompt; ask separate questions with --query instead")
+    cli.check_questions(parser, args)
     cli.check_decoding(parser, args)
     cli.check_tiling_flags(parser, args)
     if args.overwrite and not args.draw:
@@ -77,9 +64,9 @@ def task_and_queries(args: argparse.Namespace) -> tuple[str, list[str | list[str
     if args.prompt is not None:
         return "raw", [args.prompt]
     task = args.task or DEFAULT_TASK
-    if args.categories is not None or args.category:
-        listed = args.categories.split(",") if args.categories is not None else []
-        return task, [[c.strip() for c in [*listed, *(args.category or [])]]]
+    categories = cli.categories_of(args)
+    if categories is not None:
+        return task, [categories]
     return task, list(args.query or [None])
 
 

@@ -75,15 +75,24 @@ class LocateModel(Runtime):
         image: str | Path | Image.Image | PreparedImage,
         query: str | list[str] | None = None,
         *,
+        categories: list[str] | None = None,
         rendering: str = "A",
         **kwargs,
     ) -> Result | list[Result]:
         """Find `query` in `image`; a list of queries gives a list of results, decoded together as one batch.
+        `categories` (instead of `query`): one detect `Result` for all of them, each category decoded in its own
+        row of one batch (`joint=True`: in one prompt, as the reference), objects in category order.
 
-        Keyword arguments are the fields of `engine.Request` (task, mode, max_tokens, sampling, strict, guards,
-        redecode_labels, prompt, seed, max_pixels, orientation, max_image_tokens, tiles, tile_overlap, tile_whole).
-        Raises the request's `RequestError` (a ValueError) when it cannot run.
+        Keyword arguments are the fields of `engine.Request` (task, mode, max_tokens, sampling, strict, joint,
+        guards, redecode_labels, prompt, seed, max_pixels, orientation, max_image_tokens, tiles, tile_overlap,
+        tile_whole). Raises the request's `RequestError` (a ValueError) when it cannot run.
         """
+        if categories is not None:
+            if query is not None or kwargs.get("task", "detect") != "detect":
+                raise RequestError("categories make one detect request; do not pass a query or another task")
+            if isinstance(categories, str) or not categories:
+                raise RequestError(f"categories must be a non-empty list of names, got {categories!r}")
+            return self.locate(image, [list(categories)], rendering=rendering, **kwargs)[0]
         queries = query if isinstance(query, list) else [query]
         source = (image.rgb if isinstance(image, PreparedImage) else image, kwargs.get("max_pixels"))  # for draw()
         if isinstance(image, (str, Path)):
@@ -133,7 +142,7 @@ class Session:
         self.unreported = True  # the first result carries the work above
 
     def locate(self, query: str | list[str] | None = None, **kwargs) -> Result:
-        """Find `query` in the session's image (a list: several categories of one detect prompt); keyword
+        """Find `query` in the session's image (a list: several detect categories, one row each); keyword
         arguments as `LocateModel.locate`. Boxes and points come back in the pixels of the image as given."""
         (result,) = self.model.locate_many([Request(self.image, query, rendering=self.rendering, **kwargs)])
         if isinstance(result, RequestError):

@@ -51,7 +51,8 @@ class Request:
     mode: str | Mode = DEFAULT_MODE
     max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: Sampling = Sampling()
-    strict: bool = False
+    strict: bool = False  # the reference's decisions: every guard off, several categories in one joint prompt
+    joint: bool = False  # several detect categories in one prompt (the reference's), not one row each
     guards: Guards = Guards()
     redecode_labels: bool | None = None  # None: on for task "ocr" in hybrid mode
     rendering: str = "A"
@@ -79,9 +80,9 @@ class Result:
     image_size: tuple[int, int]  # (W0, H0) the pixel frame of every box and point
     mode: str
     truncated: bool  # the stream ended inside an item (length cap or stop)
+    stats: dict = field(default_factory=dict)  # timings per phase (s), steps, host reads, stop reason
     orientation: str = "exif"  # the frame of `image_size`, boxes and points: "exif" (as a viewer shows) or "stored"
     warnings: list[str] = field(default_factory=list)  # about the image (only its first frame used, ...)
-    stats: dict = field(default_factory=dict)  # timings per phase (s), steps, host reads, stop reason
     # (image or path, max_pixels) that `locate()` answered, for `draw`; not a field, so never copied or serialised
     source = None
 

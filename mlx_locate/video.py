@@ -52,7 +52,7 @@ from .engine import EventKind
 from .locate import LocateModel
 from .metrics import iou
 from .parse import LocatedObject
-from .prompts import task_text
+from .prompts import CATEGORY_SEPARATOR, task_text
 from .request import DEFAULT_TASK, Request, RequestError, Result
 
 DEFAULT_FPS = 2.0
@@ -554,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_model(p)
     p.add_argument("--video", required=True, help="video file (anything FFmpeg reads: MP4, MKV, WebM, MOV, ...)")
     cli.add_questions(p, several_prompts=False)
+    cli.add_categories(p)
     p.add_argument(
         "--fps", type=cli.positive_float, default=DEFAULT_FPS, help="frames per second to sample (default: 2)"
     )
@@ -573,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_of(args: argparse.Namespace) -> Settings:
     """The run's settings; `ValueError` for a bad query, sampling or tiling value (before the model loads)."""
     task = args.task or DEFAULT_TASK
-    queries = tuple(args.query or [None])
+    categories = cli.categories_of(args)
+    queries = (CATEGORY_SEPARATOR.join(categories),) if categories is not None else tuple(args.query or [None])
     if args.prompt is None:
         for query in queries:
             task_text(task, query)

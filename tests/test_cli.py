@@ -23,7 +23,7 @@ from mlx_locate.sampling import Sampling
 IMAGE = GOLDEN / "images" / "rgba_400x300.png"  # the smallest golden image (165 image tokens), not square
 # Fast mode on this image and these categories (one detect prompt) commits one box (greedy, so always the same one).
 # Random weights write only faint boxes, which the nucleus guard keeps out; the reference's greedy takes them.
-WITH_BOX = ["--categories", "red box,green circle", "--mode", "fast", "--no-nucleus-guard"]
+WITH_BOX = ["--categories", "red box,green circle", "--joint-categories", "--mode", "fast", "--no-nucleus-guard"]
 QUERIES = ["--query", "red box", "--query", "green circle", "--query", "blue square"]
 _models = {}
 
@@ -85,13 +85,21 @@ def test_json_output(cli):
         np.testing.assert_allclose(pixels, mapped, atol=1e-6)
 
 
-def test_categories_join_into_one_detect_prompt(cli, golden_dir):
+def test_categories_make_one_detect_result(cli, golden_dir):
+    """One result for the categories: one row each by default, one prompt joined by </c> with --joint-categories."""
     separator = cached_load(str(golden_dir("tiny_peaky"))).tokenizer.added_tokens["</c>"]
     code, out, err = cli("--query", "red box", "--json", "--mode", "slow")
     assert code == 0, err
     assert separator not in json.loads(out)["prompt_ids"]
     for args in (["--categories", "red box, green circle"], ["--category", "red box", "--category", "green circle"]):
         code, out, err = cli(*args, "--json", "--mode", "slow")
+        assert code == 0, err
+        data = json.loads(out)
+        assert "queries" not in data and [c["category"] for c in data["stats"]["categories"]] == [
+            "red box",
+            "green circle",
+        ]
+        code, out, err = cli(*args, "--joint-categories", "--json", "--mode", "slow")
         assert code == 0, err
         data = json.loads(out)
         assert "queries" not in data and data["prompt_ids"].count(separator) == 1

@@ -403,7 +403,7 @@ def test_a_tiled_request_streams_each_view_in_image_pixels(demo):
     from mlx_locate.tiles import split_request, to_image
 
     engine = demo.engine(1)
-    request = Request(DEMO_IMAGE, ["square", "circle"], mode="fast", max_tokens=40, tiles=(1, 2))
+    request = Request(DEMO_IMAGE, ["square", "circle"], mode="fast", max_tokens=40, tiles=(1, 2), joint=True)
     handle = engine.submit(request)
     steps_of = {}
     while not engine.idle:

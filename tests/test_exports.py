@@ -160,7 +160,7 @@ def test_label_studio_keeps_points_and_the_others_say_they_left_them_out(tmp_pat
             },
         ],
     }
-    ds = exports.dataset([line], {line["image"]: 1}, ["tip", "box"], tmp_path)
+    ds = exports.dataset([line], {line["image"]: 1}, [["tip"], ["box"]], tmp_path)
     point, box = exports.labelstudio_tasks(ds)[0]["predictions"][0]["result"]
     assert point["type"] == "keypointlabels" and point["value"]["keypointlabels"] == ["tip"]
     assert (point["value"]["x"], point["value"]["y"]) == (25.0, 25.0)

@@ -164,6 +164,8 @@ def flag_pool(workdir: Path) -> list[tuple[str, list[str] | None]]:
         ("--query", ["square", "", "blue circle", " "]),
         ("--categories", ["square,circle", ",", ""]),
         ("--category", ["square", ""]),
+        ("--categories-file", [str(workdir / "notes.txt"), str(workdir / "missing.txt"), str(workdir)]),
+        ("--joint-categories", None),
         ("--prompt", ["<image-1>find the square", ""]),
         ("--mode", ["slow", "fast", "hybrid", "medium"]),
         ("--max-tokens", ["1", "3", "8", "0", "-2", "x"]),

@@ -50,7 +50,7 @@ def queries(sample: BenchSample, gui_task: str = "point") -> list[Query]:
         return [Query(task, c, c) for c in cats]
     if is_ocr(t):
         return [Query("ocr", None, None)]
-    # Detection, hallucination, ...: every category in one prompt (one string: a list would be many requests).
+    # Detection, hallucination, ...: every category in one prompt (`RunOptions.split_categories`: one row each).
     return [Query("detect", CATEGORY_SEPARATOR.join(cats), None)]
 
 
@@ -102,6 +102,7 @@ class RunOptions:
     max_image_tokens: int | None = None
     gui_task: str = "point"
     limit: int | None = None
+    split_categories: bool = False  # a detect sample's categories one per row (default: one joint prompt, the paper's)
 
 
 def predict(model, bench: Benchmark, path: Path, options: RunOptions, progress: bool = False) -> int:
@@ -126,6 +127,7 @@ def predict(model, bench: Benchmark, path: Path, options: RunOptions, progress: 
                 rendering=options.rendering,
                 orientation=options.orientation,
                 max_image_tokens=options.max_image_tokens,
+                joint=not options.split_categories,
                 tag=(s.index, k),
             )
             engine.submit(request)

@@ -365,7 +365,8 @@ class Decoding(BaseModel):
 class LocateBody(Decoding):
     image: str | None = None  # data URL or base64 (or a file part in multipart)
     query: Text | list[Text] | None = None  # a list: separate questions, answered under "queries"
-    categories: list[Text] | None = None  # several categories in ONE detect prompt
+    categories: list[Text] | None = None  # several categories of one detect request: one row each, one result
+    joint: bool = False  # categories in ONE prompt joined by </c> (the reference's; also with strict)
     task: Literal[TASKS] = "detect"
     tiles: Literal["auto"] | tuple[Int, Int] | None = None
     stream: bool = False
@@ -624,14 +625,14 @@ def create_app(load: Callable[[], LocateModel], settings: Settings | None = None
         fields, data = await body_fields(request)
         body: LocateBody = parse(LocateBody, fields)
         if body.categories is not None and (body.query is not None or body.task != "detect"):
-            raise InputError("invalid_request", "categories make one detect prompt; do not combine with query/task")
+            raise InputError("invalid_request", "categories make one detect request; do not combine with query/task")
         queries = body.query if isinstance(body.query, list) else [body.query]
         if body.categories is not None:
             queries = [body.categories]
         if not queries:
             raise InputError("invalid_request", "query is an empty list")
         image, held = await image_source(body.image, data)
-        options = body.options(settings)
+        options = {**body.options(settings), "joint": body.joint}
         job_requests = build_requests(image, queries, body.task, vocab, tiles=body.tiles, **options)
         job_requests, holding = await decoded(image, held, job_requests)
         image = job_requests[0].image  # the decoded pixels

@@ -121,15 +121,20 @@ def build_server(load: Callable[[], LocateModel], settings: Settings | None = No
         task: Literal[TASKS] = "detect",
         mode: Literal["slow", "fast", "hybrid"] = "hybrid",
         max_tokens: int = 512,
+        categories: list[str] | None = None,
     ) -> LocateAnswer:
         """Every box or point in the image that matches `query` (no query for task 'ocr'), in pixels.
+        `categories` (instead of `query`, task detect): several categories at once, one answer in their order.
 
         Give the image as `image_path` (a local file) or `image_base64`. `task`: detect (all instances of a
         category), single, refer (a referring phrase), point, gui (a screen element's box), textground, ocr,
         raw (query = the whole prompt). `mode`: hybrid (default), fast (boxes in parallel) or slow.
         """
         options = {"mode": mode, "max_tokens": max_tokens, "max_pixels": settings.max_pixels}
-        (result,) = await answer(image_path, image_base64, [(query, task)], options)
+        if categories is not None and (query is not None or task != "detect"):
+            raise ToolError("categories make one detect request; do not combine with query or another task")
+        ask = (list(categories), "detect") if categories is not None else (query, task)
+        (result,) = await answer(image_path, image_base64, [ask], options)
         return LocateAnswer.model_validate(locate_json("", settings.model_name, task, mode, None, [result]))
 
     @server.tool()

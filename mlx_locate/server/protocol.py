@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from ..categories import category_names, is_multi
 from ..engine import check_request
 from ..parse import json_pixels
 from ..preprocess import load_image, open_header
@@ -123,12 +124,14 @@ def build_requests(
     image: Image.Image, queries: Sequence[str | list[str] | None], task: str, vocab_size: int | None, **options
 ) -> list[Request]:
     """One engine `Request` per query (each its own question about `image`; a list is several categories of
-    one detect prompt), each checked now as the engine will check it again (`check_request`), so a bad task,
+    one detect request), each checked now as the engine will check it again (`check_request`), so a bad task,
     query or number is an `InputError` before anything is queued. `options` are `Request` fields."""
     requests = [Request(image, q, task=task, **options) for q in queries]
     for r in requests:
         try:
             task_text(task, r.query)
+            if is_multi(r):
+                category_names(r.query)
             if vocab_size is not None:
                 check_request(r, vocab_size)
         except (RequestError, ValueError) as e:
