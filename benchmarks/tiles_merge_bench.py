@@ -37,7 +37,7 @@ import pickle
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -140,7 +140,9 @@ def scatter(rng, size, things: list[Thing], n: int, gap: int, keep_off: tuple = 
     for _ in range(n):
         for _attempt in range(200):
             shape = str(rng.choice(SHAPES))
-            box = thing_box(rng, shape, int(rng.integers(0, size[0] - SIDE[1])), int(rng.integers(0, size[1] - SIDE[1])))
+            box = thing_box(
+                rng, shape, int(rng.integers(0, size[0] - SIDE[1])), int(rng.integers(0, size[1] - SIDE[1]))
+            )
             if all(apart(box, t.box, gap) for t in things) and all(apart(box, k, keep_gap) for k in keep_off):
                 things.append(Thing(shape, box))
                 break
@@ -167,7 +169,9 @@ def seam(seed: int, in_token_limit: int, patch: int, overlap: float) -> Drawn:
         if rows > 1 and cols > 1:
             break
     tiles = tile_boxes(size, rows, cols, overlap)
-    edges = [sorted({b[a] for b in tiles if b[a] > 0} | {b[a + 2] for b in tiles if b[a + 2] < size[a]}) for a in (0, 1)]
+    edges = [
+        sorted({b[a] for b in tiles if b[a] > 0} | {b[a + 2] for b in tiles if b[a + 2] < size[a]}) for a in (0, 1)
+    ]
     shape = asked(seed)
     corner = rng.random() < 0.25
     axis = int(rng.integers(0, 2))
@@ -196,7 +200,7 @@ def decode(model, jobs: list[tuple[Drawn, str]], max_tokens: int, batch_size: in
     for scene, query in jobs:
         parent = Request(scene.image, query, tiles="auto", max_tokens=max_tokens)
         views = split_request(parent, scene.image, model.in_token_limit, model.patch_size)
-        parents.append((parent, views))
+        parents.append((parent, [replace(v, image=None) for v in views]))  # kept without their crops
         children += views
     results = model.locate_many(children, max_rows=batch_size)
     out, at = [], 0
@@ -298,15 +302,29 @@ def scored(decoded: list[tuple], jobs: list[tuple[Drawn, str]], method) -> dict:
 
 
 def seam_counts(decoded: list[tuple], scenes: list[Drawn], method) -> dict:
-    counts = {"once": 0, "more": 0, "missed": 0}
+    """Placements whose object comes back once, more than once, or not at all (no box of IoU >= 0.5); of the
+    missed, those no view drew at IoU >= 0.5 (no merge can give them), and the same by shape."""
+    counts = {"once": 0, "more": 0, "missed": 0, "no view drew it": 0, "by shape": {}}
     for (request, views, results), scene in zip(decoded, scenes, strict=True):
         target = scene.things[scene.target]
         boxes = [b for label, b in method(request, scene.image, views, results) if label == target.shape]
         over = [b for b in boxes if iou(b, target.box) > 0]
         if len(over) > 1:
-            counts["more"] += 1
+            outcome = "more"
         else:
-            counts["once" if over and iou(over[0], target.box) >= MATCH else "missed"] += 1
+            outcome = "once" if over and iou(over[0], target.box) >= MATCH else "missed"
+        counts[outcome] += 1
+        shape = counts["by shape"].setdefault(target.shape, {"once": 0, "placements": 0})
+        shape["once"] += outcome == "once"
+        shape["placements"] += 1
+        drawn = [
+            (o.box[0] + v.tag.box[0] * (not v.tag.whole), o.box[1] + v.tag.box[1] * (not v.tag.whole))
+            + (o.box[2] + v.tag.box[0] * (not v.tag.whole), o.box[3] + v.tag.box[1] * (not v.tag.whole))
+            for v, r in zip(views, results, strict=True)
+            for o in r.objects
+            if o.box is not None and o.label == target.shape
+        ]
+        counts["no view drew it"] += outcome == "missed" and not any(iou(b, target.box) >= MATCH for b in drawn)
     return counts
 
 
@@ -317,16 +335,20 @@ def table(report: dict) -> str:
         f"(square in every other scene, the other shapes in turn), {d['views']} views, {d['objects']} objects asked; "
         f"seams: {s['placements']} placements",
         "",
-        "| merge | recall | precision | false: duplicate / piece / another shape / nothing | seam object once |",
-        "|---|---|---|---|---|",
+        "| merge | recall | precision | false: duplicate / piece / another shape / nothing | seam object once | "
+        "seam squares once |",
+        "|---|---|---|---|---|---|",
     ]
     for name in METHODS:
         m, c = d["methods"][name], s["methods"][name]
+        squares = c["by shape"].get("square", {})
         f = m["false"]
         rows.append(
             f"| {name} | {m['recall']:.3f} ({m['matched']}/{m['objects']}) | {m['precision']:.3f} "
             f"({m['matched']}/{m['predicted']}) | {f['duplicate']} / {f['piece']} / {f['another shape']} / "
-            f"{f['nothing']} | {c['once']} of {s['placements']} ({c['more']} more, {c['missed']} missed) |"
+            f"{f['nothing']} | {c['once']} of {s['placements']} ({c['more']} more, {c['missed']} missed, "
+            f"{c['no view drew it']} of them drawn by no view) | "
+            f"{squares.get('once', 0)} of {squares.get('placements', 0)} |"
         )
     return "\n".join(rows)
 
@@ -339,15 +361,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="first scene seed (default: 0)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, help="engine rows (default: the engine's)")
-    p.add_argument("--views", help="PREFIX of files of decoded views (PREFIX-dense.pkl, PREFIX-seams.pkl): read when "
-                   "they exist (the same scenes), else written")
+    p.add_argument(
+        "--views",
+        help="PREFIX of files of decoded views (PREFIX-dense.pkl, PREFIX-seams.pkl): read when "
+        "they exist (the same scenes), else written",
+    )
     p.add_argument("--note", default="", help="the machine's state, stored with the figures")
     p.add_argument("--json", help="output JSON (default: none)")
     args = p.parse_args(argv)
     model = load(args.model)
     seeds = range(args.seed, args.seed + max(args.dense, args.seams))
     dense_jobs = [(dense(s), asked(s)) for s in seeds[: args.dense]]
-    seam_scenes = [seam(s, model.in_token_limit, model.patch_size, Request(None, "").tile_overlap) for s in seeds[: args.seams]]
+    seam_scenes = [
+        seam(s, model.in_token_limit, model.patch_size, Request(None, "").tile_overlap) for s in seeds[: args.seams]
+    ]
     seam_jobs = [(scene, scene.things[scene.target].shape) for scene in seam_scenes]
     t0 = time.perf_counter()
     dense_decoded = views(model, dense_jobs, "dense", args)
