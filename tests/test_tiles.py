@@ -189,6 +189,13 @@ def test_a_piece_at_a_seam_defers_to_the_box_of_a_tile_that_holds_the_object():
     assert [(o.box, o.confidence) for o in out.objects] == [((230, 58, 262, 92), 0.95)]
 
 
+def test_a_piece_drawn_away_from_the_seam_joins_the_box_of_the_tile_that_holds_the_object():
+    # An object at x 140..180 crosses tile 1's seam at 160; tile 1 draws its piece shifted into the tile
+    # (172..212), clear of the seam, sharing 0.2 of the smaller box with tile 0's box, which reaches the seam.
+    out = merged(TWO, [[obj("a", (140, 60, 180, 100), 0.7)], [obj("a", (12, 60, 52, 100), 0.9)]])
+    assert [(o.box, o.confidence) for o in out.objects] == [((140, 60, 180, 100), 0.9)]
+
+
 def test_a_piece_defers_only_to_a_box_that_reaches_past_its_tile():
     # Tile 1's box lies inside tile 0 too (x 180..215): tile 0 saw that object whole, so its box at the seam
     # is another object.
