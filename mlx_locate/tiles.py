@@ -14,13 +14,13 @@ to the image and merges the duplicates that tiles share:
   (SAHI's greedy merge): per label, an object joins another when their boxes' intersection is at least
   `MERGE_IOS` of the smaller box, or their points lie within `POINT_RADIUS` of a tile's shorter side. A box
   touching an inner seam of its tile is a piece: it joins any overlapping box of another tile that lies inside
-  that tile and reaches past its own (the model often draws a piece wider than what it sees). So does any box of a
-  tile that an uncut box of another tile reaching its seam overlaps by `PIECE_IOS` of the smaller box (the
-  piece drawn shifted away from the seam). A group keeps the
-  box of a view that saw the whole object (not cut by a seam, no uncut box of another tile reaching past its
-  tile), a tile before the whole image, then one past whose tile no other tile saw an edge of the object, the
-  box the others agree with most, the most confident; and the group's best confidence. A tile box covering the
-  whole tile is a piece of something larger than the tile and is dropped (the whole image sees such objects).
+  that tile and reaches past its own (the model often draws a piece wider than what it sees). So does a box
+  that an uncut box of another tile reaching its tile's seam overlaps by `PIECE_IOS` of the smaller box (the
+  piece drawn shifted away from the seam). A group keeps the box of a view that saw the whole object (not cut
+  by a seam, no uncut box of another tile reaching past its tile), a tile before the whole image, then one past
+  whose tile no other tile saw an edge of the object, the box the others agree with most, the most confident;
+  and the group's best confidence. A tile box covering the whole tile is a piece of something larger than the
+  tile and is dropped (the whole image sees such objects).
 - Then the tiles vote (`outvoted`): a tile holds a box lying at least `HOLD_MARGIN` of its side inside its inner
   edges (it saw the object whole, at full scale, away from the crop's edge). An object is dropped when at least
   as many tiles held it and found nothing of its label overlapping it as views found it: what one tile drew and
