@@ -1,7 +1,7 @@
 """How the tiles' merge does on scenes drawn here, independently of `mlx_locate.synthetic`: precision, recall and
 objects across a seam given once, for `merge_results` and for SAHI's greedy merge on the same decoded views.
 
-    python benchmarks/tiles_merge_bench.py [--dense 30] [--seams 24] [--seed 0] [--views views.pkl] \
+    python benchmarks/tiles_merge_bench.py [--dense 30] [--seams 24] [--seed 0] [--views /tmp/views] \
         [--note "..."] [--json benchmarks/results/tiles_merge_cpu.json]
 
 Scenes (drawn by this file, not by the project's generators; deterministic in `--seed`):
@@ -11,12 +11,13 @@ Scenes (drawn by this file, not by the project's generators; deterministic in `-
   seeds), circle, triangle, diamond and star in turn of the others;
 - seam placements: an image of random size (600-1300 x 450-1000 px) whose tiles are those `split_request`
   chooses (`tiles="auto"`, the model's budget), one shape of 25-45 px (a square for an even seed, the other
-  shapes in turn for odd ones) across an inner tile edge (cut at 15-85 %),
-  a quarter of them across a vertical and a horizontal edge at once (a tile corner), among 10-20 other shapes kept
-  10 px away; its shape asked. Once: exactly one box overlaps it, with IoU >= 0.5.
+  shapes in turn for odd ones) across an inner tile edge (cut at 15-85 %), a quarter of them across a vertical
+  and a horizontal edge at once (a tile corner), among 10-20 other shapes kept 10 px away; its shape asked.
+  Once: exactly one box overlaps it, with IoU >= 0.5.
 
 Each request's views (`tiles.split_request`, the whole image first) are decoded together through one engine
-(`locate_many`); `--views` keeps them in a file, so another merge can be replayed on the same views. Then:
+(`locate_many`); `--views PREFIX` keeps them in PREFIX-dense.pkl and PREFIX-seams.pkl, so another merge (another
+checkout running this file) can be replayed on the same views. Then:
 - "merge_results": the project's merge (`tiles.merge_results`, what `tiles="auto"` returns);
 - "SAHI greedy NMM": SAHI's default postprocess for sliced prediction (GREEDYNMM, IOS >= 0.5, per label): the
   most confident box takes every box of its label whose intersection is at least half of the smaller box, and
