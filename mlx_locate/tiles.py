@@ -14,13 +14,18 @@ to the image and merges the duplicates that tiles share:
   (SAHI's greedy merge): per label, an object joins another when their boxes' intersection is at least
   `MERGE_IOS` of the smaller box, or their points lie within `POINT_RADIUS` of a tile's shorter side. A box
   touching an inner seam of its tile is a piece: it joins any overlapping box of another tile that lies inside
-  that tile and reaches past its own (the model often draws a piece wider than what it sees). A group keeps the
-  box of a view that saw the whole object (not cut by a seam, no uncut box of another tile reaching past its
-  tile), a tile before the whole image, then one past whose tile no other tile saw an edge of the object, the
-  box the others agree with most, the most confident; and the group's best confidence. A tile box covering the
-  whole tile is a piece of something larger than the tile and is dropped (the whole image sees such objects); so
-  is an object only the whole image found that lies inside a tile: that tile saw it at full resolution and found
-  nothing.
+  that tile and reaches past its own (the model often draws a piece wider than what it sees). So does a box
+  that an uncut box of another tile reaching its tile's seam overlaps by `PIECE_IOS` of the smaller box (the
+  piece drawn shifted away from the seam). A group keeps the box of a view that saw the whole object (not cut
+  by a seam, no uncut box of another tile reaching past its tile), a tile before the whole image, then one past
+  whose tile no other tile saw an edge of the object, the box the others agree with most, the most confident;
+  and the group's best confidence. A tile box covering the whole tile is a piece of something larger than the
+  tile and is dropped (the whole image sees such objects).
+- Then the tiles vote (`outvoted`): a tile holds a box lying at least `HOLD_MARGIN` of its side inside its inner
+  edges (it saw the object whole, at full scale, away from the crop's edge). An object is dropped when at least
+  as many tiles held it and found nothing of its label overlapping it as views found it: what one tile drew and
+  the tile beside it, seeing the same pixels, did not. An object only the whole image found, no larger than a
+  tile, is dropped too when a tile found another object of its label there (the whole image's box is coarse).
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ MAX_TILES = 64  # tiles per image (auto or given); bounds what one request may c
 MAX_TILE_ASPECT = 1.5  # auto tiles are at most this elongated (or as elongated as the image)
 MAX_OVERLAP = 0.5  # fraction of a tile shared with its neighbour
 MERGE_IOS = 0.5  # boxes of one label whose intersection is this much of the smaller box are one object
+PIECE_IOS = 0.15  # ... or this much, when one is a piece of the other (`piece_of`)
 SEAM_MARGIN = 0.02  # a box edge within this fraction of a tile side from an inner seam is cut by it
 SPAN_FRACTION = 0.9  # a tile box this wide and this high (fractions of the tile) is a seam artefact
+HOLD_MARGIN = 0.03  # a tile holds a box lying this fraction of a tile side or more inside its inner edges
 POINT_RADIUS = 0.05  # points of one label closer than this fraction of a tile's shorter side are one
 SINGLE_TASKS = ("single", "gui")  # one instance asked: the merged answer keeps the most confident object
 SUMMED_STATS = (
@@ -182,6 +189,7 @@ class Candidate:
     view: int  # index of the child it came from
     tile: Tile
     seams: tuple[bool, bool, bool, bool]  # which of its box's edges (left, top, right, bottom) lie on a seam
+    inner: tuple[bool, bool, bool, bool]  # which edges of its tile lie inside the image (seams)
 
     @property
     def cut(self) -> bool:
@@ -260,6 +268,21 @@ def outside(box: tuple[float, ...], tile: Tile) -> bool:
     return any(beyond(box, tile))
 
 
+def reaches(box: tuple[float, ...], c: Candidate) -> bool:
+    """Whether `box` reaches a seam of `c`'s tile or passes it: that tile saw at most the part of its object up
+    to the seam."""
+    x0, y0, x1, y1 = c.tile.box
+    near = (box[0] <= x0, box[1] <= y0, box[2] >= x1, box[3] >= y1)
+    return any(n and inner for n, inner in zip(near, c.inner, strict=True))
+
+
+def piece_of(p: Candidate, k: Candidate) -> bool:
+    """Whether `p` may be its tile's view of part of the object that `k`, another tile's uncut box, holds: `k`
+    reaches a seam of `p`'s tile (`reaches`). The model draws such a piece anywhere from a sliver at the seam to
+    a box wider than the object or shifted away from the seam."""
+    return p.view != k.view and not p.tile.whole and not k.tile.whole and not k.cut and reaches(k.object.box, p)
+
+
 def seen_past(m: Candidate, tile: Tile) -> bool:
     """Whether an edge of `m`'s box that its tile saw (on no seam of it) lies past `tile`."""
     return any(far and not seam for far, seam in zip(beyond(m.object.box, tile), m.seams, strict=True))
@@ -267,17 +290,17 @@ def seen_past(m: Candidate, tile: Tile) -> bool:
 
 def agreement(kept: Candidate, c: Candidate) -> float | None:
     """How well `c` agrees with a group's kept object of its label, higher is closer; None when they are
-    different objects. Boxes: their intersection is at least `MERGE_IOS` of the smaller box; or `c` touches a
-    seam of its tile and overlaps the uncut box of another tile that reaches past `c`'s tile (the object whose
-    piece `c` saw, however wide the model drew the piece). Points: within `POINT_RADIUS` of the shorter tile
-    side."""
+    different objects. Boxes: their intersection is at least `MERGE_IOS` of the smaller box; or they overlap
+    and one is a piece of the other (`piece_of`), however the model drew the piece. Points: within
+    `POINT_RADIUS` of the shorter tile side."""
     a, b = kept.object, c.object
     if a.label != b.label:
         return None
     if a.box is not None and b.box is not None:
         ios = over_smaller(a.box, b.box)
         piece = c.cut and not kept.cut and not kept.tile.whole and outside(a.box, c.tile)
-        return ios if ios >= MERGE_IOS or (piece and ios > 0) else None
+        shifted = ios >= PIECE_IOS and (piece_of(c, kept) or piece_of(kept, c))
+        return ios if ios >= MERGE_IOS or (piece and ios > 0) or shifted else None
     if a.point is not None and b.point is not None:
         radius = POINT_RADIUS * min(min(t.box[2] - t.box[0], t.box[3] - t.box[1]) for t in (kept.tile, c.tile))
         distance = math.dist(a.point, b.point)
@@ -329,14 +352,42 @@ def merge_objects(candidates: list[Candidate]) -> list[Group]:
     return groups
 
 
-def unconfirmed(group: Group, tiles: list[Tile]) -> bool:
-    """A whole-image object that some tile holds entirely, found by no tile: the tile saw it at full
-    resolution and did not find it."""
-    if not all(m.tile.whole for m in group.members):
-        return False
+def holds(tile: Tile, box: tuple[float, ...], size: tuple[int, int]) -> bool:
+    """Whether `tile` saw all of `box` clear of its inner edges (`HOLD_MARGIN` of its side or more inside
+    them; an edge on the image's border needs no margin): where it sees an object whole."""
+    x0, y0, x1, y1 = tile.box
+    mx, my = HOLD_MARGIN * (x1 - x0), HOLD_MARGIN * (y1 - y0)
+    return (
+        (x0 == 0 or box[0] >= x0 + mx)
+        and (y0 == 0 or box[1] >= y0 + my)
+        and (x1 == size[0] or box[2] <= x1 - mx)
+        and (y1 == size[1] or box[3] <= y1 - my)
+    )
+
+
+def extent(o: LocatedObject, tile: Tile) -> tuple[float, ...]:
+    """Where an object lies: its box, or the square of `POINT_RADIUS` of `tile`'s shorter side around its point."""
+    if o.box is not None:
+        return o.box
+    r = POINT_RADIUS * min(tile.box[2] - tile.box[0], tile.box[3] - tile.box[1])
+    return o.point[0] - r, o.point[1] - r, o.point[0] + r, o.point[1] + r
+
+
+def outvoted(group: Group, seen: list[Candidate], views: list[Tile], size: tuple[int, int]) -> bool:
+    """Tiles, which see the image at full scale, outvote the group: at least as many tiles held its object
+    (`holds`) and found nothing of its label there (nothing in `seen`, every object of every view, overlaps it)
+    as views found it. An object only the whole image found and no larger than a tile is outvoted by one such
+    tile, or by a tile that found something else of its label there (the tile's box stands)."""
     o = group.best.object
-    box = o.box if o.box is not None else (*o.point, *o.point)
-    return any(not outside(box, t) for t in tiles)
+    where = extent(o, group.best.tile)
+    found = {m.view for m in group.members}
+    near = {c.view for c in seen if c.object.label == o.label and intersection(extent(c.object, c.tile), where) > 0}
+    tile = next(t for t in views if not t.whole)  # the tiles share one size
+    fits = where[2] - where[0] <= tile.box[2] - tile.box[0] and where[3] - where[1] <= tile.box[3] - tile.box[1]
+    if fits and all(views[v].whole for v in found) and near - found:
+        return True
+    missed = [v for v, t in enumerate(views) if not t.whole and v not in found | near and holds(t, where, size)]
+    return len(missed) >= len(found)
 
 
 def confidence(group: Group) -> float | None:
@@ -406,19 +457,22 @@ def merge_results(request: Request, image: Image.Image, children: list[Request],
             raise r
     size = image.size
     candidates: list[Candidate] = []
+    seen: list[Candidate] = []  # every object of every view, boxes covering a tile too
     dropped = [0] * len(children)
     for view, (child, result) in enumerate(zip(children, results, strict=True)):
         tile: Tile = child.tag
         for obj in result.objects:
             mapped = to_image(obj, tile, size)
             on, covers = seams(mapped.box, tile, size) if mapped.box is not None else ((False,) * 4, False)
+            inner = (tile.box[0] > 0, tile.box[1] > 0, tile.box[2] < size[0], tile.box[3] < size[1])
+            seen.append(Candidate(mapped, view, tile, on, inner))
             if covers:
                 dropped[view] += 1
                 continue
-            candidates.append(Candidate(mapped, view, tile, on))
+            candidates.append(seen[-1])
     groups = merge_objects(candidates)
-    tiles = [c.tag for c in children if not c.tag.whole]
-    groups = [g for g in groups if not unconfirmed(g, tiles)]
+    views = [c.tag for c in children]
+    groups = [g for g in groups if not outvoted(g, seen, views, size)]
     if request.task in SINGLE_TASKS and groups:
         groups = [max(groups, key=lambda g: confidence(g) or 0.0)]
     kept = [0] * len(children)

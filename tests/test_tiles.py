@@ -173,10 +173,13 @@ def test_distinct_objects_stay_apart():
     # Intersection 0.4 of the smaller box, within a view and across views; another label.
     out = merged(TWO, [[obj("a", (20, 20, 60, 60)), obj("a", (44, 20, 84, 60))], [obj("a", (36, 100, 76, 140))]])
     assert len(out.objects) == 3
-    out = merged(TWO, [[obj("a", (180, 50, 220, 90))], [obj("a", (196, 66, 236, 106))]])  # 0.4 across views
+    out = merged(TWO, [[obj("a", (180, 50, 220, 90))], [obj("a", (36, 66, 76, 106))]])  # 0.36 across views
     assert len(out.objects) == 2
-    out = merged(TWO, [[obj("a", (180, 50, 220, 90))], [obj("b", (20, 50, 60, 90))]])
-    assert sorted(o.label for o in out.objects) == ["a", "b"]
+    views = [
+        [obj("a", (180, 50, 220, 90)), obj("b", (182, 50, 222, 90))],
+        [obj("a", (20, 50, 60, 90)), obj("b", (22, 52, 62, 92))],
+    ]
+    assert sorted(o.label for o in merged(TWO, views).objects) == ["a", "b"]  # both tiles saw both labels there
 
 
 def test_a_piece_at_a_seam_defers_to_the_box_of_a_tile_that_holds_the_object():
@@ -184,6 +187,13 @@ def test_a_piece_at_a_seam_defers_to_the_box_of_a_tile_that_holds_the_object():
     # (190..240, touching the seam), so the two boxes share only 0.28 of the smaller. Tile 1 holds the object.
     out = merged(TWO, [[obj("a", (190, 60, 240, 90), 0.95)], [obj("a", (70, 58, 102, 92), 0.8)]])
     assert [(o.box, o.confidence) for o in out.objects] == [((230, 58, 262, 92), 0.95)]
+
+
+def test_a_piece_drawn_away_from_the_seam_joins_the_box_of_the_tile_that_holds_the_object():
+    # An object at x 140..180 crosses tile 1's seam at 160; tile 1 draws its piece shifted into the tile
+    # (172..212), clear of the seam, sharing 0.2 of the smaller box with tile 0's box, which reaches the seam.
+    out = merged(TWO, [[obj("a", (140, 60, 180, 100), 0.7)], [obj("a", (12, 60, 52, 100), 0.9)]])
+    assert [(o.box, o.confidence) for o in out.objects] == [((140, 60, 180, 100), 0.9)]
 
 
 def test_a_piece_defers_only_to_a_box_that_reaches_past_its_tile():
@@ -194,10 +204,11 @@ def test_a_piece_defers_only_to_a_box_that_reaches_past_its_tile():
 
 
 def test_a_piece_does_not_defer_to_the_whole_image():
-    # The whole image's coarse box reaches past both tiles; tile 0's box at its seam overlaps its corner.
-    big = obj("a", (100, 20, 300, 180), 0.5)
-    out = merged(TWO, [[obj("a", (200, 170, 240, 199))], []], whole=[big])
-    assert sorted(o.box for o in out.objects) == [(100, 20, 300, 180), (200, 170, 240, 199)]
+    # The whole image's coarse box, wider than a tile, reaches past both tiles; tile 0's box at its seam
+    # overlaps its corner, and tile 1 holds that object.
+    big = obj("a", (60, 20, 340, 180), 0.5)
+    out = merged(TWO, [[obj("a", (200, 170, 240, 199))], [obj("a", (40, 170, 90, 199))]], whole=[big])
+    assert sorted(o.box for o in out.objects) == [(60, 20, 340, 180), (200, 170, 250, 199)]
 
 
 def test_a_cut_box_says_nothing_about_the_box_of_another_tile():
@@ -227,7 +238,10 @@ def test_a_group_of_pieces_keeps_the_box_the_others_agree_with():
 def test_a_piece_cut_by_a_seam_joins_the_whole_box():
     # The object spans x 200..235: whole in tile 0 (ends at 240); tile 1 (from 160) sees it whole too, but a
     # second object at x 225..260 is cut by tile 0's seam at 240: tile 0 reports its piece 225..240.
-    views = [[obj("a", (200, 50, 235, 90), 0.8), obj("a", (226, 120, 239, 150), 0.99)], [obj("a", (65, 118, 100, 152))]]
+    views = [
+        [obj("a", (200, 50, 235, 90), 0.8), obj("a", (226, 120, 239, 150), 0.99)],
+        [obj("a", (40, 50, 75, 90)), obj("a", (65, 118, 100, 152))],
+    ]
     out = merged(TWO, views)
     boxes = sorted(o.box for o in out.objects)
     assert boxes == [(200, 50, 235, 90), (225, 118, 260, 152)]  # the cut piece gave way to the full box
@@ -262,6 +276,43 @@ def test_whole_image_objects():
     out = merged(TWO, [[], [obj("a", (141, 101, 181, 141), 0.6)]], whole=[big, lonely, shared])
     assert sorted(o.box for o in out.objects) == [(100, 20, 300, 180), (301, 101, 341, 141)]
     assert max(o.confidence for o in out.objects) == 0.99
+
+
+def test_tiles_that_held_an_object_and_found_nothing_outvote_it():
+    # HOLD_MARGIN 0.03 of 240 px: tile 1 (from x 160) holds boxes from x 167.2 on.
+    assert merged(TWO, [[obj("a", (180, 50, 220, 90))], []]).objects == []  # 1 found, 1 held and missed
+    kept = merged(TWO, [[obj("a", (163, 50, 203, 90))], []]).objects  # at tile 1's edge: tile 1 does not hold it
+    assert [o.box for o in kept] == [(163, 50, 203, 90)]
+    kept = merged(TWO, [[obj("a", (180, 50, 220, 90))], []], whole=[obj("a", (182, 52, 222, 92))]).objects
+    assert [o.box for o in kept] == [(180, 50, 220, 90)]  # the whole image found it too: 2 against 1
+    kept = merged(TWO, [[obj("a", (180, 50, 220, 90))], [obj("a", (22, 50, 60, 90))]]).objects
+    assert [o.box for o in kept] == [(180, 50, 220, 90)]  # tile 1 found it too
+    points = merged(TWO, [[obj(None, None, 0.8, (200, 100))], []], task="point").objects
+    assert points == []  # a point: tile 1 holds its radius and found no point there
+    # 2 x 2 tiles, all holding the centre: 2 finders against 2 is dropped, 3 against 1 kept.
+    quad = [(0, 0, 240, 240), (160, 0, 400, 240), (0, 160, 240, 400), (160, 160, 400, 400)]
+    at = {0: (180, 180, 220, 220), 1: (20, 180, 60, 220), 2: (180, 20, 220, 60), 3: (20, 20, 60, 60)}
+    for finders, count in (((0, 3), 0), ((0, 1, 3), 1)):
+        views = [[obj("a", at[i])] if i in finders else [] for i in range(4)]
+        assert len(merged(quad, views, size=(400, 400)).objects) == count, finders
+
+
+def test_adjacent_objects_at_a_seam_stay_apart():
+    # Two objects in the strip both tiles share, drawn at x 180..213 and 211..250 (2 px of overlap: 0.09 of the
+    # smaller box); the second crosses tile 0's seam at 240, so tile 0 draws its piece up to the seam.
+    views = [
+        [obj("a", (180, 50, 213, 80)), obj("a", (211, 50, 240, 80))],
+        [obj("a", (20, 50, 53, 80)), obj("a", (51, 50, 90, 80))],
+    ]
+    assert sorted(o.box for o in merged(TWO, views).objects) == [(180, 50, 213, 80), (211, 50, 250, 80)]
+
+
+def test_a_coarse_whole_image_box_defers_to_the_tiles_box():
+    # Only the whole image drew (140..200, 50..120); both tiles found the object at (180..220, 100..140), which
+    # shares a quarter of the smaller box with it. No larger than a tile: the tiles' box stands alone.
+    views = [[obj("a", (180, 100, 220, 140))], [obj("a", (20, 100, 60, 140))]]
+    out = merged(TWO, views, whole=[obj("a", (140, 50, 200, 120), 0.95)])
+    assert [(o.box, o.confidence) for o in out.objects] == [((180, 100, 220, 140), 0.9)]
 
 
 def test_points_merge_within_the_radius():

@@ -1,0 +1,417 @@
+"""How the tiles' merge does on scenes drawn here, independently of `mlx_locate.synthetic`: precision, recall and
+objects across a seam given once, for `merge_results` and for SAHI's greedy merge on the same decoded views.
+
+    python benchmarks/tiles_merge_bench.py [--dense 30] [--seams 24] [--seed 0] [--views /tmp/views] \
+        [--note "..."] [--json benchmarks/results/tiles_merge_cpu.json]
+
+Scenes (drawn by this file, not by the project's generators; deterministic in `--seed`):
+- dense: 1200 x 900 pixels, 30-45 shapes (square, circle, triangle, diamond, star) of 25-45 px, triangles,
+  diamonds and stars 0.8-1.25 as wide as high, at random places 3-10 px apart (no grid), in random saturated
+  colours on a lightly shaded, noisy background; one shape asked of each: "square" of every other scene (even
+  seeds), circle, triangle, diamond and star in turn of the others;
+- seam placements: an image of random size (600-1300 x 450-1000 px) whose tiles are those `split_request`
+  chooses (`tiles="auto"`, the model's budget), one shape of 25-45 px (a square for an even seed, the other
+  shapes in turn for odd ones) across an inner tile edge (cut at 15-85 %), a quarter of them across a vertical
+  and a horizontal edge at once (a tile corner), among 10-20 other shapes kept 10 px away; its shape asked.
+  Once: exactly one box overlaps it, with IoU >= 0.5.
+
+Each request's views (`tiles.split_request`, the whole image first) are decoded together through one engine
+(`locate_many`); `--views PREFIX` keeps them in PREFIX-dense.pkl and PREFIX-seams.pkl, so another merge (another
+checkout running this file) can be replayed on the same views. Then:
+- "merge_results": the project's merge (`tiles.merge_results`, what `tiles="auto"` returns);
+- "SAHI greedy NMM": SAHI's default postprocess for sliced prediction (GREEDYNMM, IOS >= 0.5, per label): the
+  most confident box takes every box of its label whose intersection is at least half of the smaller box, and
+  grows to their union;
+- "whole image": the first view alone, what the request without tiles answers.
+Boxes are matched to the truth greedily at IoU 0.5. A false box is called a duplicate (it overlaps a found
+object by IoU >= 0.5 or lies inside it), a piece (lies mostly inside a true object of the label), another shape
+(mostly inside an object of another label) or nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import colorsys
+import json
+import math
+import pickle
+import platform
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlx_locate import Request  # noqa: E402
+from mlx_locate.locate import load  # noqa: E402
+from mlx_locate.metrics import greedy_match, iou  # noqa: E402
+from mlx_locate.tiles import auto_grid, merge_results, split_request, tile_boxes  # noqa: E402
+
+SHAPES = ("square", "circle", "triangle", "diamond", "star")
+SIDE = (25, 45)  # object sides in pixels
+DENSE_SIZE = (1200, 900)
+DENSE_COUNT = (30, 45)
+SEAM_SIZES = ((600, 1300), (450, 1000))  # width and height ranges of a seam scene
+OTHERS = (10, 20)  # other shapes in a seam scene
+CUT = (0.15, 0.85)  # where the seam crosses the object, as a fraction of its side
+MATCH = 0.5  # IoU of a found object
+SAHI_IOS = 0.5  # SAHI's default match threshold
+
+
+# --- Scenes ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Thing:
+    shape: str
+    box: tuple[int, int, int, int]  # x0, y0, x1, y1, exclusive
+
+
+@dataclass(frozen=True)
+class Drawn:
+    image: Image.Image
+    things: tuple[Thing, ...]
+    target: int | None = None  # index of the seam object
+
+
+def colour(rng: np.random.Generator) -> tuple[int, int, int]:
+    """A random saturated colour."""
+    r, g, b = colorsys.hsv_to_rgb(rng.uniform(0, 1), rng.uniform(0.55, 0.95), rng.uniform(0.5, 0.9))
+    return round(r * 255), round(g * 255), round(b * 255)
+
+
+def background(rng: np.random.Generator, size: tuple[int, int]) -> Image.Image:
+    """A light background shaded from one corner to the other, with pixel noise."""
+    width, height = size
+    a, b = rng.uniform(205, 245, size=3), rng.uniform(205, 245, size=3)
+    t = (np.linspace(0, 1, width)[None, :] + np.linspace(0, 1, height)[:, None]) / 2
+    pixels = a + (b - a) * t[..., None] + rng.normal(0, 3, size=(height, width, 3))
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def outline(shape: str, box: tuple[int, int, int, int]) -> list[tuple[float, float]]:
+    """The polygon of a triangle, diamond or star spanning `box` (the last pixel included)."""
+    x0, y0, x1, y1 = box[0], box[1], box[2] - 1, box[3] - 1
+    cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+    if shape == "triangle":
+        return [(cx, y0), (x1, y1), (x0, y1)]
+    if shape == "diamond":
+        return [(cx, y0), (x1, cy), (cx, y1), (x0, cy)]
+    points = []  # a five-pointed star, inner radius 0.45, stretched to the box
+    for k in range(10):
+        r, a = (1.0 if k % 2 == 0 else 0.45), math.pi / 2 + k * math.pi / 5
+        points.append((r * math.cos(a), -r * math.sin(a)))
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    sx, sy = (x1 - x0) / (max(xs) - min(xs)), (y1 - y0) / (max(ys) - min(ys))
+    return [(x0 + (x - min(xs)) * sx, y0 + (y - min(ys)) * sy) for x, y in points]
+
+
+def paint(image: Image.Image, things: list[Thing], rng: np.random.Generator) -> Image.Image:
+    draw = ImageDraw.Draw(image)
+    for t in things:
+        fill = colour(rng)
+        x0, y0, x1, y1 = t.box
+        if t.shape == "square":
+            draw.rectangle((x0, y0, x1 - 1, y1 - 1), fill=fill)
+        elif t.shape == "circle":
+            draw.ellipse((x0, y0, x1 - 1, y1 - 1), fill=fill)
+        else:
+            draw.polygon(outline(t.shape, t.box), fill=fill)
+    return image
+
+
+def thing_box(rng: np.random.Generator, shape: str, x: int, y: int) -> tuple[int, int, int, int]:
+    side = int(rng.integers(SIDE[0], SIDE[1] + 1))
+    width = side if shape in ("square", "circle") else max(SIDE[0], min(SIDE[1], round(side * rng.uniform(0.8, 1.25))))
+    return x, y, x + width, y + side
+
+
+def apart(a: tuple[int, ...], b: tuple[int, ...], gap: int) -> bool:
+    return a[2] + gap <= b[0] or b[2] + gap <= a[0] or a[3] + gap <= b[1] or b[3] + gap <= a[1]
+
+
+def scatter(rng, size, things: list[Thing], n: int, gap: int, keep_off: tuple = (), keep_gap: int = 0) -> None:
+    """Add up to `n` shapes at random places, `gap` px from each other and `keep_gap` from the boxes `keep_off`."""
+    for _ in range(n):
+        for _attempt in range(200):
+            shape = str(rng.choice(SHAPES))
+            box = thing_box(
+                rng, shape, int(rng.integers(0, size[0] - SIDE[1])), int(rng.integers(0, size[1] - SIDE[1]))
+            )
+            if all(apart(box, t.box, gap) for t in things) and all(apart(box, k, keep_gap) for k in keep_off):
+                things.append(Thing(shape, box))
+                break
+
+
+def asked(seed: int) -> str:
+    """The shape asked of a scene: a square for an even seed, the other shapes in turn for odd ones."""
+    return "square" if seed % 2 == 0 else SHAPES[1 + seed // 2 % 4]
+
+
+def dense(seed: int) -> Drawn:
+    rng = np.random.default_rng([41, 5, seed])
+    things: list[Thing] = []
+    scatter(rng, DENSE_SIZE, things, int(rng.integers(DENSE_COUNT[0], DENSE_COUNT[1] + 1)), int(rng.integers(3, 11)))
+    return Drawn(paint(background(rng, DENSE_SIZE), things, rng), tuple(things))
+
+
+def seam(seed: int, in_token_limit: int, patch: int, overlap: float) -> Drawn:
+    """One shape across an inner edge of the tiles `tiles="auto"` gives this image (a tile corner in a quarter)."""
+    rng = np.random.default_rng([41, 6, seed])
+    while True:
+        size = tuple(int(rng.integers(lo, hi + 1)) for lo, hi in SEAM_SIZES)
+        rows, cols = auto_grid(size, in_token_limit, patch, overlap)
+        if rows > 1 and cols > 1:
+            break
+    tiles = tile_boxes(size, rows, cols, overlap)
+    edges = [
+        sorted({b[a] for b in tiles if b[a] > 0} | {b[a + 2] for b in tiles if b[a + 2] < size[a]}) for a in (0, 1)
+    ]
+    shape = asked(seed)
+    corner = rng.random() < 0.25
+    axis = int(rng.integers(0, 2))
+    box = thing_box(rng, shape, 0, 0)
+    sides = (box[2], box[3])
+    start = [0, 0]
+    for a in (0, 1):
+        if a == axis or corner:
+            edge = int(rng.choice(edges[a]))
+            start[a] = edge - round(rng.uniform(*CUT) * sides[a])
+        else:
+            start[a] = int(rng.integers(0, size[a] - sides[a] + 1))
+        start[a] = min(max(start[a], 0), size[a] - sides[a])
+    target = Thing(shape, (start[0], start[1], start[0] + sides[0], start[1] + sides[1]))
+    things = [target]
+    scatter(rng, size, things, int(rng.integers(OTHERS[0], OTHERS[1] + 1)), 4, (target.box,), 10)
+    return Drawn(paint(background(rng, size), things, rng), tuple(things), target=0)
+
+
+# --- Decoding and merging ----------------------------------------------------------------------------------
+
+
+def decode(model, jobs: list[tuple[Drawn, str]], max_tokens: int, batch_size: int | None) -> list[tuple]:
+    """Each (scene, query) as a tiled request: its views and their results, decoded through one engine."""
+    parents, children = [], []
+    for scene, query in jobs:
+        parent = Request(scene.image, query, tiles="auto", max_tokens=max_tokens)
+        views = split_request(parent, scene.image, model.in_token_limit, model.patch_size)
+        parents.append((parent, [replace(v, image=None) for v in views]))  # kept without their crops
+        children += views
+    results = model.locate_many(children, max_rows=batch_size)
+    out, at = [], 0
+    for parent, views in parents:
+        out.append((parent, views, results[at : at + len(views)]))
+        at += len(views)
+    return out
+
+
+def views(model, jobs: list[tuple[Drawn, str]], part: str, args) -> list[tuple]:
+    """The decoded views of `jobs`, read from `{args.views}-{part}.pkl` when it holds these scenes, else decoded
+    (and written there)."""
+    if not jobs:
+        return []
+    key = (args.model, part, len(jobs), args.seed, args.max_tokens)
+    path = Path(f"{args.views}-{part}.pkl") if args.views else None
+    if path is not None and path.exists():
+        cached = pickle.loads(path.read_bytes())
+        if cached["key"] != key:
+            raise SystemExit(f"{path} holds views of other scenes: {cached['key']} != {key}")
+        return cached["decoded"]
+    decoded = decode(model, jobs, args.max_tokens, args.batch_size)
+    if path is not None:
+        path.write_bytes(pickle.dumps({"key": key, "decoded": decoded}))
+    return decoded
+
+
+def sahi_greedy_nmm(request, image, views, results) -> list[tuple[str, tuple[float, ...]]]:
+    """SAHI's GREEDYNMM with IOS on every view's boxes in image pixels: (label, box) kept."""
+    boxes = []
+    for view, result in zip(views, results, strict=True):
+        x0, y0 = (0, 0) if view.tag.whole else view.tag.box[:2]
+        for o in result.objects:
+            if o.box is not None:
+                b = (o.box[0] + x0, o.box[1] + y0, o.box[2] + x0, o.box[3] + y0)
+                boxes.append((o.confidence or 0.0, o.label, b))
+    boxes.sort(key=lambda t: -t[0])
+    kept = []
+    while boxes:
+        score, label, box = boxes.pop(0)
+        merged, rest = list(box), []
+        for other in boxes:
+            b = other[2]
+            inter = max(0, min(box[2], b[2]) - max(box[0], b[0])) * max(0, min(box[3], b[3]) - max(box[1], b[1]))
+            smaller = min((box[2] - box[0]) * (box[3] - box[1]), (b[2] - b[0]) * (b[3] - b[1]))
+            if other[1] == label and smaller > 0 and inter / smaller >= SAHI_IOS:
+                merged = [min(merged[0], b[0]), min(merged[1], b[1]), max(merged[2], b[2]), max(merged[3], b[3])]
+            else:
+                rest.append(other)
+        boxes = rest
+        kept.append((label, tuple(merged)))
+    return kept
+
+
+METHODS = {
+    "merge_results": lambda r, i, v, res: [(o.label, o.box) for o in merge_results(r, i, v, res).objects if o.box],
+    "SAHI greedy NMM": sahi_greedy_nmm,
+    "whole image": lambda r, i, v, res: [(o.label, o.box) for o in res[0].objects if o.box is not None],
+}
+
+
+def inside(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    """How much of box `a` lies inside box `b`."""
+    inter = max(0, min(a[2], b[2]) - max(a[0], b[0])) * max(0, min(a[3], b[3]) - max(a[1], b[1]))
+    return inter / max((a[2] - a[0]) * (a[3] - a[1]), 1e-9)
+
+
+def false_kind(box, truth: list, found: list, others: list) -> str:
+    if any(iou(box, f) >= MATCH or inside(box, f) >= 0.8 for f in found):
+        return "duplicate"
+    if any(inside(box, t) >= 0.5 for t in truth):
+        return "piece"
+    if any(inside(box, t) >= 0.5 for t in others):
+        return "another shape"
+    return "nothing"
+
+
+def scored(decoded: list[tuple], jobs: list[tuple[Drawn, str]], method) -> dict:
+    tp = pred = gt = 0
+    kinds = {"duplicate": 0, "piece": 0, "another shape": 0, "nothing": 0}
+    for (request, views, results), (scene, query) in zip(decoded, jobs, strict=True):
+        boxes = [b for label, b in method(request, scene.image, views, results) if label == query]
+        truth = [tuple(map(float, t.box)) for t in scene.things if t.shape == query]
+        others = [tuple(map(float, t.box)) for t in scene.things if t.shape != query]
+        pairs = sorted(((iou(p, g), i, j) for i, p in enumerate(boxes) for j, g in enumerate(truth)), reverse=True)
+        used_p, used_g = set(), set()
+        for value, i, j in pairs:
+            if value >= MATCH and i not in used_p and j not in used_g:
+                used_p.add(i)
+                used_g.add(j)
+        assert len(used_p) == len(greedy_match(boxes, truth, MATCH))
+        found = [truth[j] for j in used_g]
+        for i, b in enumerate(boxes):
+            if i not in used_p:
+                kinds[false_kind(b, truth, found, others)] += 1
+        tp, pred, gt = tp + len(used_p), pred + len(boxes), gt + len(truth)
+    recall, precision = tp / gt if gt else 0.0, tp / pred if pred else 0.0
+    return {"matched": tp, "predicted": pred, "objects": gt, "recall": recall, "precision": precision, "false": kinds}
+
+
+def seam_counts(decoded: list[tuple], scenes: list[Drawn], method) -> dict:
+    """Placements whose object comes back once, more than once, or not at all (no box of IoU >= 0.5); of the
+    missed, those no view drew at IoU >= 0.5 (no merge can give them), and the same by shape."""
+    counts = {"once": 0, "more": 0, "missed": 0, "no view drew it": 0, "by shape": {}}
+    for (request, views, results), scene in zip(decoded, scenes, strict=True):
+        target = scene.things[scene.target]
+        boxes = [b for label, b in method(request, scene.image, views, results) if label == target.shape]
+        over = [b for b in boxes if iou(b, target.box) > 0]
+        if len(over) > 1:
+            outcome = "more"
+        else:
+            outcome = "once" if over and iou(over[0], target.box) >= MATCH else "missed"
+        counts[outcome] += 1
+        shape = counts["by shape"].setdefault(target.shape, {"once": 0, "placements": 0})
+        shape["once"] += outcome == "once"
+        shape["placements"] += 1
+        drawn = [
+            (o.box[0] + v.tag.box[0] * (not v.tag.whole), o.box[1] + v.tag.box[1] * (not v.tag.whole))
+            + (o.box[2] + v.tag.box[0] * (not v.tag.whole), o.box[3] + v.tag.box[1] * (not v.tag.whole))
+            for v, r in zip(views, results, strict=True)
+            for o in r.objects
+            if o.box is not None and o.label == target.shape
+        ]
+        counts["no view drew it"] += outcome == "missed" and not any(iou(b, target.box) >= MATCH for b in drawn)
+    return counts
+
+
+def table(report: dict) -> str:
+    d, s = report["dense"], report["seams"]
+    rows = [
+        f"Dense: {d['scenes']} scenes of {DENSE_SIZE[0]} x {DENSE_SIZE[1]} px, {d['requests']} requests "
+        f"(square in every other scene, the other shapes in turn), {d['views']} views, {d['objects']} objects asked; "
+        f"seams: {s['placements']} placements",
+        "",
+        "| merge | recall | precision | false: duplicate / piece / another shape / nothing | seam object once | "
+        "seam squares once |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in METHODS:
+        m, c = d["methods"][name], s["methods"][name]
+        squares = c["by shape"].get("square", {})
+        f = m["false"]
+        rows.append(
+            f"| {name} | {m['recall']:.3f} ({m['matched']}/{m['objects']}) | {m['precision']:.3f} "
+            f"({m['matched']}/{m['predicted']}) | {f['duplicate']} / {f['piece']} / {f['another shape']} / "
+            f"{f['nothing']} | {c['once']} of {s['placements']} ({c['more']} more, {c['missed']} missed, "
+            f"{c['no view drew it']} of them drawn by no view) | "
+            f"{squares.get('once', 0)} of {squares.get('placements', 0)} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--dense", type=int, default=30, help="dense scenes (default: 30)")
+    p.add_argument("--seams", type=int, default=24, help="seam placements (default: 24)")
+    p.add_argument("--seed", type=int, default=0, help="first scene seed (default: 0)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, help="engine rows (default: the engine's)")
+    p.add_argument(
+        "--views",
+        help="PREFIX of files of decoded views (PREFIX-dense.pkl, PREFIX-seams.pkl): read when "
+        "they exist (the same scenes), else written",
+    )
+    p.add_argument("--note", default="", help="the machine's state, stored with the figures")
+    p.add_argument("--json", help="output JSON (default: none)")
+    args = p.parse_args(argv)
+    model = load(args.model)
+    seeds = range(args.seed, args.seed + max(args.dense, args.seams))
+    dense_jobs = [(dense(s), asked(s)) for s in seeds[: args.dense]]
+    seam_scenes = [
+        seam(s, model.in_token_limit, model.patch_size, Request(None, "").tile_overlap) for s in seeds[: args.seams]
+    ]
+    seam_jobs = [(scene, scene.things[scene.target].shape) for scene in seam_scenes]
+    t0 = time.perf_counter()
+    dense_decoded = views(model, dense_jobs, "dense", args)
+    seam_decoded = views(model, seam_jobs, "seams", args)
+    decode_s = time.perf_counter() - t0
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/tiles_merge_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": args.model,
+        "machine": f"{platform.machine()} {platform.processor()} {platform.system()}",
+        "note": args.note,
+        "max_tokens": args.max_tokens,
+        "decode_s": decode_s,
+        "dense": {
+            "scenes": args.dense,
+            "requests": len(dense_jobs),
+            "views": sum(len(v) for _, v, _ in dense_decoded),
+            "objects": sum(1 for s, q in dense_jobs for t in s.things if t.shape == q),
+            "methods": {name: scored(dense_decoded, dense_jobs, m) for name, m in METHODS.items()},
+        },
+        "seams": {
+            "placements": args.seams,
+            "sizes": [list(s.image.size) for s in seam_scenes],
+            "shapes": [s.things[s.target].shape for s in seam_scenes],
+            "methods": {name: seam_counts(seam_decoded, seam_scenes, m) for name, m in METHODS.items()},
+        },
+    }
+    text = table(report)
+    print(text)
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({**report, "table": text}, indent=2) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
