@@ -1,5 +1,6 @@
 """mlx_locate: NVIDIA LocateAnything grounding on Apple MLX, with Parallel Box Decoding."""
 
+from .checkpoint import DEMO_IMAGE
 from .decide import Guards, Mode
 from .engine import Engine, EngineEvent, EventKind, Handle
 from .locate import LocateModel, load
@@ -8,6 +9,7 @@ from .request import Request, RequestError, Result
 from .sampling import Sampling
 
 __all__ = [
+    "DEMO_IMAGE",
     "Engine",
     "EngineEvent",
     "EventKind",

@@ -17,6 +17,7 @@ HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
 
 DEMO_NAME = "demo"
 DEMO_DIR = Path(__file__).parent / "demo"
+DEMO_IMAGE = DEMO_DIR / "example.png"  # the demo's example scene, wherever the package is installed
 
 
 def resolve(path_or_id: str | Path) -> Path:

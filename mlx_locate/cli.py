@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .categories import category_names
-from .checkpoint import DTYPES
+from .checkpoint import DEMO_IMAGE, DTYPES
 from .decide import Guards, Mode
 from .locate import load
 from .preprocess import DEFAULT_MAX_PIXELS, ORIENTATIONS
@@ -26,10 +26,16 @@ from .sampling import Sampling
 from .tiles import check_tiling, parse_tiles
 
 DEFAULT_MODEL = "demo"  # the bundled demo model (synthetic shapes); pass a folder or hub id for real images
+DEMO_IMAGE_NAME = "demo:example"  # the bundled example image (checkpoint.DEMO_IMAGE), from any folder
 DEFAULT_RENDERING = "A"
 DEFAULT_SEED = 0
 
 # --- checked argument types ---
+
+
+def image_file(text: str) -> str:
+    """An image file's path, or DEMO_IMAGE_NAME for the bundled example."""
+    return str(DEMO_IMAGE) if text == DEMO_IMAGE_NAME else text
 
 
 def utf8_text(text: str) -> str:

@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Locate objects, text or GUI elements in an image with LocateAnything on MLX.",
     )
     cli.add_model(p)
-    p.add_argument("--image", required=True, help=f"image file ({', '.join(FORMATS)})")
+    p.add_argument(
+        "--image",
+        required=True,
+        type=cli.image_file,
+        help=f"image file ({', '.join(FORMATS)}); {cli.DEMO_IMAGE_NAME} for the bundled example",
+    )
     cli.add_max_pixels(p)
     cli.add_image_options(p)
     cli.add_questions(p, several_prompts=False)

@@ -15,6 +15,7 @@ import pytest
 from conftest import GOLDEN
 from PIL import Image
 
+import mlx_locate
 from mlx_locate import cli as cli_module
 from mlx_locate import generate
 from mlx_locate.locate import load
@@ -229,12 +230,17 @@ def test_argument_errors(cli, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_default_model_is_the_bundled_demo(capsys):
+def test_default_model_is_the_bundled_demo_and_demo_example_its_image_from_any_folder(capsys, tmp_path, monkeypatch):
     demo = Path(generate.__file__).parent / "demo"
     code = generate.main(["--image", str(demo / "example.png"), "--query", "square", "--max-tokens", "24", "--json"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["prompt_ids"] and data["mode"] == "hybrid"
+    monkeypatch.chdir(tmp_path)  # no mlx_locate/ folder here
+    assert generate.main(["--image", "demo:example", "--query", "square", "--max-tokens", "24", "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert (again["objects"], again["token_ids"]) == (data["objects"], data["token_ids"]) and data["objects"]
+    assert mlx_locate.DEMO_IMAGE == demo / "example.png"
 
 
 def test_module_help():

@@ -1,5 +1,6 @@
 """The documents: every section citation names a heading that exists, no file points outside the repository, and
-every relative link in the Markdown leads to a file (and heading) that exists. Also the import-graph script."""
+every link in the Markdown to a file of the repository (relative, or the README's absolute ones, which PyPI shows)
+leads to a file (and heading) that exists. Also the import-graph script."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ OUTSIDE = (
 )
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)|(?:src|href)=\"([^\"]+)\"")
 SCHEME = re.compile(r"^(?:[a-zA-Z][a-zA-Z0-9+.-]*:|//)")
+REPOSITORY = "https://github.com/mlx-locate/mlx-locate"  # pyproject's [project.urls] Repository
+# An absolute link to a file of the repository (pages and raw files, as the README on PyPI needs them): its path.
+IN_REPOSITORY = re.compile(
+    rf"^(?:{re.escape(REPOSITORY)}/(?:blob|tree|raw)/main/|https://raw\.githubusercontent\.com/mlx-locate/mlx-locate/main/)"
+)
 
 
 def tracked(root: Path) -> list[str]:
@@ -122,36 +128,45 @@ def outside_references(root: Path) -> list[str]:
     return problems
 
 
+def links(path: Path) -> list[tuple[int, str]]:
+    """(line, target) of every link and image of a Markdown file, outside code."""
+    out, fence = [], False
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        if not fence:
+            out += [(n, m.group(1) or m.group(2)) for m in LINK.finditer(re.sub(r"`[^`]*`", "", line))]
+    return out
+
+
 def bad_links(root: Path) -> list[str]:
-    """Relative links and images in the Markdown files whose file, or heading anchor, does not exist."""
+    """Links and images in the Markdown files to the repository's files (relative, or absolute to REPOSITORY)
+    whose file, or heading anchor, does not exist."""
     problems, anchors = [], {}
     for name in tracked(root):
         if not name.endswith(".md"):
             continue
-        fence = False
-        for n, line in enumerate((root / name).read_text(encoding="utf-8").splitlines(), 1):
-            if line.lstrip().startswith("```"):
-                fence = not fence
-            if fence:
+        for n, target in links(root / name):
+            absolute = IN_REPOSITORY.match(target)
+            if SCHEME.match(target) and not absolute:
                 continue
-            for m in LINK.finditer(re.sub(r"`[^`]*`", "", line)):
-                target = m.group(1) or m.group(2)
-                if SCHEME.match(target):
-                    continue
-                file, _, fragment = target.partition("#")
-                path = (root / name).parent / file if file else root / name
-                if not path.exists() or not path.resolve().is_relative_to(root.resolve()):
-                    problems.append(f"{name}:{n}: link to {target}: no such file in the repository")
-                    continue
-                if fragment and path.suffix == ".md":
-                    key = path.resolve()
-                    if key not in anchors:
-                        anchors[key] = {anchor(t) for t in headings(path)}
-                    if fragment not in anchors[key]:
-                        problems.append(
-                            f"{name}:{n}: link to {target}: {os.path.relpath(path, root)} has no such heading"
-                        )
+            file, _, fragment = target[absolute.end() if absolute else 0 :].partition("#")
+            path = (root if absolute else (root / name).parent) / file if file else root / name
+            if not path.exists() or not path.resolve().is_relative_to(root.resolve()):
+                problems.append(f"{name}:{n}: link to {target}: no such file in the repository")
+                continue
+            if fragment and path.suffix == ".md":
+                key = path.resolve()
+                if key not in anchors:
+                    anchors[key] = {anchor(t) for t in headings(path)}
+                if fragment not in anchors[key]:
+                    problems.append(f"{name}:{n}: link to {target}: {os.path.relpath(path, root)} has no such heading")
     return problems
+
+
+def relative_links(path: Path) -> list[str]:
+    """Links of a file shown outside the repository (the README, on PyPI) that only work inside it."""
+    return [f"{path.name}:{n}: {t}" for n, t in links(path) if not SCHEME.match(t) and not t.startswith("#")]
 
 
 def test_citations_resolve():
@@ -164,6 +179,12 @@ def test_no_file_points_outside_the_repository():
 
 def test_links_lead_to_files_and_headings():
     assert bad_links(ROOT) == []
+
+
+def test_the_readme_links_absolutely_to_the_repository_in_pyproject():
+    """PyPI shows the README without the repository around it: links and images absolute (anchors stay)."""
+    assert relative_links(ROOT / "README.md") == []
+    assert f'Repository = "{REPOSITORY}"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_each_check_finds_what_it_guards(tmp_path):
@@ -181,6 +202,8 @@ def test_each_check_finds_what_it_guards(tmp_path):
     (tmp_path / "README.md").write_text(
         "[a](docs/model.md#12-sub-part) [b](docs/missing.md) [c](docs/model.md#nope) [d](https://example.com)\n"
         '![e](docs/model.md) <img src="img.png"> [f](#g) [h](../outside.md) `[i](not/a/link.md)`\n\n## G\n'
+        f"[j]({REPOSITORY}/blob/main/docs/model.md#12-sub-part) [k]({REPOSITORY}/blob/main/docs/gone.md) "
+        "![l](https://raw.githubusercontent.com/mlx-locate/mlx-locate/main/img.png)\n"
     )
     assert [p.split(": ", 1)[1] for p in bad_citations(tmp_path)] == [
         f"docs/model.md has no section {SIGN}3",
@@ -195,6 +218,16 @@ def test_each_check_finds_what_it_guards(tmp_path):
         "link to docs/model.md#nope: docs/model.md has no such heading",
         "link to img.png: no such file in the repository",
         "link to ../outside.md: no such file in the repository",
+        f"link to {REPOSITORY}/blob/main/docs/gone.md: no such file in the repository",
+        "link to https://raw.githubusercontent.com/mlx-locate/mlx-locate/main/img.png: no such file in the repository",
+    ]
+    assert relative_links(tmp_path / "README.md") == [
+        "README.md:1: docs/model.md#12-sub-part",
+        "README.md:1: docs/missing.md",
+        "README.md:1: docs/model.md#nope",
+        "README.md:2: docs/model.md",
+        "README.md:2: img.png",
+        "README.md:2: ../outside.md",
     ]
 
 
