@@ -72,11 +72,11 @@ def plan_of(model, grid: tuple[int, int], prefix_len: int) -> dict:
     }
 
 
-def one_image(model, path: Path, max_tokens: int) -> dict:
+def one_image(model, path: Path, max_tokens: int, image_tokens: int | None = None) -> dict:
     """Peaks of one image's vision tower, its prompt prefix and its whole request (fresh caches each; the
-    request's by phase too), and the budget's plan for it."""
+    request's by phase too), and the budget's plan for it; `image_tokens`: a patch budget below the model's."""
     weights = mx.get_active_memory()
-    image = model.prepare(path)
+    image = model.prepare(path, max_image_tokens=image_tokens)
     prefix = model.prompt("", image.pre.grid)
     prefix = prefix[: prefix.index(model.token_ids.img_end) + 1]
     model.clear_caches()
@@ -223,7 +223,11 @@ def alone(args: argparse.Namespace) -> dict:
     for flag, value in (("--model", args.model), ("--quantize", args.quantize), ("--memory-limit", args.memory_limit)):
         base += [] if value is None else [flag, str(value)]
     base += ["--in-memory"] if args.in_memory else []
-    runs = [["--images", size] for size in args.images]
+    runs = [
+        ["--images", size, *(["--image-tokens", str(t)] if t else [])]
+        for size in args.images
+        for t in args.image_tokens or [None]
+    ]
     if args.rows or args.attention or args.prefill_probe:
         rest = ["--images", "--rows", *map(str, args.rows), "--folder", str(args.folder)]
         rest += ["--folder-sizes", *args.folder_sizes, "--working", *map(str, args.working)]
@@ -255,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantize", help="with --in-memory: a converter preset (q8, mixed_4_8)")
     p.add_argument("--images", nargs="*", default=["640x480"], help="WxH sizes measured one at a time")
+    p.add_argument(
+        "--image-tokens", nargs="*", type=int, default=[], help="patch budgets below the model's, each image at each"
+    )
     p.add_argument("--alone", action="store_true", help="each size (and the folder runs) in a process of its own")
     p.add_argument("--rows", nargs="*", type=int, default=[], help="engine rows for the folder runs")
     p.add_argument("--folder", type=int, default=16, help="images in the folder runs (640x480)")
@@ -310,8 +317,10 @@ def measure(args: argparse.Namespace) -> dict:
     for size in args.images:
         w, h = (int(v) for v in size.split("x"))
         path = make_image((w, h), work / f"memory_{size}.png")
-        report["images"][size] = one_image(model, path, args.max_tokens)
-        print(size, {k: v for k, v in report["images"][size].items() if k != "token_ids"}, flush=True)
+        for tokens in args.image_tokens or [None]:
+            key = size if tokens is None else f"{size}@{tokens}"
+            report["images"][key] = one_image(model, path, args.max_tokens, tokens)
+            print(key, {k: v for k, v in report["images"][key].items() if k != "token_ids"}, flush=True)
     for size in args.folder_sizes if args.rows else []:
         w, h = (int(v) for v in size.split("x"))
         paths, _ = folder_images(None, (w, h), args.folder, work)
