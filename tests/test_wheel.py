@@ -71,7 +71,7 @@ def test_the_wheel_from_the_sdist_runs_the_readme_first_example_from_an_empty_fo
     command = first_example((ROOT / "README.md").read_text(encoding="utf-8"))
     out = run(command, empty, env)
     drawn = command[command.index("--draw") + 1]
-    assert f"wrote {drawn}" in out.stderr and "square" in out.stdout
+    assert f"drawn: {drawn}" in out.stderr and "square" in out.stdout
     assert Image.open(empty / drawn).size == Image.open(DEMO_IMAGE).size
     assert sorted(p.name for p in empty.iterdir()) == [drawn]
 
