@@ -348,11 +348,14 @@ def preprocess(
     in_token_limit: int = IN_TOKEN_LIMIT,
     patch_size: int = PATCH_SIZE,
     max_pixels: int | None = None,
-    orientation: str = "exif",
 ) -> Preprocessed:
-    """Open (`load_image`, in the frame `orientation` names), convert to RGB, resize (docs/model.md §5) and cut
-    into patches in raster order (`Preprocessed.patches` normalises them to [-1, 1])."""
-    rgb = to_rgb(load_image(image, max_pixels, orientation))
+    """Open (`load_image`), convert to RGB, resize (docs/model.md §5) and cut into patches in raster order
+    (`Preprocessed.patches` normalises them to [-1, 1])."""
+    return patches_of(to_rgb(load_image(image, max_pixels)), in_token_limit, patch_size)
+
+
+def patches_of(rgb: Image.Image, in_token_limit: int = IN_TOKEN_LIMIT, patch_size: int = PATCH_SIZE) -> Preprocessed:
+    """An RGB image as the model sees it (`preprocess` without the loading)."""
     original_size = rgb.size
     sizes = target_size(*original_size, in_token_limit=in_token_limit, patch=patch_size)
     # Two separate resizes when both steps change the size: each rounds to uint8, as in the reference.

@@ -18,7 +18,7 @@ from PIL import Image
 from .decide import Guards, Mode
 from .draw import draw_objects
 from .parse import LocatedObject
-from .preprocess import ORIENTATIONS, PhotoNotes, Preprocessed, load_image, photo_notes, preprocess, to_rgb
+from .preprocess import ORIENTATIONS, PhotoNotes, Preprocessed, load_image, patches_of, photo_notes, to_rgb
 from .sampling import Sampling
 
 DEFAULT_TASK = "detect"
@@ -172,5 +172,5 @@ def prepare_image(
     check_image_options(orientation, max_image_tokens, in_token_limit)
     shown = load_image(image, max_pixels, orientation)
     rgb = to_rgb(shown)
-    pre = preprocess(rgb, max_image_tokens or in_token_limit, patch_size, orientation=orientation)
+    pre = patches_of(rgb, max_image_tokens or in_token_limit, patch_size)
     return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid), photo_notes(shown, orientation))

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+import mlx_locate
 from mlx_locate.tokenizer import Tokenizer
 from mlx_locate.tokens import TokenIds, token_ids_from_config
 
@@ -119,3 +121,28 @@ def approx_tree(value):
     if isinstance(value, (list, tuple)):
         return type(value)(approx_tree(v) for v in value)
     return value
+
+
+def demo_waiting_before_steps(wait: Callable[[], object]):
+    """A loader of the demo model whose engines call `wait()` before every step (a server test's way to hold or
+    slow decoding on a machine of any speed)."""
+
+    def load():
+        model = mlx_locate.load("demo")
+        make_engine = model.engine
+
+        def engine(*args, **kwargs):
+            engine = make_engine(*args, **kwargs)
+            step = engine.step
+
+            def waiting_step():
+                wait()
+                return step()
+
+            engine.step = waiting_step
+            return engine
+
+        model.engine = engine
+        return model
+
+    return load

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import approx_tree
+from conftest import approx_tree, demo_waiting_before_steps
 from PIL import Image
 
 import mlx_locate
@@ -98,26 +98,7 @@ def served():
 def slowed_demo(step_s: float):
     """A loader of the demo model whose engines sleep `step_s` before every step: requests that take longer than
     a timeout, or that are still decoding when their client hangs up, on a machine of any speed."""
-
-    def load():
-        model = mlx_locate.load("demo")
-        make_engine = model.engine
-
-        def engine(*args, **kwargs):
-            engine = make_engine(*args, **kwargs)
-            step = engine.step
-
-            def slow_step():
-                time.sleep(step_s)
-                return step()
-
-            engine.step = slow_step
-            return engine
-
-        model.engine = engine
-        return model
-
-    return load
+    return demo_waiting_before_steps(lambda: time.sleep(step_s))
 
 
 @pytest.fixture(scope="module")

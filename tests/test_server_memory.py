@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
+from conftest import demo_waiting_before_steps
 from PIL import Image
 
 import mlx_locate
@@ -36,30 +37,6 @@ def jpeg(i: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.clip(pixels + noise, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=95)
     return buf.getvalue()
-
-
-def held_demo(gate: threading.Event):
-    """A loader of the demo model whose engine steps wait for `gate`."""
-
-    def load():
-        model = mlx_locate.load("demo")
-        make_engine = model.engine
-
-        def engine(*args, **kwargs):
-            engine = make_engine(*args, **kwargs)
-            step = engine.step
-
-            def held_step():
-                gate.wait()
-                return step()
-
-            engine.step = held_step
-            return engine
-
-        model.engine = engine
-        return model
-
-    return load
 
 
 # -- the budget alone -----------------------------------------------------------------------------------
@@ -184,7 +161,7 @@ def burst_server():
     assert 2.5 * small > 2 * large  # so any two calls fit beside each other and no three
     # The first call decodes alone (past half the budget), the second waits compressed, the third is over it.
     budget_mb = (need + 2 * large + small / 2) / 2**20
-    app = create_app(held_demo(gate), Settings(max_image_mb=budget_mb, warmup=False))
+    app = create_app(demo_waiting_before_steps(gate.wait), Settings(max_image_mb=budget_mb, warmup=False))
     with serve_in_thread(app) as url:
         yield SimpleNamespace(url=url, app=app, gate=gate, uploads=uploads)
 
