@@ -1,8 +1,7 @@
 """The options clients send, each declared once for the HTTP routes (`/v1/locate`, `/v1/ground`), the OpenAI chat
-adapter and the MCP tools: its type and range here, its default from `Request` and `Sampling` (as the command line
-takes them), its names from the enums and tuples of the modules that own them (`decide.Mode`, `prompts.TASKS`,
-`preprocess.ORIENTATIONS`). The bodies are pydantic models built from these types; the MCP tools' parameters use
-the same types.
+adapter and the MCP tools: its type and range here, its default `Request`'s, its names from the enum or tuple of
+the module that owns them (`decide.Mode`, `prompts.TASKS`, `preprocess.ORIENTATIONS`). The bodies are pydantic
+models built from these types; the MCP tools' parameters use the same types.
 
 No web framework here: the MCP tool imports it too.
 """
@@ -35,12 +34,14 @@ def _no_bool(value: Any) -> Any:
 
 
 def whole(**bounds) -> Any:
-    """An integer within `bounds` (pydantic's `ge`, `le`), a boolean refused."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_no_bool)]  # bounds first: checked on the integer
+    """An integer within `bounds` (pydantic's `ge`, `le`), a boolean refused. The bounds come before the
+    validator, so pydantic checks them on the parsed integer (exactly; `minimum`/`maximum` in the schema)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_no_bool)]
 
 
 def real(**bounds) -> Any:
-    """A finite number within `bounds` (pydantic's `ge`, `gt`, `le`), a boolean refused."""
+    """A finite number within `bounds` (pydantic's `ge`, `gt`, `le`; they also refuse inf and nan), a boolean
+    refused."""
     return Annotated[float, Field(**bounds), BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
 
 
