@@ -24,6 +24,7 @@ from .sampling import Sampling
 DEFAULT_TASK = "detect"
 DEFAULT_MODE = Mode.HYBRID.value
 DEFAULT_MAX_TOKENS = 512
+MIN_IMAGE_TOKENS = 4  # the smallest patch budget a request may ask for (`max_image_tokens`)
 
 
 class RequestError(ValueError):
@@ -149,11 +150,11 @@ def check_image_options(orientation: str, max_image_tokens: int | None, in_token
     if max_image_tokens is not None and (
         isinstance(max_image_tokens, bool)
         or not isinstance(max_image_tokens, int)
-        or not 4 <= max_image_tokens <= in_token_limit
+        or not MIN_IMAGE_TOKENS <= max_image_tokens <= in_token_limit
     ):
         raise RequestError(
-            f"max_image_tokens must be a whole number of patches from 4 to the model's {in_token_limit:,}, "
-            f"got {max_image_tokens!r}"
+            f"max_image_tokens must be a whole number of patches from {MIN_IMAGE_TOKENS} to the model's "
+            f"{in_token_limit:,}, got {max_image_tokens!r}"
         )
 
 

@@ -13,10 +13,10 @@ import sys
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ..locate import LocateModel
-from ..prompts import TASKS
+from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK
 from .protocol import InputError, Settings, build_requests, ground_json, image_bytes, locate_json, open_image
 from .worker import Job, QueueFull, Worker, WorkerError
 
@@ -27,6 +27,8 @@ try:
     from pydantic import BaseModel
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f'the MCP tool needs its extra: pip install "mlx-locate[server]" ({e})') from e
+
+from .schemas import GROUND_MAX_TOKENS, Categories, Decoding, Instruction, MaxTokens, ModeName, TaskName, Text
 
 INSTRUCTIONS = (
     "Find things in images. `locate` returns every box or point matching a phrase (task 'detect', 'refer', "
@@ -102,8 +104,9 @@ def build_server(load: Callable[[], LocateModel], settings: Settings | None = No
 
     server = MCPServer("mlx-locate", instructions=INSTRUCTIONS, lifespan=lifespan)
 
-    async def answer(image_path, image_base64, asks: list[tuple[str | None, str]], options: dict):
+    async def answer(image_path, image_base64, asks: list[tuple[str | None, str]], decoding: Decoding):
         """The results of (query, task) questions about one image; any failure is a `ToolError`."""
+        options = decoding.options(settings)
         try:
             image = await anyio.to_thread.run_sync(read_image, image_path, image_base64, settings)
             vocab = worker.limits.vocab_size if worker.limits else None
@@ -115,13 +118,13 @@ def build_server(load: Callable[[], LocateModel], settings: Settings | None = No
 
     @server.tool()
     async def locate(
-        query: str | None = None,
+        query: Text | None = None,
         image_path: str | None = None,
         image_base64: str | None = None,
-        task: Literal[TASKS] = "detect",
-        mode: Literal["slow", "fast", "hybrid"] = "hybrid",
-        max_tokens: int = 512,
-        categories: list[str] | None = None,
+        task: TaskName = DEFAULT_TASK,
+        mode: ModeName = DEFAULT_MODE,
+        max_tokens: MaxTokens = DEFAULT_MAX_TOKENS,
+        categories: Categories | None = None,
     ) -> LocateAnswer:
         """Every box or point in the image that matches `query` (no query for task 'ocr'), in pixels.
         `categories` (instead of `query`, task detect): several categories at once, one answer in their order.
@@ -130,26 +133,25 @@ def build_server(load: Callable[[], LocateModel], settings: Settings | None = No
         category), single, refer (a referring phrase), point, gui (a screen element's box), textground, ocr,
         raw (query = the whole prompt). `mode`: hybrid (default), fast (boxes in parallel) or slow.
         """
-        options = {"mode": mode, "max_tokens": max_tokens, "max_pixels": settings.max_pixels}
         if categories is not None and (query is not None or task != "detect"):
             raise ToolError("categories make one detect request; do not combine with query or another task")
         ask = (list(categories), "detect") if categories is not None else (query, task)
-        (result,) = await answer(image_path, image_base64, [ask], options)
+        (result,) = await answer(image_path, image_base64, [ask], Decoding(mode=mode, max_tokens=max_tokens))
         return LocateAnswer.model_validate(locate_json("", settings.model_name, task, mode, None, [result]))
 
     @server.tool()
     async def ground(
-        instruction: str,
+        instruction: Instruction,
         image_path: str | None = None,
         image_base64: str | None = None,
-        mode: Literal["slow", "fast", "hybrid"] = "hybrid",
+        mode: ModeName = DEFAULT_MODE,
     ) -> GroundAnswer:
         """Where to click for a GUI instruction ("the Save button") on a screenshot: `point` [x, y] in pixels
         (the model's click point, else the centre of the element's box) and the element's `box`; `found` is
         false and `point` null when the model finds nothing.
         """
-        options = {"mode": mode, "max_tokens": 64, "max_pixels": settings.max_pixels}
-        point, region = await answer(image_path, image_base64, [(instruction, "point"), (instruction, "gui")], options)
+        asks = [(instruction, "point"), (instruction, "gui")]
+        point, region = await answer(image_path, image_base64, asks, Decoding(mode=mode, max_tokens=GROUND_MAX_TOKENS))
         return GroundAnswer.model_validate(ground_json(point, region))
 
     return server

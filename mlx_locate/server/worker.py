@@ -32,6 +32,7 @@ from typing import NamedTuple
 import mlx.core as mx
 from PIL import Image
 
+from ..decide import Mode
 from ..engine import EngineEvent, EventKind, Handle
 from ..locate import LocateModel
 from ..request import PreparedImage, Request, Result
@@ -383,7 +384,7 @@ def warm_up(engine) -> None:
     if mx.default_device() == mx.gpu:
         engine.model.measure_rows(engine.max_rows)
     image = Image.new("RGB", WARMUP_IMAGE, (128, 128, 128))
-    requests = [Request(image, "object", mode=mode, max_tokens=WARMUP_TOKENS) for mode in ("slow", "fast", "hybrid")]
+    requests = [Request(image, "object", mode=mode.value, max_tokens=WARMUP_TOKENS) for mode in Mode]
     for request in requests:
         engine.submit(request)
         engine.run()

@@ -1,0 +1,147 @@
+"""The options clients send, each declared once for the HTTP routes (`/v1/locate`, `/v1/ground`), the OpenAI chat
+adapter and the MCP tools: its type and range here, its default `Request`'s, its names from the enum or tuple of
+the module that owns them (`decide.Mode`, `prompts.TASKS`, `preprocess.ORIENTATIONS`). The bodies are pydantic
+models built from these types; the MCP tools' parameters use the same types.
+
+No web framework here: the MCP tool imports it too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from ..decide import Mode
+from ..engine import MAX_SEED
+from ..preprocess import ORIENTATIONS
+from ..prompts import TASKS
+from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, MIN_IMAGE_TOKENS, Request
+from ..sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, Sampling
+from .protocol import Settings
+
+MAX_TEXT = 4096  # characters of one query, instruction or chat text
+MAX_TOKENS = 65536  # a request's max_tokens (the engine clips it to the model's positions)
+GROUND_MAX_TOKENS = 64  # `ground`'s answers are one point or one box
+SAMPLING = Request.sampling  # a request's default (greedy)
+PENALTY_LOW, PENALTY_HIGH = REPETITION_PENALTY_RANGE
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not a boolean")
+    return value
+
+
+def whole(**bounds) -> Any:
+    """An integer within `bounds` (pydantic's `ge`, `le`), a boolean refused. The bounds come before the
+    validator, so pydantic checks them on the parsed integer (exactly; `minimum`/`maximum` in the schema)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_no_bool)]
+
+
+def real(**bounds) -> Any:
+    """A finite number within `bounds` (pydantic's `ge`, `gt`, `le`; they also refuse inf and nan), a boolean
+    refused."""
+    return Annotated[float, Field(**bounds), BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
+
+
+# Tokenizing runs on the worker thread, between everyone's steps: a query's length is bounded here.
+Text = Annotated[str, Field(max_length=MAX_TEXT)]
+Int = whole()
+
+# One type per decoding option.
+ModeName = Literal[tuple(m.value for m in Mode)]
+TaskName = Literal[TASKS]
+MaxTokens = whole(ge=1, le=MAX_TOKENS)
+Temperature = real(ge=0, le=MAX_TEMPERATURE)
+TopP = real(gt=0, le=1)
+TopK = whole(ge=0)  # and at most the vocabulary: checked with the model (`check_request`)
+RepetitionPenalty = real(ge=PENALTY_LOW, le=PENALTY_HIGH)
+Seed = whole(ge=0, le=MAX_SEED)
+Orientation = Literal[ORIENTATIONS]  # "stored": boxes in the stored pixels, EXIF orientation ignored
+ImageTokens = whole(ge=MIN_IMAGE_TOKENS)  # a patch budget below the model's (at most the model's)
+Tiles = Literal["auto"] | tuple[Int, Int]
+Categories = list[Text]  # several categories of one detect request: one row each, one result
+Instruction = Annotated[Text, Field(min_length=1)]
+
+
+class Decoding(BaseModel):
+    """Decoding fields every endpoint takes (see `mlx_locate.Request`); every number bounded."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: ModeName = DEFAULT_MODE
+    max_tokens: MaxTokens = DEFAULT_MAX_TOKENS
+    strict: bool = Request.strict
+    temperature: Temperature = SAMPLING.temperature
+    top_p: TopP = SAMPLING.top_p
+    top_k: TopK = SAMPLING.top_k
+    repetition_penalty: RepetitionPenalty = SAMPLING.repetition_penalty
+    seed: Seed = Request.seed
+    orientation: Orientation = Request.orientation
+    max_image_tokens: ImageTokens | None = Request.max_image_tokens
+
+    @model_validator(mode="after")
+    def _sampling_is_valid(self) -> Decoding:
+        self.sampling()
+        return self
+
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k, self.repetition_penalty)
+
+    def options(self, settings: Settings) -> dict:
+        """The `Request` fields these set, with the server's pixel limit."""
+        return {
+            "mode": self.mode,
+            "max_tokens": self.max_tokens,
+            "strict": self.strict,
+            "sampling": self.sampling(),
+            "seed": self.seed,
+            "max_pixels": settings.max_pixels,
+            "orientation": self.orientation,
+            "max_image_tokens": self.max_image_tokens,
+        }
+
+
+class LocateBody(Decoding):
+    image: str | None = None  # data URL or base64 (or a file part in multipart)
+    query: Text | list[Text] | None = None  # a list: separate questions, answered under "queries"
+    categories: Categories | None = None
+    joint: bool = Request.joint  # categories in ONE prompt joined by </c> (the reference's; also with strict)
+    task: TaskName = DEFAULT_TASK
+    tiles: Tiles | None = Request.tiles
+    stream: bool = False
+
+
+class GroundBody(Decoding):
+    image: str | None = None  # data URL or base64 (or a file part in multipart)
+    instruction: Instruction
+    max_tokens: MaxTokens = GROUND_MAX_TOKENS
+
+
+class ChatBody(BaseModel):
+    """The OpenAI fields we use; others an OpenAI client may send are ignored. `mode`, `task`, `top_k` and
+    `repetition_penalty` ride in extra_body."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    temperature: Temperature = SAMPLING.temperature
+    top_p: TopP = SAMPLING.top_p
+    top_k: TopK = SAMPLING.top_k
+    repetition_penalty: RepetitionPenalty = SAMPLING.repetition_penalty
+    seed: Seed | None = None
+    n: Int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    mode: ModeName = DEFAULT_MODE
+    task: TaskName | None = None
+
+    def decoding(self) -> dict:
+        """The `Decoding` fields of this body."""
+        fields = ("mode", "temperature", "top_p", "top_k", "repetition_penalty")
+        max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+        seed = Request.seed if self.seed is None else self.seed
+        return {"max_tokens": max_tokens, "seed": seed, **{f: getattr(self, f) for f in fields}}
