@@ -48,8 +48,7 @@ from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 from mlx_locate.request import DEFAULT_TASK, Request  # noqa: E402
-from mlx_locate.row_decoder import summary_functions  # noqa: E402
-from mlx_locate.sampling import Features, RowSampling, Sampling  # noqa: E402
+from mlx_locate.sampling import Features, RowSampling, Sampling, summary_functions  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 
 TOKENIZER_DIR = ROOT / "tests" / "data" / "golden" / "tokenizer"

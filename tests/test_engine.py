@@ -17,13 +17,15 @@ from conftest import GOLDEN, approx_tree, golden_case, golden_cases, slow_but
 from PIL import Image
 
 import mlx_locate
+from mlx_locate import admission as admission_module
 from mlx_locate import compiled as compiled_module
 from mlx_locate import engine as engine_module
 from mlx_locate import runtime as runtime_module
+from mlx_locate import vision_ahead as vision_ahead_module
 from mlx_locate.cache import kv_bucket
 from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.engine import EventKind, Schedule
-from mlx_locate.request import Request, RequestError
+from mlx_locate.request import Request, RequestError, parse_mode
 from mlx_locate.sampling import Sampling
 from mlx_locate.tiles import Tile
 
@@ -236,12 +238,12 @@ def test_a_tower_blocks_cost_is_measured_by_grid(models, monkeypatch):
     job = runtime_module.TowerJob(model, prepared)
     grid = prepared[0].pre.grid
     monkeypatch.setattr(model, "tower_block_s", {})
-    assert model.tower_block_s_of(job) is None
+    assert vision_ahead_module.tower_block_s_of(model, job) is None
     monkeypatch.setattr(model, "tower_block_s", {grid: 0.01})
-    assert model.tower_block_s_of(job) == pytest.approx(0.02)  # 2 images at 10 ms each
+    assert vision_ahead_module.tower_block_s_of(model, job) == pytest.approx(0.02)  # 2 images at 10 ms each
     other = (grid[0] * 2, grid[1])  # twice the patches at 10 ms: 5 ms per image-block of `grid`
     monkeypatch.setattr(model, "tower_block_s", {other: 0.01, (1, 1): 0.001 / (grid[0] * grid[1])})
-    assert model.tower_block_s_of(job) == pytest.approx(0.01)
+    assert vision_ahead_module.tower_block_s_of(model, job) == pytest.approx(0.01)
     model.run_piece(job)  # measured now: its own grid's cost
     assert grid in model.tower_block_s
 
@@ -334,7 +336,7 @@ def test_memory_is_bounded_by_rows_and_buckets(models):
             biggest = max(biggest, engine.cache.capacity)
     longest = max(len(h.result.prompt_ids) + len(h.result.token_ids) for h in handles)
     prompt = max(len(h.result.prompt_ids) for h in handles)
-    assert kv_bucket(prompt) <= biggest <= kv_bucket(longest + compiled_module.BLOCK_ROWS)
+    assert kv_bucket(prompt) <= biggest <= kv_bucket(longest + compiled_module.BLOCK_FORWARD_ROWS)
 
 
 def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
@@ -391,7 +393,7 @@ def test_a_tiled_requests_views_take_turns_with_other_groups(demo):
     tiled = engine.submit(Request(DEMO_IMAGE, "square", mode="fast", max_tokens=24, tiles=(1, 2)), done.append)
     small = engine.submit(Request(DEMO_IMAGE, "circle", mode="fast", max_tokens=24), done.append)
     engine.step()
-    (children,) = [c for _, _, c in engine.tiles.values()]
+    (children,) = [t.children for t in engine.admission.tiles.values()]
     assert len(children) == 3 and all(c.group is tiled.group for c in children)
     engine.run()
     kinds = [(e.handle, e.kind) for e in done]
@@ -471,7 +473,7 @@ def test_a_setting_the_device_cannot_take_fails_its_row_alone(demo, monkeypatch)
     """The issue's failure: a top_k past int32 (the checks bypassed) broke every row of its step."""
     requests = mixed_requests(bad_seed=0)
     requests[1] = Request(DEMO_IMAGE, "circle", mode="hybrid", max_tokens=40, sampling=Sampling(top_k=2**31))
-    monkeypatch.setattr(engine_module, "check_request", lambda request, vocab: None)
+    monkeypatch.setattr(admission_module, "check_request", lambda request, vocab: parse_mode(request.mode))
     check_isolated(demo, requests, "decoding failed for this request", monkeypatch)
 
 

@@ -26,7 +26,8 @@ from importlib.resources import files
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from ..engine import MAX_SEED, EventKind
+from ..admission import MAX_SEED
+from ..engine import EventKind
 from ..locate import LocateModel
 from ..preprocess import ORIENTATIONS
 from ..prompts import GRAMMAR_TOKENS, TASK_TEMPLATES, TASKS
