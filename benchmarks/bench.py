@@ -217,7 +217,7 @@ def folder_run(model: LocateModel, requests: list[Request], rows: int, schedule:
         "compilations_after": compiled,
         "peak_memory_mb": mx.get_peak_memory() / 2**20,
         "engine_seconds": engine.seconds,
-        "tower_image_blocks_behind_steps": engine.vision_ahead_blocks,
+        "tower_image_blocks_behind_steps": engine.vision_ahead.blocks_run,
         "tokens": [r.token_ids for r in results],
     }
 

@@ -295,10 +295,10 @@ class Admission:
                 images.setdefault(row.image.key, row.image)
         return list(images.values())
 
-    def stage(self, rows: list[Row], ahead: VisionAhead) -> tuple[float, float]:
+    def stage(self, rows: list[Row], ahead: VisionAhead, seconds: dict[str, float]) -> None:
         """Vision (images of one grid batched; what `ahead` ran of it used) and the prompt prefix of each new image
         (prefilled together, kept in the model's prefix store) for `rows`; each row then holds its image's
-        prefix. Returns the seconds of vision and of the prefixes."""
+        prefix. Their seconds are added to `seconds["vision"]` and `seconds["prefix"]`."""
         model = self.model
         keys = [row.prefix_key for row in rows]
         have = {key: model.prefix(key) for key in keys if key in model.prefixes}  # held: storing may evict
@@ -307,7 +307,6 @@ class Admission:
             row.timings.update(vision_cached=True, vision_s=0.0, prefix_prefill_s=0.0)
             if key not in have:
                 new.setdefault(key, row)
-        vision_s = prefix_s = 0.0
         if new:
             t0 = time.perf_counter()
             features = model.features_for([row.image for row in new.values()], ahead.finish())
@@ -316,13 +315,14 @@ class Admission:
             prefixes = model.compute_prefixes(items)
             t2 = time.perf_counter()
             vision_s, prefix_s = t1 - t0, t2 - t1
+            seconds["vision"] += vision_s
+            seconds["prefix"] += prefix_s
             for (key, row), (cached, _), prefix in zip(new.items(), features, prefixes, strict=True):
                 have[key] = prefix
                 model.store_prefix(key, prefix)
                 row.timings.update(vision_cached=cached, vision_s=vision_s, prefix_prefill_s=prefix_s)
         for row, key in zip(rows, keys, strict=True):
             row.prefix = have[key]
-        return vision_s, prefix_s
 
     def joining(self, free: int, live: list[Row]) -> list[Row]:
         """The staged rows that join now, taken off `staged` in turn: those holding their prefix, as many as the

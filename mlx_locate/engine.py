@@ -118,11 +118,6 @@ class Engine:
     def idle(self) -> bool:
         return not self.admission.waiting and not self.admission.staged and not self.active
 
-    @property
-    def vision_ahead_blocks(self) -> int:
-        """Image-blocks of the tower run behind decode steps so far."""
-        return self.vision_ahead.blocks_run
-
     def step(self) -> list[EngineEvent]:
         """Admit waiting requests into free rows, then advance every active row by one forward step."""
         events: list[EngineEvent] = []
@@ -239,15 +234,10 @@ class Engine:
             self._take(out, self.max_rows)
             unstaged = [row for row in admission.staged if row.prefix is None]
             if unstaged:
-                self._isolated(unstaged, self._stage, out)
+                self._isolated(unstaged, lambda rows, _: admission.stage(rows, self.vision_ahead, self.seconds), out)
         joining = admission.joining(free, [r for r in self.rows if r is not None])
         if joining:
             self._isolated(joining, self._join, out)
-
-    def _stage(self, rows: list[Row], out: list[EngineEvent]) -> None:
-        vision_s, prefix_s = self.admission.stage(rows, self.vision_ahead)
-        self.seconds["vision"] += vision_s
-        self.seconds["prefix"] += prefix_s
 
     def _join(self, joining: list[Row], out: list[EngineEvent]) -> None:
         """Staged rows into slots, their prefixes into their cache rows, their own words prefilled together."""
