@@ -48,8 +48,7 @@ from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
 from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 from mlx_locate.request import DEFAULT_TASK, Request  # noqa: E402
-from mlx_locate.row_decoder import summary_functions  # noqa: E402
-from mlx_locate.sampling import Features, RowSampling, Sampling  # noqa: E402
+from mlx_locate.sampling import Features, RowSampling, Sampling, summary_functions  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 
 TOKENIZER_DIR = ROOT / "tests" / "data" / "golden" / "tokenizer"
@@ -218,7 +217,7 @@ def folder_run(model: LocateModel, requests: list[Request], rows: int, schedule:
         "compilations_after": compiled,
         "peak_memory_mb": mx.get_peak_memory() / 2**20,
         "engine_seconds": engine.seconds,
-        "tower_image_blocks_behind_steps": engine.vision_ahead_blocks,
+        "tower_image_blocks_behind_steps": engine.vision_ahead.blocks_run,
         "tokens": [r.token_ids for r in results],
     }
 

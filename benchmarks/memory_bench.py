@@ -163,7 +163,7 @@ class PhasePeaks:
         self.phases: dict[str, dict[str, float]] = {}
         for name, attr in self.PHASES.items():
             setattr(model, attr, self.wrap(name, getattr(model, attr)))
-        engine._decode = self.wrap("decode", engine._decode)
+        engine.decode_rows = self.wrap("decode", engine.decode_rows)
 
     @staticmethod
     def remove(model) -> None:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import in_memory_model  # noqa: E402
 
-from mlx_locate.compiled import BLOCK_ROWS, Phase  # noqa: E402
+from mlx_locate.compiled import BLOCK_FORWARD_ROWS, Phase  # noqa: E402
 
 
 def main() -> None:
@@ -36,8 +36,8 @@ def main() -> None:
     grid = (34, 46)  # 640 x 480 at patch 14
     R, context = args.rows, 512
     cache = runtime.new_cache(R)
-    step = (Phase.BLOCK, cache, mx.zeros((R, BLOCK_ROWS), mx.int32), list(range(R)), [context] * R)
-    shape = ([BLOCK_ROWS] * R, [True] * R, True)
+    step = (Phase.BLOCK, cache, mx.zeros((R, BLOCK_FORWARD_ROWS), mx.int32), list(range(R)), [context] * R)
+    shape = ([BLOCK_FORWARD_ROWS] * R, [True] * R, True)
     dim = tower.config.hidden_size
     x0 = (mx.random.normal((args.images, grid[0] * grid[1], dim)) * 0.02).astype(mx.bfloat16)
     mx.eval(x0)

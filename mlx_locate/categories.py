@@ -2,9 +2,9 @@
 row (split) and joined back into one `Result`.
 
 A joint prompt (`"car</c>person</c>..."`) loses objects and corrupts labels as the list grows. Split, each
-category is its own row of the engine's batch: the rows share the image's vision and prompt prefix and prefill
-only their own words, and an absent category ends in a step or two. `Request.joint` (or `strict`) keeps the
-reference's single prompt.
+category is its own row of the engine's batch (`SplitRequest`, a request of several views as a tiled one is): the
+rows share the image's vision and prompt prefix and prefill only their own words, and an absent category ends in a
+step or two. `Request.joint` (or `strict`) keeps the reference's single prompt.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import warnings
 from dataclasses import replace
 
 from .prompts import CATEGORY_SEPARATOR
-from .request import Request, RequestError, Result
-from .tiles import SUMMED_STATS, answer_text
+from .request import EngineEvent, EventKind, Handle, PreparedImage, Request, RequestError, Result
+from .tiles import SUMMED_STATS, TiledRequest, answer_text
 
 # What a category name may not hold: the model's control and grammar tokens, coordinates, image placeholders.
 _CONTROL = re.compile(r"<\|[^<>|]*\|>|</?(?:ref|box|img|c)>|<IMG_CONTEXT>|<image-?\s*\d+>|<\d{1,4}>|<null>")
@@ -125,3 +125,27 @@ def merge_categories(names: list[str], results: list[Result]) -> Result:
         orientation=results[0].orientation,  # the rows share one prepared image
         warnings=results[0].warnings,
     )
+
+
+class SplitRequest(TiledRequest):
+    """A split request: one view per category (`names`), each the category's own row, joined by `merge_categories`."""
+
+    def __init__(self, handle: Handle, image: PreparedImage, requests: list[Request], names: list[str]):
+        super().__init__(handle, image, requests)
+        self.names = names
+
+    def joined(self, child: Handle) -> list[EngineEvent]:
+        """A category's row finished: its text (with `text`) once the categories before it have finished, in
+        category order; when every row has, the parent's objects and its merged result."""
+        parent, children = self.handle, self.children
+        done = [c.result is not None for c in children]
+        at = children.index(child)
+        events = []
+        if parent.text and all(done[:at]):
+            for k in range(at, done.index(False) if False in done else len(done)):
+                for piece in category_pieces(self.names[k], children[k].result):
+                    events.append(EngineEvent(parent, EventKind.TEXT, text=piece))
+        if not all(done):
+            return events
+        self.over = True
+        return events + self.finished(merge_categories(self.names, [c.result for c in children]))

@@ -27,7 +27,8 @@ from .model import LocateAnything
 PREFILL_BUCKET = 128
 PREFILL_MIN = 16  # a short prompt (a query after a cached prefix) pads to a power of two from here
 PREFILL_ROWS = 2048  # one sequence's rows per prefill call at most: longer prompts go in chunks
-BLOCK_ROWS = 2 * BLOCK  # a tail of at most 6 committed tokens, then the 6 window rows
+BLOCK_FORWARD_ROWS = 2 * BLOCK  # a block-shaped forward's rows: a tail of at most BLOCK committed tokens, then
+# the BLOCK window rows
 
 
 class Phase(Enum):
@@ -42,9 +43,9 @@ def padded_rows(phase: Phase, q: int) -> int:
             return min(PREFILL_BUCKET, max(PREFILL_MIN, 1 << (q - 1).bit_length()))
         return -(-q // PREFILL_BUCKET) * PREFILL_BUCKET
     if phase is Phase.BLOCK:
-        if not 1 <= q <= BLOCK_ROWS:
+        if not 1 <= q <= BLOCK_FORWARD_ROWS:
             raise ValueError(f"a block-shaped step feeds 1 to 12 rows per sequence, got {q}")
-        return BLOCK_ROWS
+        return BLOCK_FORWARD_ROWS
     if not 1 <= q <= BLOCK:
         raise ValueError(f"an AR step feeds 1 to 6 rows, got {q}")
     return 1 if q == 1 else BLOCK

@@ -1,8 +1,9 @@
 """Block (parallel box decoding) and AR-step decisions, in plain Python over one host read per step.
 
-docs/model.md §10.4-§10.7. The device packs each block's 6 rows into a small float32 array (`sampling.block_summary`,
-layout below); `decide_block` turns it into the tokens to commit and what to do next. `classify_ar` does the same
-for one AR token. Nothing here touches MLX, so every rule is table-testable on numpy arrays.
+docs/model.md §10.4-§10.7. The device packs each block's rows into a small float32 array (the step summary of
+sampling.py, which also reads it back); `decide_block` turns it into the tokens to commit and what to do next.
+`classify_ar` does the same for one AR token. Nothing here touches MLX, so every rule is table-testable on numpy
+arrays.
 """
 
 from __future__ import annotations
@@ -13,79 +14,13 @@ from typing import ClassVar
 
 import numpy as np
 
+from .masks import BLOCK
+from .sampling import BLOCK_SUMMARY_SIZE, TOP_K, RowSummary, read_summary
 from .tokens import TokenIds
-
-# --- Summary layout: the one place both the packer (sampling.py) and the reader (below) take it from. ---
-# Per window row, ROW_WIDTH float32 values (ids < 2**24 are exact in float32):
-#   [COL_X0]                 x0: argmax (first maximum) or the sampled token
-#   [COL_P_X0]               p(x0)
-#   [COL_TOP_IDS + i]        the TOP_K most probable ids, descending, i = 0..TOP_K-1
-#   [COL_TOP_PROBS + i]      their probabilities
-#   [COL_SPECIAL + i]        p at the token named SPECIAL_FIELDS[i]
-# A block is BLOCK_ROWS rows flattened row-major: shape (BLOCK_ROWS * ROW_WIDTH,).
-# An AR summary is the pair [token, p(token)].
-BLOCK_ROWS = 6
-TOP_K = 5
-SPECIAL_FIELDS = ("box_start", "box_end", "ref_start", "im_end", "null", "none")  # TokenIds field names
-COL_X0 = 0
-COL_P_X0 = 1
-COL_TOP_IDS = 2
-COL_TOP_PROBS = COL_TOP_IDS + TOP_K
-COL_SPECIAL = COL_TOP_PROBS + TOP_K
-ROW_WIDTH = COL_SPECIAL + len(SPECIAL_FIELDS)
-BLOCK_SUMMARY_SIZE = BLOCK_ROWS * ROW_WIDTH
 
 # D_box's mark for an ambiguous coordinate (docs/model.md §10.4 b4). The reference uses id 0; -1 can never be a token,
 # so it also stays a non-coordinate when tests remap the coordinate range to start at 0.
 AMBIGUOUS = -1
-
-
-def special_ids(ids: TokenIds) -> tuple[int, ...]:
-    """The token ids of the special columns, in column order."""
-    return tuple(getattr(ids, name) for name in SPECIAL_FIELDS)
-
-
-@dataclass(frozen=True)
-class RowSummary:
-    """One window row of a block summary, as Python numbers."""
-
-    x0: int
-    p_x0: float
-    top: tuple[tuple[int, float], ...]  # (id, prob), most probable first
-    special: dict[int, float]  # token id -> prob, for the SPECIAL_FIELDS tokens
-
-    @property
-    def argmax(self) -> int:
-        return self.top[0][0]
-
-    def prob(self, token: int) -> float:
-        """p(token) at this row if the summary holds it, else NaN."""
-        if token == self.x0:
-            return self.p_x0
-        for t, p in self.top:
-            if t == token:
-                return p
-        return self.special.get(token, float("nan"))
-
-
-def read_summary(summary: np.ndarray, ids: TokenIds) -> list[RowSummary]:
-    """Unpack a block summary (any number of rows) into `RowSummary`s."""
-    rows = np.asarray(summary, dtype=np.float32).reshape(-1, ROW_WIDTH).tolist()
-    specials = special_ids(ids)
-    return [
-        RowSummary(
-            x0=int(r[COL_X0]),
-            p_x0=r[COL_P_X0],
-            top=tuple(
-                (int(t), p)
-                for t, p in zip(
-                    r[COL_TOP_IDS : COL_TOP_IDS + TOP_K], r[COL_TOP_PROBS : COL_TOP_PROBS + TOP_K], strict=True
-                )
-            ),
-            special=dict(zip(specials, r[COL_SPECIAL:ROW_WIDTH], strict=True)),
-        )
-        for r in rows
-    ]
 
 
 # --- Settings ---
@@ -307,7 +242,7 @@ def decide_block(
     if redecode_labels and mode is not Mode.HYBRID:
         raise ValueError(f"decide_block: redecode_labels needs Mode.HYBRID (AR steps); got {mode}")
     rows = read_summary(summary, ids)
-    if len(rows) != BLOCK_ROWS:
+    if len(rows) != BLOCK:
         raise ValueError(f"decide_block: expected {BLOCK_SUMMARY_SIZE} summary values, got {np.size(summary)}")
 
     if guards.end_guard and rows[0].argmax in (ids.im_end, ids.null):

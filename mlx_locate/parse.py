@@ -100,64 +100,114 @@ def parse_tokens(
     Returns:
         A `ParseResult`. Never raises on the ids; raises `ValueError` if `token_probs` and `ids` differ in length.
     """
-    ids = [int(t) for t in ids]
-    if token_probs is not None and len(token_probs) != len(ids):
-        raise ValueError(f"token_probs has {len(token_probs)} entries but ids has {len(ids)}; pass one per id")
-    tk = token_ids
-    skipped = {tk.null, tk.switch}
-    ref_stops = {tk.ref_end, tk.box_start, tk.ref_start, tk.null, tk.im_end}
-    box_stops = {tk.box_end, tk.box_start, tk.ref_start, tk.im_end}
-    empties = {tk.none, tk.none_lower}
+    parser = AnswerParser(token_ids, decode, image_size, confidences=token_probs is not None)
+    parser.feed(ids, token_probs)
+    return parser.result()
 
-    objects: list[LocatedObject] = []
-    empty_labels: list[str | None] = []
-    malformed = 0
-    label: str | None = None
 
-    def result(truncated: bool = False, ended: bool = False) -> ParseResult:
-        return ParseResult(objects, empty_labels, malformed, truncated, ended)
+class AnswerParser:
+    """The parser of `parse_tokens` over an answer that grows (`feed`): each item is parsed once, when the ids that
+    finish it arrive; an unfinished item waits. After any feeds, `result()` equals `parse_tokens` of every id fed."""
 
-    i, n = 0, len(ids)
-    while i < n:
+    def __init__(
+        self,
+        token_ids: TokenIds,
+        decode: Callable[[list[int]], str],
+        image_size: tuple[int, int],
+        confidences: bool = True,
+    ):
+        tk = self.tk = token_ids
+        self.decode, self.image_size = decode, image_size
+        self.skipped = {tk.null, tk.switch}
+        self.ref_stops = {tk.ref_end, tk.box_start, tk.ref_start, tk.null, tk.im_end}
+        self.box_stops = {tk.box_end, tk.box_start, tk.ref_start, tk.im_end}
+        self.empties = {tk.none, tk.none_lower}
+        self.ids: list[int] = []
+        self.probs: list[float] | None = [] if confidences else None
+        self.objects: list[LocatedObject] = []
+        self.empty_labels: list[str | None] = []
+        self.malformed = 0
+        self.label: str | None = None
+        self.ended = False  # <|im_end|> was seen: later ids are not parsed
+        self.at = 0  # the first id not parsed yet: the start of an unfinished item, or the end
+
+    def feed(
+        self, ids: Sequence[int], probs: Sequence[float] | None = None
+    ) -> tuple[list[LocatedObject], list[str | None]]:
+        """Parse the answer's next `ids` (with their probabilities, when the parser gives confidences); returns the
+        objects and the empty labels they finished. Raises `ValueError` if `probs` and `ids` differ in length."""
+        ids = [int(t) for t in ids]
+        if self.probs is not None:
+            if probs is None or len(probs) != len(ids):
+                given = 0 if probs is None else len(probs)
+                raise ValueError(f"token_probs has {given} entries but ids has {len(ids)}; pass one per id")
+            self.probs += [float(p) for p in probs]
+        self.ids += ids
+        objects, empty = len(self.objects), len(self.empty_labels)
+        while not self.ended and self.at < len(self.ids) and self._item():
+            pass
+        return self.objects[objects:], self.empty_labels[empty:]
+
+    def feed_to(
+        self, answer: Sequence[int], probs: Sequence[float] | None = None
+    ) -> tuple[list[LocatedObject], list[str | None]]:
+        """`feed` the ids of `answer` (the whole answer so far, which starts with the ids fed) past those fed."""
+        fed = len(self.ids)
+        return self.feed(answer[fed:], None if probs is None else probs[fed:])
+
+    def _item(self) -> bool:
+        """Parse the item (or stray id) at `at`; False when it is not finished yet."""
+        ids, tk, i, n = self.ids, self.tk, self.at, len(self.ids)
         token = ids[i]
         if token == tk.im_end:
-            return result(ended=True)
+            self.ended = True
+            return False
         if token == tk.ref_start:
-            j = _first_of(ids, i + 1, ref_stops)
+            j = _first_of(ids, i + 1, self.ref_stops)
             if j == n:
-                return result(truncated=True)
-            text_ids = [t for t in ids[i + 1 : j] if 0 <= t < tk.vocab_size and t not in skipped]
-            label = decode(text_ids).strip()
+                return False
+            text_ids = [t for t in ids[i + 1 : j] if 0 <= t < tk.vocab_size and t not in self.skipped]
+            self.label = self.decode(text_ids).strip()
             # </ref> is consumed; an early stop token starts the next item.
-            i = j + 1 if ids[j] == tk.ref_end else j
-            continue
+            self.at = j + 1 if ids[j] == tk.ref_end else j
+            return True
         if token == tk.box_start:
-            j = _first_of(ids, i + 1, box_stops)
+            j = _first_of(ids, i + 1, self.box_stops)
             if j == n:
-                return result(truncated=True)
+                return False
             if ids[j] != tk.box_end:
-                malformed += 1
-                i = j
-                continue
-            inner = [k for k in range(i + 1, j) if ids[k] not in skipped]
-            values = [tk.coord_value(ids[k]) for k in inner if tk.is_coord(ids[k])]
-            if len(inner) == 1 and ids[inner[0]] in empties:
-                empty_labels.append(label)
-            elif len(values) == len(inner) and len(values) in (2, 4):
-                confidence = None
-                if token_probs is not None:
-                    confidence = _geometric_mean([float(token_probs[k]) for k in (i, *inner, j)])
-                pixels = to_pixels(values, image_size)
-                if len(values) == 4:
-                    objects.append(LocatedObject(label, pixels, tuple(values), None, None, confidence))
-                else:
-                    objects.append(LocatedObject(label, None, None, pixels, tuple(values), confidence))
+                self.malformed += 1
+                self.at = j
+                return True
+            self._box(i, j)
+            self.at = j + 1
+            return True
+        self.at = i + 1  # stray tokens outside an item (<null>, <switch>, text, lone coordinates or </box>)
+        return True
+
+    def _box(self, i: int, j: int) -> None:
+        """The box item from `<box>` at i to `</box>` at j: an object, an empty label or a malformed box."""
+        ids, tk = self.ids, self.tk
+        inner = [k for k in range(i + 1, j) if ids[k] not in self.skipped]
+        values = [tk.coord_value(ids[k]) for k in inner if tk.is_coord(ids[k])]
+        if len(inner) == 1 and ids[inner[0]] in self.empties:
+            self.empty_labels.append(self.label)
+        elif len(values) == len(inner) and len(values) in (2, 4):
+            confidence = None
+            if self.probs is not None:
+                confidence = _geometric_mean([self.probs[k] for k in (i, *inner, j)])
+            pixels = to_pixels(values, self.image_size)
+            if len(values) == 4:
+                self.objects.append(LocatedObject(self.label, pixels, tuple(values), None, None, confidence))
             else:
-                malformed += 1
-            i = j + 1
-            continue
-        i += 1  # stray tokens outside an item (<null>, <switch>, text, lone coordinates or </box>)
-    return result()
+                self.objects.append(LocatedObject(self.label, None, None, pixels, tuple(values), confidence))
+        else:
+            self.malformed += 1
+
+    def result(self) -> ParseResult:
+        """What the ids fed so far parse to; the answer is truncated when it ends inside an unfinished item."""
+        truncated = not self.ended and self.at < len(self.ids)
+        return ParseResult(list(self.objects), list(self.empty_labels), self.malformed, truncated, self.ended)
 
 
 # Answer text -> the id grammar above, for `parse_text`: the text's own special tokens, each text run one id.

@@ -1,5 +1,6 @@
 """What a caller hands the engine and gets back: `Request` (one question about one image, every decoding option
-its own), `Result`, `RequestError`, and `PreparedImage` (an image's host work, done once).
+its own), `Result`, `RequestError`, `PreparedImage` (an image's host work, done once), and the engine's `Handle`
+and `EngineEvent`s. `decode_options` resolves a request into its row's decoding options.
 
 The engine, tiling and the public API all build on these; this module imports none of them.
 """
@@ -7,8 +8,10 @@ The engine, tiling and the public API all build on these; this module imports no
 from __future__ import annotations
 
 import io
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,6 +22,7 @@ from .decide import Guards, Mode
 from .draw import draw_objects
 from .parse import LocatedObject
 from .preprocess import ORIENTATIONS, PhotoNotes, Preprocessed, load_image, patches_of, photo_notes, to_rgb
+from .row_decoder import DecodeOptions
 from .sampling import Sampling
 
 DEFAULT_TASK = "detect"
@@ -134,13 +138,79 @@ class Result:
         return buffer.getvalue()
 
 
+def as_request_error(error: Exception) -> RequestError:
+    """`error` as the `RequestError` a handle fails with: a bad file's or value's own message, anything else
+    named by its type."""
+    if isinstance(error, RequestError):
+        return error
+    message = str(error) if isinstance(error, OSError | ValueError) else f"{type(error).__name__}: {error}"
+    return RequestError(message)
+
+
+class EventKind(Enum):
+    OBJECT = "object"  # a box or point was committed
+    EMPTY = "empty"  # a label was answered <box>None</box>
+    VIEW = "view"  # a view of a tiled request finished; `result` holds it in the whole image's pixels
+    TEXT = "text"  # more of the answer's text is final (only for handles submitted with `text=True`)
+    DONE = "done"  # the request finished; `result` holds the Result
+    ERROR = "error"  # the request failed; `error` holds the RequestError
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    handle: Handle
+    kind: EventKind
+    object: LocatedObject | None = None  # OBJECT
+    label: str | None = None  # EMPTY
+    result: Result | None = None  # DONE, VIEW
+    error: RequestError | None = None  # ERROR
+    view: int | None = None  # VIEW: the view's index among the tiled request's views
+    tile: tuple | None = None  # VIEW: the view's crop of the image (a `tiles.Tile`)
+    text: str | None = None  # TEXT: the answer's next piece, up to its last finished item
+
+
+@dataclass(eq=False)
+class Handle:
+    """A submitted request; `result` or `error` is set once it is done."""
+
+    id: int
+    request: Request
+    on_event: Callable[[EngineEvent], None] | None = None
+    result: Result | None = None
+    error: RequestError | None = None
+    cancelled: bool = False
+    events: list[EngineEvent] = field(default_factory=list)
+    submitted: float = field(default_factory=time.perf_counter)
+    parent: Handle | None = field(default=None, repr=False)  # the request of several views a view belongs to
+    group: Hashable = field(default=None, repr=False)  # the client call it belongs to (fair admission)
+    text: bool = False  # send TEXT events
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None or self.cancelled
+
+
 def parse_mode(mode: str | Mode) -> Mode:
+    """The request's mode as a `Mode`: parsed once, where a request is checked (`admission.check_request`)."""
     if isinstance(mode, Mode):
         return mode
     modes = {m.value: m for m in Mode}
     if not isinstance(mode, str) or mode not in modes:
         raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(modes)}")
     return modes[mode]
+
+
+def decode_options(request: Request, mode: Mode, budget: int) -> DecodeOptions:
+    """The decoding options of `request`'s row, its mode parsed and its token budget fitted: label re-decoding
+    is on by default for OCR in hybrid mode, and needs hybrid mode (its AR steps)."""
+    redecode = request.redecode_labels
+    if redecode is None:
+        redecode = request.task == "ocr" and mode is Mode.HYBRID
+    elif redecode and mode is not Mode.HYBRID:
+        raise RequestError(f"redecode_labels needs hybrid mode (AR steps), not {mode.value}")
+    return DecodeOptions(
+        mode, budget, request.sampling, request.strict, request.guards, redecode_labels=redecode, seed=request.seed
+    )
 
 
 def check_image_options(orientation: str, max_image_tokens: int | None, in_token_limit: int) -> None:

@@ -11,16 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
 
 import mlx.core as mx
 import numpy as np
 
 from .decide import (
-    BLOCK_SUMMARY_SIZE,
-    COL_P_X0,
-    COL_X0,
-    ROW_WIDTH,
     Guards,
     Mode,
     Next,
@@ -31,7 +26,7 @@ from .decide import (
     loop_guard_trips,
 )
 from .masks import BLOCK
-from .sampling import Features, RowSampling, Sampling, ar_summary, block_summary
+from .sampling import Features, RowSampling, Sampling, read_token, summary_functions
 from .tokens import TokenIds
 
 StepFn = Callable[[list[int], bool], mx.array]
@@ -49,12 +44,8 @@ class DecodeOptions:
     seed: int = 0  # for sampling
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, Mode):
-            raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(m.value for m in Mode)}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.redecode_labels and self.mode is not Mode.HYBRID:
-            raise ValueError(f"redecode_labels needs hybrid mode (AR steps), not {self.mode.value}")
 
 
 @dataclass
@@ -92,12 +83,6 @@ def completed_box(seq: list[int], ids: TokenIds) -> tuple[int, ...] | None:
     return None
 
 
-def ar_pick(block_summary_row: np.ndarray) -> tuple[int, float]:
-    """An AR sequence's token and its probability from its row of a block-shaped step (the last window row)."""
-    last = np.asarray(block_summary_row)[BLOCK_SUMMARY_SIZE - ROW_WIDTH :]
-    return int(last[COL_X0]), float(last[COL_P_X0])
-
-
 class RowDecoder:
     """One sequence after its prompt is prefilled: `cached` of its `seq` ids have their K|V in the cache."""
 
@@ -117,9 +102,12 @@ class RowDecoder:
         self.done = len(self.seq) >= self.cap
         self.start = time.perf_counter()
 
-    def begin(self) -> None:
-        """Start the clock of first_step_s, first_box_s and decode_s."""
+    def begin(self, prompt_logits: mx.array) -> mx.array | None:
+        """Start the clock of first_step_s, first_box_s and decode_s. `prompt_logits` (1, V) are the prefilled
+        prompt's last row: returned when the first step is an AR step (slow mode), which decides from them, else
+        None (a block step feeds the last prompt token as its anchor)."""
         self.start = time.perf_counter()
+        return prompt_logits if self.next is Next.AR else None
 
     def key(self) -> tuple[int, int]:
         """This step's sampling key: the seed and the step's index, so a draw depends on this sequence only."""
@@ -188,15 +176,6 @@ class RowDecoder:
         return DecodeResult(tokens=self.seq[self.prompt_len :], probs=self.probs, stats=self.stats)
 
 
-@lru_cache(maxsize=64)
-def summary_functions(features: Features, ids: TokenIds):
-    """The compiled block and AR summaries for a set of transform features."""
-    return (
-        mx.compile(partial(block_summary, f=features, ids=ids)),
-        mx.compile(partial(ar_summary, f=features)),
-    )
-
-
 def decode(
     step: StepFn,
     prompt_ids: list[int],
@@ -216,7 +195,7 @@ def decode(
     seen = mx.zeros((1, ids.vocab_size), dtype=mx.bool_)
     if features.penalty:
         seen[0, mx.array(row.seq)] = True
-    pending = first_logits if options.mode is Mode.SLOW else None
+    pending = row.begin(first_logits)
     not_ar = mx.array([False])
     while not row.done:
         keys = mx.array([row.key()], dtype=mx.uint32)
@@ -228,8 +207,7 @@ def decode(
             logits = pending if pending is not None else step(row.feed(), False)
             pending = None
             row.fed()
-            token, p = np.array(ar_fn(logits.reshape(1, 1, -1), seen, keys, rs))[0].tolist()
-            new = row.take_ar(int(token), p)
+            new = row.take_ar(*read_token(np.array(ar_fn(logits.reshape(1, 1, -1), seen, keys, rs))[0], False))
         if features.penalty and new:
             seen[0, mx.array(new)] = True
     return row.result()

@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image
 
 from .cache import SlotCache, kv_bucket, rows_bucket
-from .compiled import BLOCK_ROWS, PREFILL_BUCKET, PREFILL_ROWS, CompiledSteps, Phase, padded_rows
+from .compiled import BLOCK_FORWARD_ROWS, PREFILL_BUCKET, PREFILL_ROWS, CompiledSteps, Phase, padded_rows
 from .cpu import store_input_major
 from .language import fuse_projections
 from .memory import Budget
@@ -209,8 +209,8 @@ class Runtime:
         R = 1
         while R <= max_rows:
             cache = self.new_cache(R)
-            step = (Phase.BLOCK, cache, mx.zeros((R, BLOCK_ROWS), mx.int32), list(range(R)), [context] * R)
-            shape = ([BLOCK_ROWS] * R, [True] * R, True)
+            step = (Phase.BLOCK, cache, mx.zeros((R, BLOCK_FORWARD_ROWS), mx.int32), list(range(R)), [context] * R)
+            shape = ([BLOCK_FORWARD_ROWS] * R, [True] * R, True)
             self.sync(self.run(*step, *shape))
             times = []
             for _ in range(repeats):
@@ -273,18 +273,6 @@ class Runtime:
         self.sync(job.advance())
         cost = (time.perf_counter() - t0) / (images * blocks)
         self.tower_block_s[grid] = min(cost, self.tower_block_s.get(grid, cost))
-
-    def tower_block_s_of(self, job: TowerJob) -> float | None:
-        """Seconds a block of `job`'s next piece takes at the cost measured for its patch grid (a grid not
-        measured yet: at the dearest measured cost per patch); None before any measurement."""
-        grid, images, _ = job.next_piece()
-        cost = self.tower_block_s.get(grid)
-        if cost is None:
-            per_patch = [c / (g[0] * g[1]) for g, c in self.tower_block_s.items()]
-            if not per_patch:
-                return None
-            cost = max(per_patch) * grid[0] * grid[1]
-        return cost * images
 
     def clear_caches(self) -> None:
         """Forget cached vision features and prompt prefixes (the next request of an image computes them again)."""

@@ -1,10 +1,13 @@
-"""Sampling transform and the per-step device summaries (docs/model.md §10.4 a, docs/model.md §12 "Instead.").
+"""Sampling transform and the step summary (docs/model.md §10.4 a, docs/model.md §12 "Instead.").
 
 Pure MLX functions over a batch of R sequences, meant for `mx.compile`. Each sequence has its own settings, given
 as arrays (`RowSampling`), so any mix of settings runs in one compiled function; which transform steps run at all
-is static (`Features`: a step no sequence needs is skipped). Bind the static arguments with `functools.partial`,
-e.g. `mx.compile(partial(block_summary, f=features, ids=ids))`. A step then needs one host read of the packed
-(R, width) array; `decide.decide_block` reads one sequence's row. The summary layout lives in decide.py.
+is static (`Features`: a step no sequence needs is skipped); `summary_functions` binds them and compiles.
+
+The step summary is one record, declared here once: its layout (`COL_*`, `ROW_WIDTH`), its packers on the device
+(`block_summary`, `ar_summary`, and `summarize`, which takes a forward's logits at its rows' entries), and its
+readers on the host (`read_summary` for a block decision, `read_token` for an AR one). A step needs one host read
+of the packed (R, width) array.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache, partial
 from typing import ClassVar, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from .decide import TOP_K, special_ids
+from .cache import rows_bucket
+from .masks import BLOCK
 from .tokens import TokenIds
 
 F32_MIN = float(np.finfo(np.float32).min)  # what top-p and top-k write into dropped logits, as the reference does
@@ -69,6 +74,82 @@ class Sampling:
 
 
 Sampling.OFFICIAL = Sampling(temperature=0.7, top_p=0.9, top_k=0, repetition_penalty=1.1)
+
+
+# --- The step summary's layout. Per window row, ROW_WIDTH float32 values (ids < 2**24 are exact in float32):
+#   [COL_X0]                 x0: argmax (first maximum) or the sampled token
+#   [COL_P_X0]               p(x0)
+#   [COL_TOP_IDS + i]        the TOP_K most probable ids, descending, i = 0..TOP_K-1
+#   [COL_TOP_PROBS + i]      their probabilities
+#   [COL_SPECIAL + i]        p at the token named SPECIAL_FIELDS[i]
+# A block is masks.BLOCK rows flattened row-major: shape (BLOCK_SUMMARY_SIZE,). An AR summary is the pair
+# [token, p(token)].
+TOP_K = 5
+SPECIAL_FIELDS = ("box_start", "box_end", "ref_start", "im_end", "null", "none")  # TokenIds field names
+COL_X0 = 0
+COL_P_X0 = 1
+COL_TOP_IDS = 2
+COL_TOP_PROBS = COL_TOP_IDS + TOP_K
+COL_SPECIAL = COL_TOP_PROBS + TOP_K
+ROW_WIDTH = COL_SPECIAL + len(SPECIAL_FIELDS)
+BLOCK_SUMMARY_SIZE = BLOCK * ROW_WIDTH
+
+
+def special_ids(ids: TokenIds) -> tuple[int, ...]:
+    """The token ids of the special columns, in column order."""
+    return tuple(getattr(ids, name) for name in SPECIAL_FIELDS)
+
+
+@dataclass(frozen=True)
+class RowSummary:
+    """One window row of a block summary, as Python numbers."""
+
+    x0: int
+    p_x0: float
+    top: tuple[tuple[int, float], ...]  # (id, prob), most probable first
+    special: dict[int, float]  # token id -> prob, for the SPECIAL_FIELDS tokens
+
+    @property
+    def argmax(self) -> int:
+        return self.top[0][0]
+
+    def prob(self, token: int) -> float:
+        """p(token) at this row if the summary holds it, else NaN."""
+        if token == self.x0:
+            return self.p_x0
+        for t, p in self.top:
+            if t == token:
+                return p
+        return self.special.get(token, float("nan"))
+
+
+def read_summary(summary: np.ndarray, ids: TokenIds) -> list[RowSummary]:
+    """Unpack a block summary (any number of rows) into `RowSummary`s."""
+    rows = np.asarray(summary, dtype=np.float32).reshape(-1, ROW_WIDTH).tolist()
+    specials = special_ids(ids)
+    return [
+        RowSummary(
+            x0=int(r[COL_X0]),
+            p_x0=r[COL_P_X0],
+            top=tuple(
+                (int(t), p)
+                for t, p in zip(
+                    r[COL_TOP_IDS : COL_TOP_IDS + TOP_K], r[COL_TOP_PROBS : COL_TOP_PROBS + TOP_K], strict=True
+                )
+            ),
+            special=dict(zip(specials, r[COL_SPECIAL:ROW_WIDTH], strict=True)),
+        )
+        for r in rows
+    ]
+
+
+def read_token(summary: np.ndarray, block_shaped: bool) -> tuple[int, float]:
+    """An AR sequence's token and its probability from its summary: the pair of an AR-shaped step, or the last
+    window row's x0 of a block-shaped one."""
+    v = np.asarray(summary)
+    if block_shaped:
+        v = v[BLOCK_SUMMARY_SIZE - ROW_WIDTH :]
+    return int(v[COL_X0]), float(v[COL_P_X0])
 
 
 def softmax(x: mx.array, chunk: int = 512) -> mx.array:
@@ -230,3 +311,58 @@ def ar_summary(logits: mx.array, seen: mx.array | None, keys: mx.array | None, r
     token = _pick(x, p, keys, rs, f, None)  # (R, 1)
     p_token = mx.take_along_axis(p, token[..., None], axis=-1)[..., 0]  # (R, 1)
     return mx.concatenate([token.astype(mx.float32), p_token], axis=-1)
+
+
+@lru_cache(maxsize=64)
+def summary_functions(features: Features, ids: TokenIds):
+    """The compiled block and AR summaries for a set of transform features."""
+    return (
+        mx.compile(partial(block_summary, f=features, ids=ids)),
+        mx.compile(partial(ar_summary, f=features)),
+    )
+
+
+@lru_cache(maxsize=256)
+def row_sampling(settings: tuple[Sampling, ...]) -> RowSampling:
+    """The per-row sampling arrays of a batch, made once per mix of settings."""
+    return RowSampling.of(settings)
+
+
+def summarize(
+    logits: mx.array,
+    index: list[int],
+    settings: list[Sampling],
+    keys: list[tuple[int, int]],
+    ar_rows: list[bool],
+    ids: TokenIds,
+    *,
+    block: bool,
+    seen: mx.array | None = None,
+    slots: list[int] | None = None,
+    pad_slot: int = 0,
+) -> mx.array:
+    """The summary of one forward's logits (R, H, V) at the entries `index`, one per row: (len(index), width).
+    Per row: its settings, its draw's key, whether it is an AR row in a block-shaped step, and (for the repetition
+    penalty) its row of `seen` by `slots`. Rows are padded to a bucket (so the compiled summaries see few shapes)
+    with other entries, greedy settings and `pad_slot`'s row of `seen`."""
+    n = len(index)
+    R = rows_bucket(n)
+    pad = R - n
+    used = set(index)
+    take = index + [i for i in range(logits.shape[0]) if i not in used][:pad]
+    take += [index[0]] * (R - len(take))
+    if take != list(range(logits.shape[0])):
+        logits = mx.take(logits, mx.array(take), axis=0)
+    padded = tuple(settings) + (Sampling(),) * pad
+    features = Features.of(padded)
+    block_fn, ar_fn = summary_functions(features, ids)
+    rs = row_sampling(padded)
+    drawn_keys = last_alone = penalized = None
+    if features.temperature:  # only draws need keys, and only their AR rows read a last row alone
+        drawn_keys = mx.array(keys + [(0, 0)] * pad, dtype=mx.uint32)
+        last_alone = mx.array(ar_rows + [False] * pad)
+    if features.penalty:
+        penalized = mx.take(seen, mx.array(slots + [pad_slot] * pad), axis=0)
+    if block:
+        return block_fn(logits, penalized, drawn_keys, rs, last_alone)[:n]
+    return ar_fn(logits, penalized, drawn_keys, rs)[:n]

@@ -2,8 +2,8 @@
 
 The model sees at most `in_token_limit` patches (25,600 for the 3B release): a larger image is scaled down
 first and its small objects shrink with it. `split_request` cuts the image into overlapping tiles (plus, with
-`tile_whole`, the whole image); the engine decodes them together and `merge_results` maps every object back
-to the image and merges the duplicates that tiles share:
+`tile_whole`, the whole image); the engine decodes them together as one `TiledRequest` and `merge_results` maps
+every object back to the image and merges the duplicates that tiles share:
 
 - `tiles="auto"`: the fewest tiles (at most `MAX_TILES`, none more elongated than `MAX_TILE_ASPECT` or the
   image) that each fit the patch budget unscaled, so every object reaches the model at its own pixel size,
@@ -31,6 +31,7 @@ to the image and merges the duplicates that tiles share:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -39,7 +40,7 @@ from PIL import Image
 from .metrics import iou
 from .parse import LocatedObject
 from .preprocess import MERGE, target_size
-from .request import Request, Result
+from .request import EngineEvent, EventKind, Handle, PreparedImage, Request, Result, as_request_error
 
 MAX_TILES = 64  # tiles per image (auto or given); bounds what one request may cost
 MAX_TILE_ASPECT = 1.5  # auto tiles are at most this elongated (or as elongated as the image)
@@ -179,6 +180,57 @@ def grid_of(request: Request, size: tuple[int, int], in_token_limit: int, patch:
     if request.tiles == "auto":
         return auto_grid(size, in_token_limit, patch, request.tile_overlap)
     return tuple(request.tiles)
+
+
+class TiledRequest:
+    """A request of several views, each a child request decoded as its own row: a tiled request's tiles (and the
+    whole image). `fan_out` makes the views' handles; `view_done` gives the parent's events as they finish: each
+    view's result in the whole image's pixels (VIEW), and once every view has, the merged objects and result. A
+    view that fails fails the request. `over` once the request has its result or error."""
+
+    def __init__(self, handle: Handle, image: PreparedImage, requests: list[Request]):
+        self.handle, self.image, self.requests = handle, image, requests
+        self.children: list[Handle] = []
+        self.over = False
+
+    def fan_out(self, new_id: Callable[[], int]) -> list[Handle]:
+        """The views' handles, in the parent's group (they take its turn)."""
+        parent = self.handle
+        self.children = [Handle(new_id(), r, parent=parent, group=parent.group) for r in self.requests]
+        return self.children
+
+    def view_done(self, child: Handle) -> list[EngineEvent]:
+        """The parent's events now that its view `child` has its result or error."""
+        if child.error is not None:
+            self.over = True
+            return [EngineEvent(self.handle, EventKind.ERROR, error=child.error)]
+        return self.joined(child)
+
+    def joined(self, child: Handle) -> list[EngineEvent]:
+        """A view's result as a VIEW event; with the last one, the merged result (`merge_results`)."""
+        parent, image = self.handle, self.image
+        view, tile, size = self.children.index(child), child.request.tag, image.rgb.size
+        objects = [to_image(o, tile, size) for o in child.result.objects]
+        seen = replace(child.result, objects=objects, image_size=size)
+        events = [EngineEvent(parent, EventKind.VIEW, result=seen, view=view, tile=tile)]
+        if any(c.result is None for c in self.children):
+            return events
+        self.over = True
+        try:
+            result = merge_results(parent.request, image.rgb, self.requests, [c.result for c in self.children])
+            result = replace(result, orientation=image.notes.orientation, warnings=list(image.notes.warnings))
+        except (OSError, ValueError) as e:
+            return events + [EngineEvent(parent, EventKind.ERROR, error=as_request_error(e))]
+        return events + self.finished(result)
+
+    def finished(self, result: Result) -> list[EngineEvent]:
+        """The parent's merged objects, empty labels and result, as events."""
+        parent = self.handle
+        return (
+            [EngineEvent(parent, EventKind.OBJECT, object=obj) for obj in result.objects]
+            + [EngineEvent(parent, EventKind.EMPTY, label=label) for label in result.empty_labels]
+            + [EngineEvent(parent, EventKind.DONE, result=result)]
+        )
 
 
 @dataclass

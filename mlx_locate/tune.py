@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from .attention import Path as TowerPath
 from .attention import attention_path, backend
-from .compiled import BLOCK_ROWS, PREFILL_ROWS, Phase
+from .compiled import BLOCK_FORWARD_ROWS, PREFILL_ROWS, Phase
 from .language import AttentionPath
 from .masks import BLOCK
 from .memory import PROBE_PATCHES
@@ -184,7 +184,7 @@ def best_of(run, repeats: int = REPEATS) -> float:
 def step_probe(runtime: Runtime, phase: Phase, q: int, context: int = PROBE_CONTEXT):
     """A function running one sequence's `phase` step of `q` rows at `context` cached tokens."""
     cache = runtime.new_cache(1)
-    inputs = mx.zeros((1, BLOCK_ROWS if phase is Phase.BLOCK else (1 if q == 1 else BLOCK)), mx.int32)
+    inputs = mx.zeros((1, BLOCK_FORWARD_ROWS if phase is Phase.BLOCK else (1 if q == 1 else BLOCK)), mx.int32)
 
     def run():
         return runtime.run(phase, cache, inputs, [0], [context], [q], [phase is Phase.BLOCK], True), cache.kv
@@ -203,7 +203,7 @@ def measure(runtime: Runtime) -> Choices:
     for path in AttentionPath:
         steps.attention = path
         steps.functions.clear()
-        times[path] = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_ROWS)) + best_of(
+        times[path] = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS)) + best_of(
             step_probe(runtime, Phase.AR, BLOCK)
         )
     step_attention = min(times, key=times.get)
@@ -215,14 +215,14 @@ def measure(runtime: Runtime) -> Choices:
     measurements += 1
     # compiling against running eagerly: a block step's compilation (a shape not compiled yet) against what the
     # compiled step saves per call
-    fresh = step_probe(runtime, Phase.BLOCK, BLOCK_ROWS, context=2 * PROBE_CONTEXT)
+    fresh = step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT)
     t0 = time.perf_counter()
     mx.eval(fresh())
     first = time.perf_counter() - t0
     compiled_s = best_of(fresh)
     steps.compile = False
     steps.functions.clear()
-    eager_s = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_ROWS, context=2 * PROBE_CONTEXT))
+    eager_s = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT))
     steps.compile = True
     steps.functions.clear()
     saved_per_call = eager_s - compiled_s
@@ -252,7 +252,7 @@ def measure(runtime: Runtime) -> Choices:
         measurements += 1
     # the prefill chunk, where prefill calls are not capped (a GPU): a long prompt in chunks of each size
     prefill_chunk = PREFILL_ROWS
-    rows = min(PREFILL_ROWS, runtime.max_length - BLOCK_ROWS)
+    rows = min(PREFILL_ROWS, runtime.max_length - BLOCK_FORWARD_ROWS)
     if runtime.budget.prefill_cap is None and rows >= PREFILL_CHUNKS[0]:
         t = runtime.network.config.text
         x = mx.zeros((rows, t.hidden_size), runtime.network.language_model.model.norm.weight.dtype)

@@ -13,7 +13,6 @@ from conftest import GOLDEN, golden_token_ids
 
 from mlx_locate.decide import (
     AMBIGUOUS,
-    BLOCK_SUMMARY_SIZE,
     Event,
     Guards,
     Mode,
@@ -24,9 +23,16 @@ from mlx_locate.decide import (
     classify_ar,
     decide_block,
     loop_guard_trips,
+)
+from mlx_locate.sampling import (
+    BLOCK_SUMMARY_SIZE,
+    Features,
+    RowSampling,
+    Sampling,
+    ar_summary,
+    block_summary,
     read_summary,
 )
-from mlx_locate.sampling import Features, RowSampling, Sampling, ar_summary, block_summary
 
 DECISIONS = json.loads((GOLDEN / "decisions.json").read_text())
 V = DECISIONS["vocab_size"]

@@ -9,6 +9,7 @@ ids, stop reasons and forward counts equal the reference's, so they equal the si
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -17,13 +18,18 @@ from conftest import GOLDEN, approx_tree, golden_case, golden_cases, slow_but
 from PIL import Image
 
 import mlx_locate
+from mlx_locate import admission as admission_module
 from mlx_locate import compiled as compiled_module
 from mlx_locate import engine as engine_module
 from mlx_locate import runtime as runtime_module
+from mlx_locate import tiles as tiles_module
+from mlx_locate import vision_ahead as vision_ahead_module
 from mlx_locate.cache import kv_bucket
 from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.decide import Mode
 from mlx_locate.engine import EventKind, Schedule
-from mlx_locate.request import Request, RequestError
+from mlx_locate.request import Request, RequestError, decode_options, parse_mode
+from mlx_locate.row_decoder import DecodeOptions, RowDecoder
 from mlx_locate.sampling import Sampling
 from mlx_locate.tiles import Tile
 
@@ -236,12 +242,12 @@ def test_a_tower_blocks_cost_is_measured_by_grid(models, monkeypatch):
     job = runtime_module.TowerJob(model, prepared)
     grid = prepared[0].pre.grid
     monkeypatch.setattr(model, "tower_block_s", {})
-    assert model.tower_block_s_of(job) is None
+    assert vision_ahead_module.tower_block_s_of(model, job) is None
     monkeypatch.setattr(model, "tower_block_s", {grid: 0.01})
-    assert model.tower_block_s_of(job) == pytest.approx(0.02)  # 2 images at 10 ms each
+    assert vision_ahead_module.tower_block_s_of(model, job) == pytest.approx(0.02)  # 2 images at 10 ms each
     other = (grid[0] * 2, grid[1])  # twice the patches at 10 ms: 5 ms per image-block of `grid`
     monkeypatch.setattr(model, "tower_block_s", {other: 0.01, (1, 1): 0.001 / (grid[0] * grid[1])})
-    assert model.tower_block_s_of(job) == pytest.approx(0.01)
+    assert vision_ahead_module.tower_block_s_of(model, job) == pytest.approx(0.01)
     model.run_piece(job)  # measured now: its own grid's cost
     assert grid in model.tower_block_s
 
@@ -258,7 +264,7 @@ def test_vision_queued_behind_decode_steps_gives_the_golden_tokens(models, mode)
     handles = [engine.submit(golden_request(n, m)) for n, m in pairs]
     engine.run()
     check_golden(engine, pairs, handles)
-    assert engine.vision_ahead_blocks > 0
+    assert engine.vision_ahead.blocks_run > 0
 
 
 def test_a_vision_call_of_more_images_than_the_cache_holds_returns_every_image(models):
@@ -299,7 +305,7 @@ def test_tiled_requests_merge_their_tiles(monkeypatch):
     boxes = [(0, 0, 140, 140), (84, 84, 224, 224)]
     crops = [image.crop(b) for b in boxes]
     monkeypatch.setattr(
-        engine_module,
+        admission_module,
         "split_request",
         lambda r, im, limit, patch: [
             Request(c, r.query, mode=r.mode, tag=Tile(b, False)) for c, b in zip(crops, boxes, strict=True)
@@ -311,7 +317,7 @@ def test_tiled_requests_merge_their_tiles(monkeypatch):
         merged.append([r.token_ids for r in results])
         return results[0]
 
-    monkeypatch.setattr(engine_module, "merge_results", merge)
+    monkeypatch.setattr(tiles_module, "merge_results", merge)
     engine = model.engine(4)
     tiled = engine.submit(Request(image, "square", mode="fast", tiles=(1, 2)))
     plain = engine.submit(Request(image, "circle", mode="fast"))
@@ -334,7 +340,7 @@ def test_memory_is_bounded_by_rows_and_buckets(models):
             biggest = max(biggest, engine.cache.capacity)
     longest = max(len(h.result.prompt_ids) + len(h.result.token_ids) for h in handles)
     prompt = max(len(h.result.prompt_ids) for h in handles)
-    assert kv_bucket(prompt) <= biggest <= kv_bucket(longest + compiled_module.BLOCK_ROWS)
+    assert kv_bucket(prompt) <= biggest <= kv_bucket(longest + compiled_module.BLOCK_FORWARD_ROWS)
 
 
 def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
@@ -391,7 +397,7 @@ def test_a_tiled_requests_views_take_turns_with_other_groups(demo):
     tiled = engine.submit(Request(DEMO_IMAGE, "square", mode="fast", max_tokens=24, tiles=(1, 2)), done.append)
     small = engine.submit(Request(DEMO_IMAGE, "circle", mode="fast", max_tokens=24), done.append)
     engine.step()
-    (children,) = [c for _, _, c in engine.tiles.values()]
+    (children,) = [t.children for t in engine.admission.tiles.values()]
     assert len(children) == 3 and all(c.group is tiled.group for c in children)
     engine.run()
     kinds = [(e.handle, e.kind) for e in done]
@@ -471,7 +477,7 @@ def test_a_setting_the_device_cannot_take_fails_its_row_alone(demo, monkeypatch)
     """The issue's failure: a top_k past int32 (the checks bypassed) broke every row of its step."""
     requests = mixed_requests(bad_seed=0)
     requests[1] = Request(DEMO_IMAGE, "circle", mode="hybrid", max_tokens=40, sampling=Sampling(top_k=2**31))
-    monkeypatch.setattr(engine_module, "check_request", lambda request, vocab: None)
+    monkeypatch.setattr(admission_module, "check_request", lambda request, vocab: parse_mode(request.mode))
     check_isolated(demo, requests, "decoding failed for this request", monkeypatch)
 
 
@@ -526,6 +532,32 @@ def test_every_request_is_checked_before_it_joins_a_step(demo, fields, message):
     good = engine.submit(Request(DEMO_IMAGE, "square", mode="fast", max_tokens=24))
     engine.run()
     assert message in str(bad.error) and good.result is not None
+
+
+def test_a_request_is_resolved_once_at_its_edge(demo):
+    """`check_request` parses the mode (the one parse); `decode_options` turns OCR's label re-decoding on by default
+    in hybrid mode only, and refuses it asked for in another mode, naming the mode."""
+    assert admission_module.check_request(Request(DEMO_IMAGE, "square", mode="slow"), 100) is Mode.SLOW
+    ocr = Request(DEMO_IMAGE, None, task="ocr")
+    assert decode_options(ocr, Mode.HYBRID, 8).redecode_labels
+    assert not decode_options(ocr, Mode.FAST, 8).redecode_labels
+    assert not decode_options(replace(ocr, redecode_labels=False), Mode.HYBRID, 8).redecode_labels
+    assert not decode_options(Request(DEMO_IMAGE, "square"), Mode.HYBRID, 8).redecode_labels
+    options = decode_options(Request(DEMO_IMAGE, "square", redecode_labels=True), Mode.HYBRID, 8)
+    assert options.redecode_labels and options.mode is Mode.HYBRID and options.max_new_tokens == 8
+    engine = demo.engine(1)
+    bad = engine.submit(Request(DEMO_IMAGE, "square", mode="fast", redecode_labels=True))
+    engine.run()
+    assert str(bad.error) == "redecode_labels needs hybrid mode (AR steps), not fast"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_only_a_first_ar_step_decides_from_the_prompts_last_logits(demo, mode):
+    """Slow mode's first token is the prefill's next token (`RowDecoder.begin` hands the prompt's logits back);
+    a block step feeds the last prompt token as its anchor instead."""
+    logits = mx.zeros((1, demo.token_ids.vocab_size))
+    row = RowDecoder([1, 2, 3], demo.token_ids, DecodeOptions(Mode(mode)))
+    assert (row.begin(logits) is logits) == (mode == "slow")
 
 
 @pytest.mark.parametrize(

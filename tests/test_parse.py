@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import GOLDEN, TOKENIZER_DIR, golden_case, golden_cases
 
-from mlx_locate.parse import LocatedObject, parse_tokens, to_pixels
+from mlx_locate.parse import AnswerParser, LocatedObject, parse_tokens, to_pixels
 from mlx_locate.tokens import TokenIds, token_ids_from_config
 
 
@@ -301,6 +301,49 @@ def test_golden_generations_parse(tk, name):
         assert result.ended == (tk.im_end in ids), mode
         for obj in result.objects:
             assert (obj.box is None) != (obj.point is None)
+
+
+def fed_in_pieces(tk, ids, size, probs, cuts):
+    """An `AnswerParser` fed `ids` cut at `cuts` (growing answers through `feed_to` every other piece): its result
+    and the objects and empty labels its feeds returned."""
+    parser = AnswerParser(tk, decode, size, confidences=probs is not None)
+    objects, empty = [], []
+    for k, (start, stop) in enumerate(zip([0, *cuts], [*cuts, len(ids)], strict=True)):
+        if k % 2:
+            got = parser.feed_to(ids[:stop], None if probs is None else probs[:stop])
+        else:
+            got = parser.feed(ids[start:stop], None if probs is None else probs[start:stop])
+        objects += got[0]
+        empty += got[1]
+    return parser.result(), objects, empty
+
+
+def check_incremental(tk, ids, size, probs, cuts):
+    whole = parse(tk, ids, size=size, probs=probs)
+    result, objects, empty = fed_in_pieces(tk, ids, size, probs, cuts)
+    assert result == whole
+    assert (objects, empty) == (whole.objects, whole.empty_labels)
+
+
+@pytest.mark.parametrize("name", golden_cases())
+def test_parsing_as_the_answer_grows_equals_parsing_it_whole_on_golden_answers(tk, name):
+    """Each golden answer fed one id at a time, and cut after every `</box>` as the engine feeds it."""
+    case = golden_case(name)
+    size = tuple(case["image"]["size"])
+    for generation in case["generation"].values():
+        ids = generation["generated_ids"]
+        probs = np.linspace(0.1, 1.0, len(ids)).tolist()
+        check_incremental(tk, ids, size, probs, list(range(1, len(ids))))
+        check_incremental(tk, ids, size, None, [i + 1 for i, t in enumerate(ids) if t == tk.box_end])
+
+
+def test_parsing_as_the_answer_grows_equals_parsing_it_whole_on_random_streams(tk):
+    rng = np.random.default_rng(4321)
+    for trial in range(400):
+        ids = random_ids(rng, tk)
+        probs = rng.random(len(ids)).tolist() if trial % 2 else None
+        cuts = sorted({int(c) for c in rng.integers(0, len(ids) + 1, int(rng.integers(0, 8)))})
+        check_incremental(tk, ids, (640, 480), probs, cuts)
 
 
 def test_golden_hybrid_point_stream(tk):

@@ -10,28 +10,28 @@ import pytest
 from conftest import golden_token_ids
 
 from mlx_locate.decide import (
-    COL_P_X0,
-    COL_SPECIAL,
-    COL_TOP_IDS,
-    COL_TOP_PROBS,
-    COL_X0,
-    ROW_WIDTH,
-    TOP_K,
     Guards,
     Mode,
     Next,
     Source,
     decide_block,
-    special_ids,
 )
 from mlx_locate.sampling import (
+    COL_P_X0,
+    COL_SPECIAL,
+    COL_TOP_IDS,
+    COL_TOP_PROBS,
+    COL_X0,
     F32_MIN,
+    ROW_WIDTH,
+    TOP_K,
     Features,
     RowSampling,
     Sampling,
     ar_summary,
     block_summary,
     softmax,
+    special_ids,
     top_ids,
     transform_logits,
 )

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from PIL import Image
 
+from ..admission import check_request
 from ..categories import category_names, is_multi
-from ..engine import check_request
 from ..parse import json_pixels
 from ..preprocess import load_image, open_header
 from ..prompts import task_text

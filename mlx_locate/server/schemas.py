@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from ..decide import Mode
-from ..engine import MAX_SEED
+from ..admission import MAX_SEED
 from ..preprocess import ORIENTATIONS
 from ..prompts import TASKS
 from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, MIN_IMAGE_TOKENS, Request
