@@ -50,14 +50,15 @@ import numpy as np
 
 from .cache import SlotCache, rows_bucket
 from .categories import category_pieces, is_multi, merge_categories, split_categories
-from .compiled import BLOCK_ROWS, Phase, padded_rows
+from .compiled import BLOCK_ROWS, Phase, head_rows, padded_rows
 from .decide import Mode, Next
+from .label_trie import LabelTrie
 from .parse import LocatedObject, parse_tokens
 from .prompts import UserText, user_text
 from .request import PreparedImage, Request, RequestError, Result, parse_mode
 from .row_decoder import DecodeOptions, RowDecoder, ar_pick, summary_functions
 from .runtime import Runtime, TowerJob
-from .sampling import Features, RowSampling, Sampling, real_number
+from .sampling import Features, RowSampling, Sampling, label_mask, real_number
 from .tiles import Tile, check_tiling, merge_results, split_request, to_image
 
 # Engine.seconds: waiting for host preparation (image load, resize, prompt ids: done ahead in threads), the
@@ -472,7 +473,10 @@ class Engine:
         ids = model.prompt(text, image.pre.grid, r.rendering)
         budget = fit_max_tokens(len(ids), r.max_tokens, model.max_length)
         redecode = r.redecode_labels if r.redecode_labels is not None else r.task == "ocr" and mode is Mode.HYBRID
-        options = DecodeOptions(mode, budget, r.sampling, r.strict, r.guards, redecode_labels=redecode, seed=r.seed)
+        labels = None if names is None else LabelTrie.of(names, model.tokenizer, model.token_ids)  # a joint list
+        options = DecodeOptions(
+            mode, budget, r.sampling, r.strict, r.guards, redecode_labels=redecode, seed=r.seed, labels=labels
+        )
         timings = {"queue_s": t0 - handle.submitted, "preprocess_s": time.perf_counter() - t0}
         timings["compile_s"] = model.compile_s  # at the start: the result counts what was compiled since
         return _Row(handle, image, ids, ids.index(model.token_ids.img_end) + 1, options, budget, timings)
@@ -721,18 +725,22 @@ class Engine:
         if take != list(range(logits.shape[0])):
             logits = mx.take(logits, mx.array(take), axis=0)
         settings = tuple(row.options.sampling for row in rows) + (Sampling(),) * pad
-        features = Features.of(settings)
+        ar = [row.decoder.next is Next.AR for row in rows] + [False] * pad
+        allowed = [row.decoder.label_allowed() for row in rows] + [None] * pad
+        floor = [row.options.thresholds.label_mass for row in rows] + [0.0] * pad
+        held = label_mask(allowed, ar, floor, head_rows(phase), logits.shape[-1])
+        features = Features.of(settings, labels=held is not None)
         block_fn, ar_fn = summary_functions(features, self.model.token_ids)
         rs = row_sampling(settings)
         keys = seen = ar_rows = None
         if features.temperature:  # only draws need keys, and only their AR rows read a last row alone
             keys = mx.array([row.decoder.key() for row in rows] + [(0, 0)] * pad, dtype=mx.uint32)
-            ar_rows = mx.array([row.decoder.next is Next.AR for row in rows] + [False] * pad)
+            ar_rows = mx.array(ar)
         if features.penalty:
             seen = mx.take(self.seen, mx.array([row.slot for row in rows] + [self.cache.scratch] * pad), axis=0)
         if phase is Phase.BLOCK:
-            return block_fn(logits, seen, keys, rs, ar_rows)[: len(rows)]
-        return ar_fn(logits, seen, keys, rs)[: len(rows)]
+            return block_fn(logits, seen, keys, rs, ar_rows, held)[: len(rows)]
+        return ar_fn(logits, seen, keys, rs, held)[: len(rows)]
 
     def _decode(self, live: list[_Row], out: list[EngineEvent]) -> None:
         """One step of `live`: the forwards and the one host read (what may raise: `_isolated` retries), then
@@ -840,7 +848,9 @@ class Engine:
         if ids.box_end not in new:
             return
         dec = row.decoder
-        parsed = parse_tokens(dec.seq[dec.prompt_len :], ids, self.model.text, row.image.pre.original_size, dec.probs)
+        parsed = dec.hold(
+            parse_tokens(dec.seq[dec.prompt_len :], ids, self.model.text, row.image.pre.original_size, dec.probs)
+        )
         for obj in parsed.objects[row.emitted :]:
             self._emit(row.handle, EngineEvent(row.handle, EventKind.OBJECT, object=obj), out)
         for label in parsed.empty_labels[row.emitted_empty :]:
@@ -867,7 +877,7 @@ class Engine:
 def build_result(model: Runtime, row: _Row) -> Result:
     out = row.decoder.result()
     pre = row.image.pre
-    parsed = parse_tokens(out.tokens, model.token_ids, model.text, pre.original_size, out.probs)
+    parsed = row.decoder.hold(parse_tokens(out.tokens, model.token_ids, model.text, pre.original_size, out.probs))
     s, t = out.stats, row.timings
     prefill_s = t["prefill_s"]
     stats = {

@@ -30,8 +30,10 @@ from .decide import (
     decide_block,
     loop_guard_trips,
 )
+from .label_trie import OUTSIDE, LabelTrie
 from .masks import BLOCK
-from .sampling import Features, RowSampling, Sampling, ar_summary, block_summary
+from .parse import ParseResult
+from .sampling import Features, RowSampling, Sampling, ar_summary, block_summary, label_mask
 from .tokens import TokenIds
 
 StepFn = Callable[[list[int], bool], mx.array]
@@ -47,6 +49,7 @@ class DecodeOptions:
     thresholds: Thresholds = Thresholds()
     redecode_labels: bool = False  # hybrid: re-decode uncertain label tokens autoregressively
     seed: int = 0  # for sampling
+    labels: LabelTrie | None = None  # the asked names labels are held to, unless the guards say not
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -112,6 +115,8 @@ class RowDecoder:
         self.cached = len(self.seq)
         self.next = Next.AR if options.mode is Mode.SLOW else Next.BLOCK
         self.label_redecode = False
+        self.labels = options.labels if self.guards.label_constraint else None
+        self.label_state = OUTSIDE  # inside a label: the trie node it has spelled (docs/model.md §10.8)
         self.boxes: list[tuple[int, ...]] = []
         self.stats = DecodeStats()
         self.done = len(self.seq) >= self.cap
@@ -132,6 +137,16 @@ class RowDecoder:
             return tail + [self.seq[-1]] + [self.ids.text_mask] * (BLOCK - 1)
         return tail
 
+    def label_allowed(self) -> tuple[int, ...] | None:
+        """The ids the next token may be while inside a label held to the asked names, else None."""
+        if self.labels is None or self.label_state == OUTSIDE:
+            return None
+        return self.labels.allowed(self.label_state)
+
+    def hold(self, parsed: ParseResult) -> ParseResult:
+        """`parsed` without objects and empty answers whose label is not an asked name, when labels are held."""
+        return parsed if self.labels is None else self.labels.hold(parsed)
+
     def fed(self) -> None:
         """The forward of `feed()` was issued: the committed ids are cached; a block's window is not."""
         self.cached = len(self.seq)
@@ -139,7 +154,9 @@ class RowDecoder:
     def take_block(self, summary: np.ndarray) -> list[int]:
         """Commit from this sequence's block summary (BLOCK_SUMMARY_SIZE floats); returns the committed ids."""
         o = self.options
-        d = decide_block(summary, o.mode, self.ids, o.thresholds, self.guards, o.redecode_labels)
+        d = decide_block(
+            summary, o.mode, self.ids, o.thresholds, self.guards, o.redecode_labels, self.labels, self.label_state
+        )
         s = self.stats
         s.block_steps += 1
         s.sources[d.source.value] = s.sources.get(d.source.value, 0) + 1
@@ -158,6 +175,8 @@ class RowDecoder:
     def _commit(self, new: list[int], probs: list[float], nxt: Next, stop: StopReason | None) -> list[int]:
         s = self.stats
         s.host_reads += 1
+        if self.labels is not None:  # a box the loop guard takes back below lies outside any label
+            self.label_state = self.labels.walk(self.label_state, new)
         self.seq += new
         self.probs += probs
         now = time.perf_counter() - self.start
@@ -211,7 +230,6 @@ def decode(
     row = RowDecoder(prompt_ids, ids, options, max_length)
     s = options.sampling
     features = Features.of([s])
-    block_fn, ar_fn = summary_functions(features, ids)
     rs = RowSampling.of([s])
     seen = mx.zeros((1, ids.vocab_size), dtype=mx.bool_)
     if features.penalty:
@@ -220,15 +238,19 @@ def decode(
     not_ar = mx.array([False])
     while not row.done:
         keys = mx.array([row.key()], dtype=mx.uint32)
-        if row.next is Next.BLOCK:
+        block = row.next is Next.BLOCK
+        floor = [options.thresholds.label_mass]
+        held = label_mask([row.label_allowed()], [not block], floor, BLOCK if block else 1, ids.vocab_size)
+        block_fn, ar_fn = summary_functions(features._replace(labels=held is not None), ids)
+        if block:
             logits = step(row.feed(), True)
             row.fed()
-            new = row.take_block(np.array(block_fn(logits[None], seen, keys, rs, not_ar))[0])
+            new = row.take_block(np.array(block_fn(logits[None], seen, keys, rs, not_ar, held))[0])
         else:
             logits = pending if pending is not None else step(row.feed(), False)
             pending = None
             row.fed()
-            token, p = np.array(ar_fn(logits.reshape(1, 1, -1), seen, keys, rs))[0].tolist()
+            token, p = np.array(ar_fn(logits.reshape(1, 1, -1), seen, keys, rs, held))[0].tolist()
             new = row.take_ar(int(token), p)
         if features.penalty and new:
             seen[0, mx.array(new)] = True

@@ -131,15 +131,55 @@ class Features(NamedTuple):
     temperature: bool = False
     top_p: bool = False
     top_k: bool = False
+    labels: bool = False  # some sequence is inside a label held to the asked names (`label_mask`)
 
     @classmethod
-    def of(cls, settings: Sequence[Sampling]) -> Features:
+    def of(cls, settings: Sequence[Sampling], labels: bool = False) -> Features:
         return cls(
             any(s.repetition_penalty != 1.0 for s in settings),
             any(s.temperature > 0 for s in settings),
             any(s.top_p < 1.0 for s in settings),
             any(s.top_k > 0 for s in settings),
+            labels,
         )
+
+
+class LabelMask(NamedTuple):
+    """Per sequence, the ids its label allows (docs/model.md §10.8), the logit row that holds, and the least
+    probability the model must give those ids together there for the mask to apply."""
+
+    allowed: mx.array  # (R, V) bool
+    at: mx.array  # (R, H) bool: the first row of a block sequence, the last of an AR one; none outside a label
+    floor: mx.array  # (R,) float32
+
+
+def label_mask(
+    allowed: Sequence[Sequence[int] | None], ar: Sequence[bool], floor: Sequence[float], H: int, V: int
+) -> LabelMask | None:
+    """Per sequence, the ids its label allows (None outside a label), whether it reads its last logit row (an AR
+    sequence) rather than its first (a block), and its floor; None when no sequence is inside a label."""
+    if all(a is None for a in allowed):
+        return None
+    rows = [r for r, a in enumerate(allowed) for _ in a or ()]
+    mask = mx.zeros((len(allowed), V), dtype=mx.bool_)
+    mask[mx.array(rows), mx.array([t for a in allowed for t in a or ()])] = True
+    at = [
+        [a is not None and j == (H - 1 if last else 0) for j in range(H)] for a, last in zip(allowed, ar, strict=True)
+    ]
+    return LabelMask(mask, mx.array(at), mx.array(floor, dtype=mx.float32))
+
+
+def _held(logits: mx.array, labels: LabelMask | None, f: Features) -> mx.array:
+    """(R, H, V) logits with the ids a label forbids dropped (float32's lowest value) at its row, where the model
+    gives the ids it allows at least the floor; elsewhere (the model spells no asked name) the row is left as
+    it is, and the decoder lets the label go."""
+    if not f.labels:
+        return logits
+    at = labels.at
+    row = mx.take_along_axis(logits, mx.argmax(at.astype(mx.int32), axis=1)[:, None, None], axis=1)[:, 0]  # (R, V)
+    mass = mx.sum(mx.where(labels.allowed, softmax(row), 0.0), axis=-1)  # (R,)
+    hold = at & (mass >= labels.floor)[:, None]
+    return mx.where(hold[..., None] & ~labels.allowed[:, None, :], F32_MIN, logits)
 
 
 def _per_row(x: mx.array) -> mx.array:
@@ -198,6 +238,7 @@ def block_summary(
     keys: mx.array | None,
     rs: RowSampling,
     ar_rows: mx.array,
+    labels: LabelMask | None = None,
     *,
     f: Features,
     ids: TokenIds,
@@ -206,9 +247,9 @@ def block_summary(
 
     Per row: x0, p(x0), the top-5 ids and probabilities (descending), and p at the `decide.SPECIAL_FIELDS`
     tokens, where p = softmax of the transformed row. `ar_rows` (R,) bool marks AR sequences in the step: only
-    their last row's x0 and p(x0) are read.
+    their last row's x0 and p(x0) are read. With `f.labels`, the ids `labels` forbids are dropped first.
     """
-    x = transform_logits(logits, seen, rs, f)
+    x = transform_logits(_held(logits, labels, f), seen, rs, f)
     p = softmax(x)  # (R, H, V)
     x0 = _pick(x, p, keys, rs, f, ar_rows)  # (R, H)
     p_x0 = mx.take_along_axis(p, x0[..., None], axis=-1)  # (R, H, 1)
@@ -223,9 +264,18 @@ def block_summary(
     return packed.reshape(packed.shape[0], -1)
 
 
-def ar_summary(logits: mx.array, seen: mx.array | None, keys: mx.array | None, rs: RowSampling, *, f: Features):
-    """(R, 1, V) float32 logits of an AR step -> (R, 2) float32 [token, p(token)]."""
-    x = transform_logits(logits, seen, rs, f)
+def ar_summary(
+    logits: mx.array,
+    seen: mx.array | None,
+    keys: mx.array | None,
+    rs: RowSampling,
+    labels: LabelMask | None = None,
+    *,
+    f: Features,
+):
+    """(R, 1, V) float32 logits of an AR step -> (R, 2) float32 [token, p(token)]; with `f.labels`, the ids
+    `labels` forbids are dropped first."""
+    x = transform_logits(_held(logits, labels, f), seen, rs, f)
     p = softmax(x)
     token = _pick(x, p, keys, rs, f, None)  # (R, 1)
     p_token = mx.take_along_axis(p, token[..., None], axis=-1)[..., 0]  # (R, 1)
