@@ -143,10 +143,17 @@ def test_a_label_token_no_name_allows_becomes_the_rows_best_allowed_candidate():
 
 
 @pytest.mark.parametrize("mode", [Mode.FAST, Mode.HYBRID])
-def test_a_label_token_with_no_allowed_candidate_ends_the_block_before_it(mode):
+@pytest.mark.parametrize(
+    "row2",
+    [
+        {509: 30.0, 503: 24.0},  # 503 outside the nucleus
+        {509: float(np.log(V)), 503: float(np.log(V / 100))},  # 503 a candidate (p(509) ~ 0.5), below the floor
+    ],
+)
+def test_a_label_token_with_no_allowed_candidate_ends_the_block_before_it(mode, row2):
     """Hybrid finishes the label in AR (each step masked), fast in the next block (its first row masked). A
     candidate below the floor does not count."""
-    rows = [LABEL, {501: 30.0}, {509: 30.0, 503: 24.0}, {IDS.ref_end: 30.0}, {IDS.null: 30.0}, {IDS.null: 30.0}]
+    rows = [LABEL, {501: 30.0}, row2, {IDS.ref_end: 30.0}, {IDS.null: 30.0}, {IDS.null: 30.0}]
     d = decide(rows, mode)
     assert d.tokens == [IDS.ref_start, 501]
     if mode is Mode.HYBRID:
