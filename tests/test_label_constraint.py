@@ -16,6 +16,7 @@ import mlx_locate
 from mlx_locate.compiled import Phase
 from mlx_locate.decide import Event, Guards, Mode, Next, Source, decide_block
 from mlx_locate.label_trie import OUTSIDE, ROOT, LabelTrie
+from mlx_locate.row_decoder import DecodeOptions, decode
 from mlx_locate.sampling import Features, RowSampling, Sampling, ar_summary, block_summary, label_mask
 
 IDS = golden_token_ids()
@@ -204,7 +205,7 @@ class CorruptLabels:
     label or box, padded with `<null>`). Token by token for AR rows; a block row's window rows each predict their
     place. The model writes the labels corrupted; the asked names are second, faint or absent."""
 
-    def __init__(self, model, tok):
+    def __init__(self, tok):
         t = {s: tok.encode(s) for s in ("red", " fox", " box", "green", " circles", " circle", "dog", "cat")}
         self.items = [
             item([{t["red"][0]: 30.0}, {t[" fox"][0]: 30.0, t[" box"][0]: 29.0}], (100, 100, 300, 300)),  # 2nd
@@ -212,8 +213,11 @@ class CorruptLabels:
             item([{t["green"][0]: 30.0}, {t[" circles"][0]: 30.0, t[" circle"][0]: 25.5}], (600, 100, 900, 400)),
             item([{t["cat"][0]: 30.0}], (100, 600, 300, 900)),
         ]
-        self.run = model.run
         self.seqs: dict[tuple[int, int], tuple[int, list[int]]] = {}  # by cache row: (prompt length, ids by slot)
+
+    def wrap(self, model) -> None:
+        """Answer `model`'s steps (its forward still runs: the cache is written as ever)."""
+        self.run = model.run
         model.run = self
 
     def next_places(self, answer: list[int], n: int) -> list[dict[int, float]]:
@@ -226,6 +230,14 @@ class CorruptLabels:
         ends = [j for j, p in enumerate(places) if IDS.ref_end in p or IDS.box_end in p or IDS.im_end in p]
         places = places[: ends[0] + 1] if ends else places
         return (places + [{IDS.null: 30.0}] * n)[:n]
+
+    def logits(self, answer: list[int], n: int) -> np.ndarray:
+        """(n, V): the next `n` places as logit rows, 0 but at their peaks."""
+        out = np.zeros((n, V), dtype=np.float32)
+        for j, peaks in enumerate(self.next_places(answer, n)):
+            for token, value in peaks.items():
+                out[j, token] = value
+        return out
 
     def __call__(self, phase, cache, inputs, rows, c, q, block=None, dense=False):
         out = self.run(phase, cache, inputs, rows, c, q, block, dense)
@@ -243,17 +255,15 @@ class CorruptLabels:
                 prompt, seq = self.seqs[key]
                 seq[start:] = ids[i, : n - 6 if window else n].tolist()
             prompt, seq = self.seqs[key]
-            places = self.next_places(seq[prompt:], 6 if window else 1)
-            for j, peaks in enumerate(places):
-                for token, value in peaks.items():
-                    logits[i, H - len(places) + j, token] = value
+            n = 6 if window else 1
+            logits[i, H - n :] = self.logits(seq[prompt:], n)
         return mx.array(logits)
 
 
 @pytest.fixture(scope="module")
 def corrupt(golden_dir, tok):
     model = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
-    CorruptLabels(model, tok)
+    CorruptLabels(tok).wrap(model)
     return model
 
 
@@ -277,6 +287,22 @@ def test_corrupted_labels_become_the_names_they_spelled_or_their_items_go(corrup
     assert held.stats["host_reads"] == held.stats["steps"]
     strict = ask(strict=True)
     assert strict.token_ids == ask(guards=Guards.STRICT).token_ids
+
+
+@pytest.mark.parametrize("mode", [Mode.SLOW, Mode.FAST, Mode.HYBRID])
+def test_one_sequence_decode_holds_labels_as_the_engine_does(corrupt, tok, mode):
+    """`row_decoder.decode` (one sequence over a caller's step function) masks and holds as the engine does."""
+    script, answer = CorruptLabels(tok), []
+
+    def step(fed: list[int], block: bool) -> mx.array:
+        answer.extend(fed[: len(fed) - 6] if block else fed)
+        return mx.array(script.logits(answer, 6 if block else 1))
+
+    labels = LabelTrie.of(NAMES, tok, IDS)
+    options = DecodeOptions(mode, 96, labels=labels)
+    out = decode(step, [1, 2, 3], mx.array(script.logits([], 1)), IDS, options)
+    engine = corrupt.locate(IMAGE, categories=NAMES, joint=True, mode=mode.value, max_tokens=96)
+    assert out.tokens == engine.token_ids
 
 
 def test_holding_labels_compiles_nothing_new_after_warm_up(corrupt):
