@@ -315,13 +315,17 @@ def test_holding_labels_compiles_nothing_new_after_warm_up(corrupt):
     assert corrupt.compilations == before
 
 
+@pytest.fixture(scope="module")
+def peaky(golden_dir):
+    return mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
+
+
 @pytest.mark.parametrize("mode", ["slow", "fast", "hybrid"])
-def test_strict_categories_give_the_reference_tokens(golden_dir, mode):
+def test_strict_categories_give_the_reference_tokens(peaky, mode):
     """The golden detect prompt asked as a category list with `strict=True`: the reference's tokens exactly."""
-    model = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
     for name in ("tiny_peaky__shapes_448x448__detect", "tiny_peaky__shapes_640x480__detect"):
         case = golden_case(name)
-        result = model.locate(
+        result = peaky.locate(
             GOLDEN / "images" / f"{name.split('__')[1]}.png",
             categories=["red box", "green circle"],
             mode=mode,
