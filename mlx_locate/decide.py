@@ -335,8 +335,8 @@ def decide_block(
             Row 0 is always committed, so the AR step has an uncached tail to run on.
         labels: the asked names a label is held to (docs/model.md §10.8), or None; `label_state` is the row's
             label state before this block (`label_trie.OUTSIDE`, or inside a label). Inside a label the step
-            masked row 0 to what the label allows, and D_box and D_ref (which begin with `<box>` or `<ref>`) do
-            not run.
+            masked row 0 to what the label allows (where the model gives it at least `thresholds.label_mass`),
+            and D_box and D_ref (which begin with `<box>` or `<ref>`) do not run.
 
     Returns:
         A `BlockDecision`.

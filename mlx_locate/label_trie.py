@@ -68,8 +68,8 @@ class LabelTrie:
         return self._allowed[state]
 
     def after(self, state: int, token: int) -> int:
-        """The state once `token` is committed at `state`. `<ref>` opens a label; inside one, an id that no name
-        continues with (`</ref>` included) closes it."""
+        """The state once `token` is committed at `state`. `<ref>` opens a label; inside one, `</ref>` or an id
+        that continues no name leaves it."""
         if token == self.ref_start:
             return ROOT
         if state == OUTSIDE:
@@ -83,7 +83,7 @@ class LabelTrie:
 
     def hold(self, parsed: ParseResult) -> ParseResult:
         """`parsed` without the objects and empty answers whose label is not one of the names (a box before any
-        label, or a label cut short by the length cap): an item the names cannot hold is dropped."""
+        label, a label the model spelled no name in, one cut short by the length cap): such an item is dropped."""
         return replace(
             parsed,
             objects=[o for o in parsed.objects if o.label in self.names],
