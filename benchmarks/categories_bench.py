@@ -1,13 +1,15 @@
-"""Several categories on one image: one joint prompt (the reference's) against one row per category (our default).
+"""Several categories on one image: one joint prompt (the reference's), the joint prompt with its labels held to the
+asked names, and one row per category (our default).
 
     python benchmarks/categories_bench.py                                   # demo: F1@0.5 and cost, CPU
     python benchmarks/categories_bench.py --preset 3b --coco 80 --images 4  # 3B shapes, random weights: cost
 
 Demo model (default): held-out synthetic scenes (`make_sample(0, 200 + i, "eval")`), each asked for K shape
-categories (all five for K=5; for K=2 two drawn per scene, seeded), in each mode, jointly and split. Scored with
-the project's scorer (`evaluation.score.located_f1`: a box counts with the right label and IoU >= 0.5); labels
-outside the asked list are counted. Cost: seconds and engine forward steps per image, one image at a time in an
-engine with a row per category.
+categories (all five for K=5; for K=2 two drawn per scene, seeded), in each mode: jointly (`joint`, labels free:
+`Guards(label_constraint=False)`), jointly with the labels held to the names (`joint+constraint`, the joint
+default), and split. Scored with the project's scorer (`evaluation.score.located_f1`: a box counts with the right
+label and IoU >= 0.5); labels outside the asked list are counted. Cost: seconds and engine forward steps per image,
+one image at a time in an engine with a row per category.
 
 `--preset 3b`: random weights (boxes meaningless), `--coco N` COCO names on one image: cost only. Split and joint
 get the same token budget per category (`--tokens-per-category`): split rows `T` each, the joint prompt `N * T`.
@@ -33,12 +35,17 @@ sys.path.insert(0, str(ROOT))
 
 import mlx_locate  # noqa: E402
 from mlx_locate.cards import COCO_CATEGORIES  # noqa: E402
+from mlx_locate.decide import Guards  # noqa: E402
 from mlx_locate.evaluation.score import located_f1  # noqa: E402
 from mlx_locate.parse import LocatedObject  # noqa: E402
 from mlx_locate.request import Request  # noqa: E402
 from mlx_locate.synthetic.scenes import SHAPES, kept_tasks, make_sample  # noqa: E402
 
-VARIANTS = {"joint": {"joint": True}, "split": {}}
+VARIANTS = {
+    "joint": {"joint": True, "guards": Guards(label_constraint=False)},
+    "joint+constraint": {"joint": True},
+    "split": {},
+}
 
 
 def truth(scene, categories: list[str]) -> list[LocatedObject]:
@@ -70,11 +77,12 @@ def one_image(model, request: Request, rows: int) -> tuple[object, float, int]:
     return handle.result, time.perf_counter() - t0, engine.steps
 
 
-def demo_run(model, scenes: int, counts: list[int], modes: list[str], max_tokens: int) -> dict:
+def demo_run(model, scenes: int, counts: list[int], modes: list[str], max_tokens: int, variants: list[str]) -> dict:
     rows = []
     for k in counts:
         for mode in modes:
-            for variant, options in VARIANTS.items():
+            for variant in variants:
+                options = VARIANTS[variant]
                 pairs, outside, seconds, steps = [], 0, [], []
                 warm = Request(make_sample(0, 199, "eval").scene.image, categories_of(199, k), mode=mode, **options)
                 one_image(model, replace(warm, max_tokens=max_tokens), rows=max(k, 1))  # compiles, not timed
@@ -105,14 +113,15 @@ def demo_run(model, scenes: int, counts: list[int], modes: list[str], max_tokens
     return {"rows": rows}
 
 
-def random_run(model, n_categories: int, images: int, tokens: int, modes: list[str]) -> dict:
+def random_run(model, n_categories: int, images: int, tokens: int, modes: list[str], variants: list[str]) -> dict:
     """Cost only (random weights): N COCO names on `images` images, split (T tokens a row) and joint (N*T)."""
     names = list(COCO_CATEGORIES)[:n_categories]
     rng = np.random.default_rng(0)
     pictures = [Image.fromarray(rng.integers(0, 255, (448, 448, 3), dtype=np.uint8)) for _ in range(images)]
     rows = []
     for mode in modes:
-        for variant, options in VARIANTS.items():
+        for variant in variants:
+            options = VARIANTS[variant]
             budget = tokens if variant == "split" else tokens * len(names)
             seconds, steps, peaks, tokens_out = [], [], [], []
             for k, picture in enumerate(pictures):
@@ -169,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scenes", type=int, default=30, help="demo: held-out scenes (default: %(default)s)")
     p.add_argument("--counts", type=int, nargs="+", default=[2, 5], help="demo: categories per image")
     p.add_argument("--modes", nargs="+", default=["slow", "fast", "hybrid"])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--max-tokens", type=int, default=512, help="demo: max tokens per request (default: %(default)s)")
     p.add_argument("--coco", type=int, default=80, help="--preset: COCO names asked (default: %(default)s)")
     p.add_argument("--images", type=int, default=4, help="--preset: images (the first warms up; default: 4)")
@@ -180,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import in_memory_model
 
         model, name = in_memory_model(args.preset, args.dtype), f"random-{args.preset}"
-        report = random_run(model, args.coco, args.images, args.tokens_per_category, args.modes)
+        report = random_run(model, args.coco, args.images, args.tokens_per_category, args.modes, args.variants)
     else:
         model, name = mlx_locate.load("demo"), "demo"
-        report = demo_run(model, args.scenes, args.counts, args.modes, args.max_tokens)
+        report = demo_run(model, args.scenes, args.counts, args.modes, args.max_tokens, args.variants)
     report.update(
         model=name,
         date=datetime.date.today().isoformat(),

@@ -31,7 +31,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ),
     ("memory", ("memory",), False),
     ("weights", ("checkpoint", "lora", "loader", "random_checkpoint", "cards"), False),
-    ("decoding", ("compiled", "sampling", "decide", "row_decoder"), False),
+    ("decoding", ("compiled", "label_trie", "sampling", "decide", "row_decoder"), False),
     ("requests", ("request", "runtime", "tune", "vision_ahead", "tiles", "categories", "admission", "engine"), False),
     ("API", ("locate", "__init__"), False),
     ("shared by the commands", ("cli", "annotate", "exports", "evaluation"), False),

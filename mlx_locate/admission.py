@@ -33,6 +33,7 @@ import mlx.core as mx
 from .categories import SplitRequest, is_multi, split_categories
 from .compiled import BLOCK_FORWARD_ROWS
 from .decide import Mode
+from .label_trie import LabelTrie
 from .parse import AnswerParser
 from .prompts import UserText, user_text
 from .request import (
@@ -164,10 +165,14 @@ def prepare(model: Runtime, handle: Handle) -> Row | TiledRequest:
     text = UserText(r.prompt) if r.prompt is not None else user_text(r.task, r.query)
     ids = model.prompt(text, image.pre.grid, r.rendering)
     budget = fit_max_tokens(len(ids), r.max_tokens, model.max_length)
-    options = decode_options(r, mode, budget)
+    labels = None if names is None else LabelTrie.of(names, model.tokenizer, model.token_ids)  # a joint list
+    options = decode_options(r, mode, budget, labels)
     timings = {"queue_s": t0 - handle.submitted, "preprocess_s": time.perf_counter() - t0}
     timings["compile_s"] = model.compile_s  # at the start: the result counts what was compiled since
-    parser = AnswerParser(model.token_ids, model.text, image.pre.original_size)
+    held = options.held_labels
+    parser = AnswerParser(
+        model.token_ids, model.text, image.pre.original_size, labels=None if held is None else held.names
+    )
     return Row(handle, image, ids, ids.index(model.token_ids.img_end) + 1, options, budget, timings, parser)
 
 

@@ -236,6 +236,11 @@ def add_decoding(p: argparse.ArgumentParser, max_tokens: int = DEFAULT_MAX_TOKEN
         help="let block decoders take candidates outside each row's top-p 0.9 nucleus (the reference's greedy)",
     )
     d.add_argument(
+        "--no-label-constraint",
+        action="store_true",
+        help="with --joint-categories, let labels be other than the asked categories (default: held to them)",
+    )
+    d.add_argument(
         "--redecode-labels",
         action=argparse.BooleanOptionalAction,
         help="re-decode uncertain label tokens one by one in hybrid mode (default: on for --task ocr)",
@@ -287,6 +292,7 @@ def guards_of(args: argparse.Namespace) -> Guards:
         loop_guard=not args.no_loop_guard,
         box_start_guard=args.box_start_guard,
         nucleus=None if args.no_nucleus_guard else Guards().nucleus,
+        label_constraint=not args.no_label_constraint,
     )
 
 

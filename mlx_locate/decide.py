@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from .label_trie import OUTSIDE, LabelTrie
 from .masks import BLOCK
 from .sampling import BLOCK_SUMMARY_SIZE, TOP_K, RowSummary, read_summary
 from .tokens import TokenIds
@@ -85,6 +86,9 @@ class Thresholds:
     ref_start: float = 0.6  # D_ref: p0[<ref>] >= this
     ref_candidates: int = 5  # D_ref: the first non-coordinate of the top-k of rows 1..5
     label_prob: float = 0.5  # hybrid text fix (`redecode_labels`): label tokens below this go back to AR
+    # Labels held to the asked names (docs/model.md §10.8): a row is held when the names' next ids have at least
+    # this probability together, and a block's label token is replaced only by a candidate of at least this.
+    label_mass: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("box_candidates", "ref_candidates"):
@@ -103,11 +107,13 @@ class Guards:
     # D_box and D_ref take candidates only from each row's top-p nucleus (docs/model.md §14 Q6), as the official top-p
     # 0.9 does, so greedy decoding cannot read faint coordinates into label or end frames. None = off.
     nucleus: float | None = 0.9
+    # Labels of a joint prompt of several categories spell one of the asked names (docs/model.md §10.8).
+    label_constraint: bool = True
 
     STRICT: ClassVar[Guards]
 
 
-Guards.STRICT = Guards(end_guard=False, loop_guard=False, box_start_guard=False, nucleus=None)
+Guards.STRICT = Guards(end_guard=False, loop_guard=False, box_start_guard=False, nucleus=None, label_constraint=False)
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,33 @@ def _handle_pattern(s: list[int], mode: Mode, ids: TokenIds) -> tuple[list[int],
     return s, Next.BLOCK, Event.REF
 
 
+def _hold_label(
+    tokens: list[int],
+    probs: list[float],
+    rows: list[RowSummary],
+    state: int,
+    labels: LabelTrie,
+    t: Thresholds,
+    guards: Guards,
+) -> tuple[list[int], list[float], bool]:
+    """docs/model.md §10.8: each token inside a label is one `labels` allows at its place: the token decided, else
+    the row's most probable candidate that is (of at least `t.label_mass`), else the block ends before it. Row 0
+    of a block that starts inside a label was masked unless the model gave the names less than `t.label_mass`:
+    there a token they do not allow lets the label go (it is no name; its item is dropped). `state` is the label
+    state before the block. Returns the tokens, their probabilities and whether the block was cut."""
+    tokens, probs = list(tokens), list(probs)
+    for j, token in enumerate(tokens):
+        if state != OUTSIDE and token not in (allowed := labels.allowed(state)):
+            cands = _candidates(rows[j], t.ref_candidates, guards)
+            found = [(c, p) for c, p in cands if c in allowed and p >= np.float32(t.label_mass)]
+            if found:
+                tokens[j], probs[j] = found[0]
+            elif j > 0:
+                return tokens[:j], probs[:j], True
+        state = labels.after(state, tokens[j])
+    return tokens, probs, False
+
+
 def decide_block(
     summary: np.ndarray,
     mode: Mode,
@@ -220,6 +253,8 @@ def decide_block(
     thresholds: Thresholds = Thresholds(),
     guards: Guards = Guards(),
     redecode_labels: bool = False,
+    labels: LabelTrie | None = None,
+    label_state: int = OUTSIDE,
 ) -> BlockDecision:
     """Decide one block step from its summary (docs/model.md §10.4 b-e).
 
@@ -233,6 +268,10 @@ def decide_block(
             probability below `thresholds.label_prob`, commit the row-0 token and the confident tokens after it,
             and return `Next.AR` with `Event.LABEL_REDECODE`; AR then re-decodes the label until </ref>.
             Row 0 is always committed, so the AR step has an uncached tail to run on.
+        labels: the asked names a label is held to (docs/model.md §10.8), or None; `label_state` is the row's
+            label state before this block (`label_trie.OUTSIDE`, or inside a label). Inside a label the step
+            masked row 0 to what the label allows (where the model gives it at least `thresholds.label_mass`),
+            and D_box and D_ref (which begin with `<box>` or `<ref>`) do not run.
 
     Returns:
         A `BlockDecision`.
@@ -256,16 +295,21 @@ def decide_block(
             stop_reason=StopReason.END_GUARD,
         )
 
-    box = _d_box(rows, mode, ids, thresholds, guards)
+    inside = labels is not None and label_state != OUTSIDE
+    box = None if inside else _d_box(rows, mode, ids, thresholds, guards)
     if box is not None:
         s, source = box
-    elif (ref := _d_ref(rows, ids, thresholds, guards)) is not None:
+    elif not inside and (ref := _d_ref(rows, ids, thresholds, guards)) is not None:
         s, source = ref, Source.D_REF
     else:
         s, source = [r.x0 for r in rows], Source.X0
 
     tokens, nxt, event = _handle_pattern(s, mode, ids)
     probs = [rows[i].prob(tok) for i, tok in enumerate(tokens)]
+    if labels is not None:
+        tokens, probs, cut = _hold_label(tokens, probs, rows, label_state, labels, thresholds, guards)
+        if cut and mode is Mode.HYBRID:  # AR finishes the label, each step masked
+            nxt, event = Next.AR, Event.LABEL_REDECODE
     stop_reason = StopReason.IM_END_BLOCK if nxt is Next.STOP else None
 
     if redecode_labels and event is Event.REF:

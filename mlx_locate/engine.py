@@ -319,6 +319,8 @@ class Engine:
             seen=self.seen,
             slots=[row.slot for row in rows],
             pad_slot=self.cache.scratch,
+            allowed=[row.decoder.label_allowed() for row in rows],
+            floors=[row.options.thresholds.label_mass for row in rows],
         )
 
     def decode_rows(self, live: list[Row], out: list[EngineEvent]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, fields
 
 from .tokens import TokenIds
@@ -107,7 +107,11 @@ def parse_tokens(
 
 class AnswerParser:
     """The parser of `parse_tokens` over an answer that grows (`feed`): each item is parsed once, when the ids that
-    finish it arrive; an unfinished item waits. After any feeds, `result()` equals `parse_tokens` of every id fed."""
+    finish it arrive; an unfinished item waits. After any feeds, `result()` equals `parse_tokens` of every id fed.
+
+    With `labels` (the asked names a label is held to, docs/model.md §10.8), an object or empty answer whose label
+    is none of them (a box before any label, a label that spells no name, one cut short by the length cap) is
+    dropped, in what `feed` returns and in `result()` alike."""
 
     def __init__(
         self,
@@ -115,6 +119,7 @@ class AnswerParser:
         decode: Callable[[list[int]], str],
         image_size: tuple[int, int],
         confidences: bool = True,
+        labels: Collection[str] | None = None,
     ):
         tk = self.tk = token_ids
         self.decode, self.image_size = decode, image_size
@@ -122,6 +127,7 @@ class AnswerParser:
         self.ref_stops = {tk.ref_end, tk.box_start, tk.ref_start, tk.null, tk.im_end}
         self.box_stops = {tk.box_end, tk.box_start, tk.ref_start, tk.im_end}
         self.empties = {tk.none, tk.none_lower}
+        self.labels = None if labels is None else frozenset(labels)
         self.ids: list[int] = []
         self.probs: list[float] | None = [] if confidences else None
         self.objects: list[LocatedObject] = []
@@ -190,9 +196,13 @@ class AnswerParser:
         ids, tk = self.ids, self.tk
         inner = [k for k in range(i + 1, j) if ids[k] not in self.skipped]
         values = [tk.coord_value(ids[k]) for k in inner if tk.is_coord(ids[k])]
+        held = self.labels is None or self.label in self.labels
         if len(inner) == 1 and ids[inner[0]] in self.empties:
-            self.empty_labels.append(self.label)
+            if held:
+                self.empty_labels.append(self.label)
         elif len(values) == len(inner) and len(values) in (2, 4):
+            if not held:
+                return
             confidence = None
             if self.probs is not None:
                 confidence = _geometric_mean([self.probs[k] for k in (i, *inner, j)])

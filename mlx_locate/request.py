@@ -20,6 +20,7 @@ from PIL import Image
 
 from .decide import Guards, Mode
 from .draw import draw_objects
+from .label_trie import LabelTrie
 from .parse import LocatedObject
 from .preprocess import ORIENTATIONS, PhotoNotes, Preprocessed, load_image, patches_of, photo_notes, to_rgb
 from .row_decoder import DecodeOptions
@@ -200,16 +201,24 @@ def parse_mode(mode: str | Mode) -> Mode:
     return modes[mode]
 
 
-def decode_options(request: Request, mode: Mode, budget: int) -> DecodeOptions:
-    """The decoding options of `request`'s row, its mode parsed and its token budget fitted: label re-decoding
-    is on by default for OCR in hybrid mode, and needs hybrid mode (its AR steps)."""
+def decode_options(request: Request, mode: Mode, budget: int, labels: LabelTrie | None = None) -> DecodeOptions:
+    """The decoding options of `request`'s row, its mode parsed, its token budget fitted and the asked names its
+    labels are held to (a joint category list's): label re-decoding is on by default for OCR in hybrid mode, and
+    needs hybrid mode (its AR steps)."""
     redecode = request.redecode_labels
     if redecode is None:
         redecode = request.task == "ocr" and mode is Mode.HYBRID
     elif redecode and mode is not Mode.HYBRID:
         raise RequestError(f"redecode_labels needs hybrid mode (AR steps), not {mode.value}")
     return DecodeOptions(
-        mode, budget, request.sampling, request.strict, request.guards, redecode_labels=redecode, seed=request.seed
+        mode,
+        budget,
+        request.sampling,
+        request.strict,
+        request.guards,
+        redecode_labels=redecode,
+        seed=request.seed,
+        labels=labels,
     )
 
 

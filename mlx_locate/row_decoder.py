@@ -25,8 +25,9 @@ from .decide import (
     decide_block,
     loop_guard_trips,
 )
+from .label_trie import OUTSIDE, LabelTrie
 from .masks import BLOCK
-from .sampling import Features, RowSampling, Sampling, read_token, summary_functions
+from .sampling import Features, RowSampling, Sampling, label_mask, read_token, summary_functions
 from .tokens import TokenIds
 
 StepFn = Callable[[list[int], bool], mx.array]
@@ -42,10 +43,21 @@ class DecodeOptions:
     thresholds: Thresholds = Thresholds()
     redecode_labels: bool = False  # hybrid: re-decode uncertain label tokens autoregressively
     seed: int = 0  # for sampling
+    labels: LabelTrie | None = None  # the asked names labels are held to, unless the guards say not
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+
+    @property
+    def guards_in_force(self) -> Guards:
+        """`guards`, or none of them (`Guards.STRICT`) when strict."""
+        return Guards.STRICT if self.strict else self.guards
+
+    @property
+    def held_labels(self) -> LabelTrie | None:
+        """The asked names labels are held to: `labels`, unless the guards in force say not."""
+        return self.labels if self.guards_in_force.label_constraint else None
 
 
 @dataclass
@@ -88,7 +100,7 @@ class RowDecoder:
 
     def __init__(self, prompt_ids: list[int], ids: TokenIds, options: DecodeOptions, max_length: int | None = None):
         self.ids, self.options = ids, options
-        self.guards = Guards.STRICT if options.strict else options.guards
+        self.guards = options.guards_in_force
         self.seq, self.probs = list(prompt_ids), []
         self.prompt_len = len(prompt_ids)
         self.cap = len(self.seq) + options.max_new_tokens
@@ -97,6 +109,8 @@ class RowDecoder:
         self.cached = len(self.seq)
         self.next = Next.AR if options.mode is Mode.SLOW else Next.BLOCK
         self.label_redecode = False
+        self.labels = options.held_labels
+        self.label_state = OUTSIDE  # inside a label: the trie node it has spelled (docs/model.md §10.8)
         self.boxes: list[tuple[int, ...]] = []
         self.stats = DecodeStats()
         self.done = len(self.seq) >= self.cap
@@ -120,6 +134,12 @@ class RowDecoder:
             return tail + [self.seq[-1]] + [self.ids.text_mask] * (BLOCK - 1)
         return tail
 
+    def label_allowed(self) -> tuple[int, ...] | None:
+        """The ids the next token may be while inside a label held to the asked names, else None."""
+        if self.labels is None or self.label_state == OUTSIDE:
+            return None
+        return self.labels.allowed(self.label_state)
+
     def fed(self) -> None:
         """The forward of `feed()` was issued: the committed ids are cached; a block's window is not."""
         self.cached = len(self.seq)
@@ -127,7 +147,9 @@ class RowDecoder:
     def take_block(self, summary: np.ndarray) -> list[int]:
         """Commit from this sequence's block summary (BLOCK_SUMMARY_SIZE floats); returns the committed ids."""
         o = self.options
-        d = decide_block(summary, o.mode, self.ids, o.thresholds, self.guards, o.redecode_labels)
+        d = decide_block(
+            summary, o.mode, self.ids, o.thresholds, self.guards, o.redecode_labels, self.labels, self.label_state
+        )
         s = self.stats
         s.block_steps += 1
         s.sources[d.source.value] = s.sources.get(d.source.value, 0) + 1
@@ -146,6 +168,8 @@ class RowDecoder:
     def _commit(self, new: list[int], probs: list[float], nxt: Next, stop: StopReason | None) -> list[int]:
         s = self.stats
         s.host_reads += 1
+        if self.labels is not None:  # a box the loop guard takes back below lies outside any label
+            self.label_state = self.labels.walk(self.label_state, new)
         self.seq += new
         self.probs += probs
         now = time.perf_counter() - self.start
@@ -190,7 +214,6 @@ def decode(
     row = RowDecoder(prompt_ids, ids, options, max_length)
     s = options.sampling
     features = Features.of([s])
-    block_fn, ar_fn = summary_functions(features, ids)
     rs = RowSampling.of([s])
     seen = mx.zeros((1, ids.vocab_size), dtype=mx.bool_)
     if features.penalty:
@@ -199,15 +222,19 @@ def decode(
     not_ar = mx.array([False])
     while not row.done:
         keys = mx.array([row.key()], dtype=mx.uint32)
-        if row.next is Next.BLOCK:
+        block = row.next is Next.BLOCK
+        floor = [options.thresholds.label_mass]
+        held = label_mask([row.label_allowed()], [not block], floor, BLOCK if block else 1, ids.vocab_size)
+        block_fn, ar_fn = summary_functions(features._replace(labels=held is not None), ids)
+        if block:
             logits = step(row.feed(), True)
             row.fed()
-            new = row.take_block(np.array(block_fn(logits[None], seen, keys, rs, not_ar))[0])
+            new = row.take_block(np.array(block_fn(logits[None], seen, keys, rs, not_ar, held))[0])
         else:
             logits = pending if pending is not None else step(row.feed(), False)
             pending = None
             row.fed()
-            new = row.take_ar(*read_token(np.array(ar_fn(logits.reshape(1, 1, -1), seen, keys, rs))[0], False))
+            new = row.take_ar(*read_token(np.array(ar_fn(logits.reshape(1, 1, -1), seen, keys, rs, held))[0], False))
         if features.penalty and new:
             seen[0, mx.array(new)] = True
     return row.result()

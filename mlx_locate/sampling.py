@@ -212,15 +212,55 @@ class Features(NamedTuple):
     temperature: bool = False
     top_p: bool = False
     top_k: bool = False
+    labels: bool = False  # some sequence is inside a label held to the asked names (`label_mask`)
 
     @classmethod
-    def of(cls, settings: Sequence[Sampling]) -> Features:
+    def of(cls, settings: Sequence[Sampling], labels: bool = False) -> Features:
         return cls(
             any(s.repetition_penalty != 1.0 for s in settings),
             any(s.temperature > 0 for s in settings),
             any(s.top_p < 1.0 for s in settings),
             any(s.top_k > 0 for s in settings),
+            labels,
         )
+
+
+class LabelMask(NamedTuple):
+    """Per sequence, the ids its label allows (docs/model.md §10.8), the logit row that holds, and the least
+    probability the model must give those ids together there for the mask to apply."""
+
+    allowed: mx.array  # (R, V) bool
+    at: mx.array  # (R, H) bool: the first row of a block sequence, the last of an AR one; none outside a label
+    floor: mx.array  # (R,) float32
+
+
+def label_mask(
+    allowed: Sequence[Sequence[int] | None], ar: Sequence[bool], floor: Sequence[float], H: int, V: int
+) -> LabelMask | None:
+    """Per sequence, the ids its label allows (None outside a label), whether it reads its last logit row (an AR
+    sequence) rather than its first (a block), and its floor; None when no sequence is inside a label."""
+    if all(a is None for a in allowed):
+        return None
+    rows = [r for r, a in enumerate(allowed) for _ in a or ()]
+    mask = mx.zeros((len(allowed), V), dtype=mx.bool_)
+    mask[mx.array(rows), mx.array([t for a in allowed for t in a or ()])] = True
+    at = [
+        [a is not None and j == (H - 1 if last else 0) for j in range(H)] for a, last in zip(allowed, ar, strict=True)
+    ]
+    return LabelMask(mask, mx.array(at), mx.array(floor, dtype=mx.float32))
+
+
+def _held(logits: mx.array, labels: LabelMask | None, f: Features) -> mx.array:
+    """(R, H, V) logits with the ids a label forbids dropped (float32's lowest value) at its row, where the model
+    gives the ids it allows at least the floor; elsewhere (the model spells no asked name) the row is left as
+    it is, and the decoder lets the label go."""
+    if not f.labels:
+        return logits
+    at = labels.at
+    row = mx.take_along_axis(logits, mx.argmax(at.astype(mx.int32), axis=1)[:, None, None], axis=1)[:, 0]  # (R, V)
+    mass = mx.sum(mx.where(labels.allowed, softmax(row), 0.0), axis=-1)  # (R,)
+    hold = at & (mass >= labels.floor)[:, None]
+    return mx.where(hold[..., None] & ~labels.allowed[:, None, :], F32_MIN, logits)
 
 
 def _per_row(x: mx.array) -> mx.array:
@@ -279,17 +319,18 @@ def block_summary(
     keys: mx.array | None,
     rs: RowSampling,
     ar_rows: mx.array,
+    labels: LabelMask | None = None,
     *,
     f: Features,
     ids: TokenIds,
 ) -> mx.array:
     """Pack what each sequence's block decision needs from its (6, V) float32 logits: (R, H, V) -> (R, H * ROW_WIDTH).
 
-    Per row: x0, p(x0), the top-5 ids and probabilities (descending), and p at the `decide.SPECIAL_FIELDS`
+    Per row: x0, p(x0), the top-5 ids and probabilities (descending), and p at the `SPECIAL_FIELDS`
     tokens, where p = softmax of the transformed row. `ar_rows` (R,) bool marks AR sequences in the step: only
-    their last row's x0 and p(x0) are read.
+    their last row's x0 and p(x0) are read. With `f.labels`, the ids `labels` forbids are dropped first.
     """
-    x = transform_logits(logits, seen, rs, f)
+    x = transform_logits(_held(logits, labels, f), seen, rs, f)
     p = softmax(x)  # (R, H, V)
     x0 = _pick(x, p, keys, rs, f, ar_rows)  # (R, H)
     p_x0 = mx.take_along_axis(p, x0[..., None], axis=-1)  # (R, H, 1)
@@ -304,9 +345,18 @@ def block_summary(
     return packed.reshape(packed.shape[0], -1)
 
 
-def ar_summary(logits: mx.array, seen: mx.array | None, keys: mx.array | None, rs: RowSampling, *, f: Features):
-    """(R, 1, V) float32 logits of an AR step -> (R, 2) float32 [token, p(token)]."""
-    x = transform_logits(logits, seen, rs, f)
+def ar_summary(
+    logits: mx.array,
+    seen: mx.array | None,
+    keys: mx.array | None,
+    rs: RowSampling,
+    labels: LabelMask | None = None,
+    *,
+    f: Features,
+):
+    """(R, 1, V) float32 logits of an AR step -> (R, 2) float32 [token, p(token)]; with `f.labels`, the ids
+    `labels` forbids are dropped first."""
+    x = transform_logits(_held(logits, labels, f), seen, rs, f)
     p = softmax(x)
     token = _pick(x, p, keys, rs, f, None)  # (R, 1)
     p_token = mx.take_along_axis(p, token[..., None], axis=-1)[..., 0]  # (R, 1)
@@ -340,11 +390,14 @@ def summarize(
     seen: mx.array | None = None,
     slots: list[int] | None = None,
     pad_slot: int = 0,
+    allowed: list[Sequence[int] | None] | None = None,
+    floors: list[float] | None = None,
 ) -> mx.array:
     """The summary of one forward's logits (R, H, V) at the entries `index`, one per row: (len(index), width).
-    Per row: its settings, its draw's key, whether it is an AR row in a block-shaped step, and (for the repetition
-    penalty) its row of `seen` by `slots`. Rows are padded to a bucket (so the compiled summaries see few shapes)
-    with other entries, greedy settings and `pad_slot`'s row of `seen`."""
+    Per row: its settings, its draw's key, whether it is an AR row in a block-shaped step, (for the repetition
+    penalty) its row of `seen` by `slots`, and (for a label held to the asked names, docs/model.md §10.8) the ids
+    `allowed` next, or None, with its floor (`label_mask`). Rows are padded to a bucket (so the compiled summaries
+    see few shapes) with other entries, greedy settings, `pad_slot`'s row of `seen` and no label."""
     n = len(index)
     R = rows_bucket(n)
     pad = R - n
@@ -354,7 +407,10 @@ def summarize(
     if take != list(range(logits.shape[0])):
         logits = mx.take(logits, mx.array(take), axis=0)
     padded = tuple(settings) + (Sampling(),) * pad
-    features = Features.of(padded)
+    held = None
+    if allowed is not None:
+        held = label_mask(allowed + [None] * pad, ar_rows + [False] * pad, floors + [0.0] * pad, *logits.shape[1:])
+    features = Features.of(padded, labels=held is not None)
     block_fn, ar_fn = summary_functions(features, ids)
     rs = row_sampling(padded)
     drawn_keys = last_alone = penalized = None
@@ -364,5 +420,5 @@ def summarize(
     if features.penalty:
         penalized = mx.take(seen, mx.array(slots + [pad_slot] * pad), axis=0)
     if block:
-        return block_fn(logits, penalized, drawn_keys, rs, last_alone)[:n]
-    return ar_fn(logits, penalized, drawn_keys, rs)[:n]
+        return block_fn(logits, penalized, drawn_keys, rs, last_alone, held)[:n]
+    return ar_fn(logits, penalized, drawn_keys, rs, held)[:n]

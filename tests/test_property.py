@@ -173,6 +173,7 @@ def flag_pool(workdir: Path) -> list[tuple[str, list[str] | None]]:
         ("--no-end-guard", None),
         ("--no-loop-guard", None),
         ("--no-nucleus-guard", None),
+        ("--no-label-constraint", None),
         ("--box-start-guard", None),
         ("--redecode-labels", None),
         ("--no-redecode-labels", None),
