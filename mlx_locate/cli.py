@@ -430,7 +430,7 @@ def add_training(
     save_every: int | None,
     save_help: str,
 ) -> None:
-    """The flags both trainers take (the demo's `tuner.train` and `mlx-locate-finetune`), with each one's defaults:
+    """The flags both trainers take (the demo's `tuner.demo_recipe` and `mlx-locate-finetune`), with each one's defaults:
     --steps, --batch-size (samples per step), --lr, --warmup, --weight-decay, --clip, --seed (initialisation and
     data order), --save-every and --no-compile."""
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default: %(default)s)")
