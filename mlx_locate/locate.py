@@ -29,7 +29,8 @@ class LocateModel:
     """A loaded checkpoint with the public API: `locate`, `locate_many`, `session`, `engine`.
 
     `runtime` is the engine's side (`runtime.Runtime`: the network it runs, its caches, budget and timings), for
-    the engine, the benchmarks and the tests; `probes` and `take_over` are its own (`tune.py`, `locate.load`)."""
+    the engine, the benchmarks and the tests. `probes` (the budget's measurements, `tune.py`) and `take_over` (the
+    caller gives the checkpoint's network up, as `load` does) go to the runtime."""
 
     def __init__(self, checkpoint: Checkpoint, probes: dict[str, int] | None = None, take_over: bool = False):
         self.runtime = Runtime(checkpoint, probes, take_over)

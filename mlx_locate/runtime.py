@@ -1,8 +1,8 @@
 """A loaded network ready for inference, and everything the engine asks of it (`Runtime`).
 
 The engine works through this one interface: preparing images, prompt ids and text, vision features and prompt
-prefixes (cached by image content), prefills and compiled steps over a `SlotCache`. `locate.LocateModel` adds the
-public API on top.
+prefixes (cached by image content), prefills and compiled steps over a `SlotCache`. `locate.LocateModel` holds one
+(`model.runtime`) behind the public API.
 """
 
 from __future__ import annotations

@@ -134,6 +134,7 @@ def test_eighty_coco_categories_run_within_a_memory_limit(demo, monkeypatch):
     """80 COCO names on one image with MLX's memory limit set so the KV budget holds the cache of four rows:
     the engine (asked for 16) never holds more, the peak stays under the limit, and every category is answered
     with the answer it has without the limit."""
+    runtime = demo.runtime
     names = list(COCO_CATEGORIES)
     assert len(names) == 80
     request = Request(IMAGE, names, mode="fast", max_tokens=16)
@@ -147,13 +148,13 @@ def test_eighty_coco_categories_run_within_a_memory_limit(demo, monkeypatch):
             most = max(most, engine.active)
         return most, handle.result
 
-    longest = max(len(demo.runtime.prompt(n, (16, 16))) for n in names) + 16 + 12
-    kv = 5 * memory.kv_bucket(longest) * demo.runtime.budget.slot_bytes  # four rows and the scratch row
+    longest = max(len(runtime.prompt(n, (16, 16))) for n in names) + 16 + 12
+    kv = 5 * memory.kv_bucket(longest) * runtime.budget.slot_bytes  # four rows and the scratch row
     limit = mx.get_active_memory() + memory.RESERVE + memory.MIN_WORKING + kv
     before = mx.set_memory_limit(limit)
     mx.reset_peak_memory()
     try:
-        monkeypatch.setattr(demo.runtime, "budget", memory.Budget.measure(demo.runtime.network))
+        monkeypatch.setattr(runtime, "budget", memory.Budget.measure(runtime.network))
         most, tight = run(16)
         peak = mx.get_peak_memory()
     finally:

@@ -194,17 +194,17 @@ def test_long_prompts_prefill_in_chunks(models, monkeypatch):
 
 
 def test_images_of_one_grid_share_a_vision_batch(models):
-    model = models["tiny_random"]
+    runtime = models["tiny_random"].runtime
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(3)]
-    prepared = [model.runtime.prepare(im) for im in images]
-    model.runtime.features.clear()
-    together = model.runtime.features_for(prepared)
+    prepared = [runtime.prepare(im) for im in images]
+    runtime.features.clear()
+    together = runtime.features_for(prepared)
     assert [cached for cached, _ in together] == [False] * 3
     for image, (_, features) in zip(prepared, together, strict=True):
-        alone = model.runtime.network.image_features(mx.array(image.pre.patches), image.pre.grid)
+        alone = runtime.network.image_features(mx.array(image.pre.patches), image.pre.grid)
         np.testing.assert_allclose(np.array(features), np.array(alone), atol=1e-6, rtol=0)
-    assert all(cached for cached, _ in model.runtime.features_for(prepared))
+    assert all(cached for cached, _ in runtime.features_for(prepared))
 
 
 def test_a_tower_job_in_pieces_of_one_block_is_the_whole_tower(models):
@@ -492,11 +492,12 @@ def test_a_row_whose_commit_raises_fails_alone(demo, monkeypatch):
 
 def test_a_row_that_breaks_admission_fails_alone(demo, monkeypatch):
     """A fault while rows join (vision of one image): the others join, prefill and finish as alone."""
+    runtime = demo.runtime
     bad = Image.open(DEMO_IMAGE).convert("RGB").rotate(90)
     requests = mixed_requests(bad_seed=0)
     requests[1] = Request(bad, "circle", mode="hybrid", max_tokens=40)
-    bad_key = demo.runtime.prepare(bad).key
-    features_for = demo.runtime.features_for
+    bad_key = runtime.prepare(bad).key
+    features_for = runtime.features_for
 
     def faulty(images, ready=None):
         if any(i.key == bad_key for i in images):
@@ -504,7 +505,7 @@ def test_a_row_that_breaks_admission_fails_alone(demo, monkeypatch):
         return features_for(images, ready)
 
     monkeypatch.setattr(demo.runtime, "features_for", faulty)
-    demo.runtime.clear_caches()
+    runtime.clear_caches()
     check_isolated(demo, requests, "MemoryError: injected vision fault", monkeypatch)
 
 
@@ -590,14 +591,11 @@ def test_text_events_are_the_answer_item_by_item(demo, mode):
     ],
 )
 def test_view_count_is_what_split_request_makes(demo, size, tiles, whole):
+    runtime = demo.runtime
     from mlx_locate.tiles import split_request, view_count
 
     request = Request(Image.new("RGB", size), "x", tiles=tiles, tile_whole=whole)
-    patch = demo.runtime.network.config.vision.patch_size
-    views = (
-        []
-        if tiles is None
-        else split_request(request, request.image, demo.runtime.in_token_limit, demo.runtime.patch_size)
-    )
+    patch = runtime.network.config.vision.patch_size
+    views = [] if tiles is None else split_request(request, request.image, runtime.in_token_limit, runtime.patch_size)
     made = len(views) or 1  # no views: the request is decoded as it is
-    assert view_count(request, size, demo.runtime.in_token_limit, patch) == made
+    assert view_count(request, size, runtime.in_token_limit, patch) == made

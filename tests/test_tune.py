@@ -49,9 +49,9 @@ def cache(tmp_path, monkeypatch):
 
 def test_no_tune_measures_nothing_and_writes_nothing(cache):
     before = tune.measurements
-    model = mlx_locate.load("demo", tune=False)
+    runtime = mlx_locate.load("demo", tune=False).runtime
     assert tune.measurements == before and not list(cache.iterdir())
-    assert model.runtime.steps.compile_after == 0 and model.runtime.steps.attention is AttentionPath.SDPA
+    assert runtime.steps.compile_after == 0 and runtime.steps.attention is AttentionPath.SDPA
 
 
 def corrupt(file: Path) -> None:
