@@ -73,7 +73,7 @@ def peer_run(args: argparse.Namespace, model: mlx_locate.LocateModel, images: li
     text = task_text("detect", args.query[0] if args.query else "square")
     folder = checkpoint_folder(args)
     for image in images:
-        ids = prompt_ids(model.tokenizer, text, [preprocess(image, model.in_token_limit).grid])
+        ids = prompt_ids(model.runtime.tokenizer, text, [preprocess(image, model.runtime.in_token_limit).grid])
         out = peer_request(args.peer, folder, [image], ids, args.mode, args.max_tokens, args.dtype or "stored")
         seconds += out["timings_s"]["total"]
         steps += out["forwards"]["total"]
@@ -84,7 +84,7 @@ def run_cli(model: mlx_locate.LocateModel, cli: list[str], out: Path) -> float:
     """Seconds `mlx-locate-batch` takes for `cli` into `out`, with `model` instead of loading one, its feature and
     prefix caches emptied first (every run computes every image's vision and prefix)."""
     batch.load = lambda *args, **kwargs: model
-    model.clear_caches()
+    model.runtime.clear_caches()
     t0 = time.perf_counter()
     code = batch.main([*cli, "--out", str(out)])
     seconds = time.perf_counter() - t0
@@ -101,7 +101,7 @@ def timed_run(model: mlx_locate.LocateModel, cli: list[str], out: Path) -> dict:
     """One run of `cli` into a fresh `out`: seconds, what its lines add up to, compilations, peak memory."""
     out.unlink(missing_ok=True)
     mx.reset_peak_memory()
-    compilations = model.compilations
+    compilations = model.runtime.compilations
     seconds = run_cli(model, cli, out)
     lines = [json.loads(text) for text in out.read_text().splitlines()]
     return {
@@ -109,7 +109,7 @@ def timed_run(model: mlx_locate.LocateModel, cli: list[str], out: Path) -> dict:
         "steps": summed(lines, "steps"),
         "tokens": summed(lines, "tokens"),
         "errors": sum("error" in line for line in lines),
-        "compilations": model.compilations - compilations,
+        "compilations": model.runtime.compilations - compilations,
         "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "token_ids": {line["image"]: [r["token_ids"] for r in line.get("results", [])] for line in lines},
     }

@@ -43,6 +43,7 @@ from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
 from mlx_locate.engine import Schedule  # noqa: E402
+from mlx_locate.loader import Checkpoint  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
@@ -97,19 +98,20 @@ def in_memory_model(preset: str, dtype: str, quantize: str | None = None) -> Loc
         plan, _ = quantization_plan(network, QUANT_PRESETS[quantize])
         nn.quantize(network, class_predicate=lambda path, module: plan[path].params() if path in plan else False)
         mx.eval(network.parameters())
-    return LocateModel(network, tokenizer)
+    return LocateModel(Checkpoint(network, tokenizer), take_over=True)
 
 
 def weight_bytes(model: LocateModel, decoder_only: bool = True) -> int:
-    tree = model.network.language_model.parameters() if decoder_only else model.network.parameters()
+    tree = model.runtime.network.language_model.parameters() if decoder_only else model.runtime.network.parameters()
     return sum(v.nbytes for _, v in tree_flatten(tree))
 
 
 def step_costs(model: LocateModel, context: int, iters: int) -> dict:
     """ms per AR step (1 row) and per block step (12 rows) at a given cached length, one eval per step."""
-    runner = StepRunner(model.steps, model.new_cache())
-    d = model.network.config.text.hidden_size
-    dtype = model.network.language_model.model.norm.weight.dtype
+    runtime = model.runtime
+    runner = StepRunner(runtime.steps, runtime.new_cache())
+    d = runtime.network.config.text.hidden_size
+    dtype = runtime.network.language_model.model.norm.weight.dtype
     mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
     out = {}
     for name, ids, block in (("ar_ms", [1], False), ("block_ms", [1] * 6 + [2] * 6, True)):
@@ -129,24 +131,25 @@ def batch_step_costs(model: LocateModel, context: int, batches: list[int], iters
     """ms per engine step for B sequences at `context` cached tokens each: the dense forward (block: 12 rows per
     sequence, 6 head rows; AR: 1), its compiled summary and the one host read, as the engine runs them: at the
     row count the engine takes for B (`Runtime.rows_for`, after `measure_rows` up to the largest B)."""
-    d = model.network.config.text.hidden_size
-    dtype = model.network.language_model.model.norm.weight.dtype
-    block_fn, ar_fn = summary_functions(Features(), model.token_ids)
-    model.measure_rows(max(batches), context)
+    runtime = model.runtime
+    d = runtime.network.config.text.hidden_size
+    dtype = runtime.network.language_model.model.norm.weight.dtype
+    block_fn, ar_fn = summary_functions(Features(), runtime.token_ids)
+    runtime.measure_rows(max(batches), context)
     out = {}
     for n in batches:
-        B = model.rows_for(n, max(batches))
-        cache = model.new_cache(B)
-        mx.eval(list(model.prefill(cache, [(b, mx.zeros((context, d), dtype), 0) for b in range(B)]).values()))
+        B = runtime.rows_for(n, max(batches))
+        cache = runtime.new_cache(B)
+        mx.eval(list(runtime.prefill(cache, [(b, mx.zeros((context, d), dtype), 0) for b in range(B)]).values()))
         rs, keys, not_ar = RowSampling.of([Sampling()] * B), mx.zeros((B, 2), dtype=mx.uint32), mx.zeros((B,), mx.bool_)
         row = {"rows_run": B}
         for name, phase, ids in (("block", Phase.BLOCK, [1] * 6 + [2] * 6), ("ar", Phase.AR, [1])):
             inputs = mx.array([ids] * B, dtype=mx.int32)
             args = (phase, cache, inputs, list(range(B)), [context] * B, [len(ids)] * B, [name == "block"] * B, True)
-            row[f"{name}_forward_ms"] = timed_ms(lambda args=args: mx.eval(model.steps.run(*args)), iters)
+            row[f"{name}_forward_ms"] = timed_ms(lambda args=args: mx.eval(runtime.steps.run(*args)), iters)
             fn, extra = (block_fn, (None, keys, rs, not_ar)) if phase is Phase.BLOCK else (ar_fn, (None, keys, rs))
             row[f"{name}_step_ms"] = timed_ms(  # the forward, its summary and the one host read
-                lambda args=args, fn=fn, extra=extra: np.array(fn(model.steps.run(*args), *extra)), iters
+                lambda args=args, fn=fn, extra=extra: np.array(fn(runtime.steps.run(*args), *extra)), iters
             )
         row["block_seq_steps_per_s"] = 1e3 * n / row["block_step_ms"]
         row["ar_seq_steps_per_s"] = 1e3 * n / row["ar_step_ms"]
@@ -188,16 +191,17 @@ def folder_run(model: LocateModel, requests: list[Request], rows: int, schedule:
     """`requests` through one engine of `rows` rows, twice (the first run compiles every shape it meets): the
     second run's images/s end to end (load, vision, prefill, decode), steps, blocks/s, boxes/s, compilations,
     reads, peak memory and token ids."""
+    runtime = model.runtime
     runs = []
     for _ in range(2):
-        model.clear_caches()
+        runtime.clear_caches()
         mx.reset_peak_memory()
-        before = model.compilations
+        before = runtime.compilations
         engine = model.engine(rows, schedule)
         handles = [engine.submit(r) for r in requests]
         t0 = time.perf_counter()
         engine.run()
-        runs.append((time.perf_counter() - t0, engine, handles, model.compilations - before))
+        runs.append((time.perf_counter() - t0, engine, handles, runtime.compilations - before))
     seconds, engine, handles, compiled = runs[1]
     results = [h.result for h in handles]
     blocks = sum(r.stats["block_steps"] for r in results)
@@ -237,7 +241,7 @@ def run_batches(
     each batch size, so a slow spell of the machine hits both sides of a ratio. Returns our rows by mode and
     batch size, and the peer's by batch size (each of ours then has the peer's images/s and ours over it). The
     engine's row counts are measured first (`Runtime.measure_rows`), as the server's warm-up does."""
-    model.measure_rows(max(batches))
+    model.runtime.measure_rows(max(batches))
     out: dict = {mode: {} for mode in modes}
     theirs = {}
     for B in batches:
@@ -297,15 +301,16 @@ def run_modes(
 ) -> dict:
     """Each mode in-process, warm: one request to compile every shape, then `repeat` more (the median reported);
     with `prompt`, strict greedy decoding of that raw text (as the whole-process run does)."""
+    runtime = model.runtime
     results = {}
     ask = {"prompt": prompt, "task": "raw", "strict": True} if prompt else {}
     for mode in modes:
         model.locate(image, query, mode=mode, max_tokens=max_tokens, **ask)  # warm-up: compiles every bucket
-        warm = model.compilations
+        warm = runtime.compilations
         mx.reset_peak_memory()
         runs = []
         for _ in range(repeat):
-            model.clear_caches()
+            runtime.clear_caches()
             runs.append(model.locate(image, query, mode=mode, max_tokens=max_tokens, **ask))
         r = sorted(runs, key=lambda x: x.stats["decode_s"])[len(runs) // 2]  # the median run
         s = r.stats
@@ -330,7 +335,7 @@ def run_modes(
             "boxes_per_s": boxes / request_s,  # over the whole request, as the peer reports it
             "host_reads_per_step": s["host_reads"] / max(s["steps"], 1),
             "compilations_warmup": warm,
-            "compilations_after": model.compilations - warm,
+            "compilations_after": runtime.compilations - warm,
             "peak_memory_mb": mx.get_peak_memory() / 2**20,
             "stop_reason": s["stop_reason"],
             "prompt_ids": r.prompt_ids,

@@ -66,8 +66,8 @@ def categories_of(scene_index: int, k: int) -> list[str]:
 def one_image(model, request: Request, rows: int) -> tuple[object, float, int]:
     """The result, seconds and engine forward steps of one request alone in an engine of `rows` rows, its
     image's vision and prefix not cached."""
-    model.features.clear()
-    model.prefixes.clear()
+    model.runtime.features.clear()
+    model.runtime.prefixes.clear()
     engine = model.engine(rows)
     t0 = time.perf_counter()
     handle = engine.submit(request)

@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     paths = [str(Path(path).resolve()) for path in batch.list_images(str(folder))]
     questions = tuple(annotate.Question("detect", q) for q in args.query or ["square"])
-    settings = annotate.Settings(questions, mode=args.mode, max_tokens=args.max_tokens, max_rows=args.batch_size)
+    settings = annotate.AnnotateSettings(
+        questions, mode=args.mode, max_tokens=args.max_tokens, max_rows=args.batch_size
+    )
 
     t0 = time.perf_counter()
     runs = [timed(annotate.annotate(load(args.model), paths, settings), t0, len(paths), "one process, no Ray")]

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench.step_costs
 from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.convert import quantization_plan  # noqa: E402
+from mlx_locate.loader import Checkpoint, read_checkpoint  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
 from mlx_locate.lora import (  # noqa: E402
     DECODER_PREFIX,
@@ -71,10 +72,8 @@ from mlx_locate.tuner.finetune import (  # noqa: E402
     DEMO_WORD,
     WORD_ONLY,
     WORD_ONLY_HELD_OUT,
-    Base,
     FinetuneOptions,
     finetune,
-    load_base,
 )
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -94,7 +93,7 @@ def run_demo(work: Path, dtype: str) -> dict:
     data = write_novel_data(work / "ring", DEMO_WORD)
     from mlx_locate.tuner.datasets import read_data
 
-    base = load_base("demo", dtype)
+    base = read_checkpoint("demo", dtype)
     t0 = time.perf_counter()
     result = finetune(
         base,
@@ -134,7 +133,7 @@ def run_forgetting(work: Path, dtype: str) -> list[dict]:
         options = dataclasses.replace(DEMO_OPTIONS, replay=replay, eval_samples=len(held))
         t0 = time.perf_counter()
         result = finetune(
-            load_base("demo", dtype), train, held, work / f"cross_{replay}", DEMO_SPEC, options,
+            read_checkpoint("demo", dtype), train, held, work / f"cross_{replay}", DEMO_SPEC, options,
             progress=False, draw=False, say=quiet,
         )  # fmt: skip
         row = {"replay": replay, "wall_s": time.perf_counter() - t0, "replay_samples": result.replay_samples}
@@ -162,7 +161,7 @@ def forgetting_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def random_model(preset: str, quantize: str | None, dtype: str = "bfloat16") -> Base:
+def random_model(preset: str, quantize: str | None, dtype: str = "bfloat16") -> Checkpoint:
     """A preset's architecture (the 3B's by default), N(0, 0.02) weights drawn on the device, optionally
     quantized."""
     raw = PRESETS[preset].config(dtype)
@@ -176,7 +175,7 @@ def random_model(preset: str, quantize: str | None, dtype: str = "bfloat16") -> 
         plan, _ = quantization_plan(network, QUANT_PRESETS[quantize])
         nn.quantize(network, class_predicate=lambda path, m: plan[path].params() if path in plan else False)
         mx.eval(network.parameters())
-    return Base(network, tokenizer, 25600, f"random {preset} ({quantize or 'bfloat16'})")
+    return Checkpoint(network, tokenizer, 25600, f"random {preset} ({quantize or 'bfloat16'})")
 
 
 def detection_records(folder: Path, n: int, size: tuple[int, int], boxes: int) -> list[Record]:
@@ -264,7 +263,7 @@ def run_inference(preset: str, dtype: str, iters: int) -> list[dict]:
                     lora.lora_a, lora.lora_b = a, b
                     updates.append((path, lora))
                 network.update_modules(tree_unflatten(updates))
-            model = LocateModel(network, base.tokenizer)
+            model = LocateModel(base, take_over=True)
             row = {"preset": preset, "dtype": dtype, "quantize": quantize or "none", "adapter": variant}
             row.update(step_costs(model, 512, iters))
             rows.append(row)

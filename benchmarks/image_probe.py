@@ -55,27 +55,27 @@ def main() -> None:
         out[name] = value
         print(f"{name}: {value}", flush=True)
 
-    model = in_memory_model(args.preset, "bfloat16")
-    budget = model.budget
+    runtime = in_memory_model(args.preset, "bfloat16").runtime
+    budget = runtime.budget
     report("budget", {k: getattr(budget, k) for k in ("working", "kv", "patch_bytes", "prefill_row_bytes")})
     with tempfile.TemporaryDirectory() as work:
         paths, query = folder_images(None, (640, 480), args.images, Path(work))
-        images = [model.prepare(p) for p in paths]
+        images = [runtime.prepare(p) for p in paths]
     grid = images[0].pre.grid
-    blocks = len(model.network.vision_model.encoder.blocks)
+    blocks = len(runtime.network.vision_model.encoder.blocks)
     report("grid", grid)
     report("tower_plan", budget.tower_plan(len(images), grid[0] * grid[1], blocks))
 
     def vision():
-        model.features.clear()
-        model.features_for(images)
+        runtime.features.clear()
+        runtime.features_for(images)
 
     for working in (budget.working, 8 << 30):
-        model.budget = replace(budget, working=working)
+        runtime.budget = replace(budget, working=working)
         report(f"vision_{working >> 20}MiB_ms_peak_gb", timed(vision))
-    model.budget = budget
+    runtime.budget = budget
 
-    tower = model.network.vision_model
+    tower = runtime.network.vision_model
     normalised = mx.array(NORMALISED)
 
     def embed():
@@ -96,33 +96,33 @@ def main() -> None:
         report(f"tower_blocks_per_eval_{per_eval}_ms_peak_gb", timed(run_blocks))
     xb = tower.run_blocks(x0, grid, 0, blocks)
     mx.eval(xb)
-    report("tower_finish_connect_ms", timed(lambda: mx.eval(model.network.connect(tower.finish(xb), grid)))[0])
+    report("tower_finish_connect_ms", timed(lambda: mx.eval(runtime.network.connect(tower.finish(xb), grid)))[0])
 
-    ids = model.prompt(user_text("detect", query), grid)
-    prefix_len = ids.index(model.token_ids.img_end) + 1
+    ids = runtime.prompt(user_text("detect", query), grid)
+    prefix_len = ids.index(runtime.token_ids.img_end) + 1
     report("prefix_tokens", prefix_len)
-    model.features.clear()
-    feats = [f for _, f in model.features_for(images)]
+    runtime.features.clear()
+    feats = [f for _, f in runtime.features_for(images)]
     items = [(ids[:prefix_len], f) for f in feats]
     for working in (budget.working, 4 << 30, 8 << 30, 16 << 30):
-        model.budget = replace(budget, working=working)
-        report(f"prefix_rows_per_call_{working >> 20}MiB", model.prefill_rows(prefix_len))
-        report(f"prefixes_{working >> 20}MiB_ms_peak_gb", timed(lambda: mx.eval(model.compute_prefixes(items))))
-    model.budget = budget
-    embed_ms = timed(lambda: mx.eval([model.network.embed(i, f)[0] for i, f in items]))[0]
+        runtime.budget = replace(budget, working=working)
+        report(f"prefix_rows_per_call_{working >> 20}MiB", runtime.prefill_rows(prefix_len))
+        report(f"prefixes_{working >> 20}MiB_ms_peak_gb", timed(lambda: mx.eval(runtime.compute_prefixes(items))))
+    runtime.budget = budget
+    embed_ms = timed(lambda: mx.eval([runtime.network.embed(i, f)[0] for i, f in items]))[0]
     report("prefix_embed_ms", embed_ms)
 
     # Decode steps beside a tower queued on a second stream.
     rows, context, steps = 16, 512, 8
-    d = model.network.config.text.hidden_size
-    cache = model.new_cache(rows)
-    mx.eval(list(model.prefill(cache, [(b, mx.zeros((context, d), mx.bfloat16), 0) for b in range(rows)]).values()))
+    d = runtime.network.config.text.hidden_size
+    cache = runtime.new_cache(rows)
+    mx.eval(list(runtime.prefill(cache, [(b, mx.zeros((context, d), mx.bfloat16), 0) for b in range(rows)]).values()))
     inputs = mx.array([[1] * 6 + [2] * 6] * rows, dtype=mx.int32)
     step_args = (Phase.BLOCK, cache, inputs, list(range(rows)), [context] * rows, [12] * rows, [True] * rows, True)
 
     def decode():
         for _ in range(steps):
-            model.steps.run(*step_args)[:, 0, :8].tolist()  # one host read per step
+            runtime.steps.run(*step_args)[:, 0, :8].tolist()  # one host read per step
 
     def tower_all(stream=None):
         with mx.stream(stream or mx.default_stream(mx.default_device())):

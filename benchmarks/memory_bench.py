@@ -38,6 +38,7 @@ import mlx_locate  # noqa: E402
 from mlx_locate.cli import add_memory_limit, apply_memory_limit  # noqa: E402
 from mlx_locate.compiled import PREFILL_ROWS  # noqa: E402
 from mlx_locate.request import Request  # noqa: E402
+from mlx_locate.runtime import cache_copies_bytes  # noqa: E402
 
 GB = 1e9
 QUERY = "red box"
@@ -57,11 +58,12 @@ def plan_of(model, grid: tuple[int, int], prefix_len: int) -> dict:
     """What the budget plans for one image of `grid` patches: the tower's images per call and blocks per
     evaluation, and the prompt prefix's rows per prefill call (beside its cache's copies), each with the bytes
     the load-time unit costs give."""
-    budget, patches = model.budget, grid[0] * grid[1]
-    batch, per_eval = budget.tower_plan(1, patches, len(model.network.vision_model.encoder.blocks))
-    cache = model.new_cache(1)
-    copies = model.cache_copies_bytes(cache, prefix_len)
-    rows = min(model.prefill_rows(prefix_len, cache), PREFILL_ROWS)
+    runtime = model.runtime
+    budget, patches = runtime.budget, grid[0] * grid[1]
+    batch, per_eval = budget.tower_plan(1, patches, len(runtime.network.vision_model.encoder.blocks))
+    cache = runtime.new_cache(1)
+    copies = cache_copies_bytes(cache, prefix_len, runtime.budget)
+    rows = min(runtime.prefill_rows(prefix_len, cache), PREFILL_ROWS)
     return {
         "tower_images": batch,
         "tower_blocks_per_eval": per_eval,
@@ -75,22 +77,23 @@ def plan_of(model, grid: tuple[int, int], prefix_len: int) -> dict:
 def one_image(model, path: Path, max_tokens: int, image_tokens: int | None = None) -> dict:
     """Peaks of one image's vision tower, its prompt prefix and its whole request (fresh caches each; the
     request's by phase too), and the budget's plan for it; `image_tokens`: a patch budget below the model's."""
+    runtime = model.runtime
     weights = mx.get_active_memory()
-    image = model.prepare(path, max_image_tokens=image_tokens)
-    prefix = model.prompt("", image.pre.grid)
-    prefix = prefix[: prefix.index(model.token_ids.img_end) + 1]
-    model.clear_caches()
-    vision, vision_s = peak_of(lambda: mx.eval(model.features_for([image])[0][1]))
-    features = model.features_for([image])[0][1]
-    prefix_peak, prefix_s = peak_of(lambda: mx.eval(model.compute_prefixes([(prefix, features)])))
-    model.clear_caches()
+    image = runtime.prepare(path, max_image_tokens=image_tokens)
+    prefix = runtime.prompt("", image.pre.grid)
+    prefix = prefix[: prefix.index(runtime.token_ids.img_end) + 1]
+    runtime.clear_caches()
+    vision, vision_s = peak_of(lambda: mx.eval(runtime.features_for([image])[0][1]))
+    features = runtime.features_for([image])[0][1]
+    prefix_peak, prefix_s = peak_of(lambda: mx.eval(runtime.compute_prefixes([(prefix, features)])))
+    runtime.clear_caches()
     engine = model.engine()
-    phases = PhasePeaks(model, engine, weights)
+    phases = PhasePeaks(model.runtime, engine, weights)
     try:
         request_fn = lambda: engine.submit(Request(image, QUERY, mode="fast", max_tokens=max_tokens)) and engine.run()  # noqa: E731
         request, request_s = peak_of(request_fn)
     finally:
-        phases.remove(model)
+        phases.remove(model.runtime)
     result = model.locate(image, QUERY, mode="fast", max_tokens=max_tokens)
     return {
         "grid": list(image.pre.grid),
@@ -109,9 +112,10 @@ def one_image(model, path: Path, max_tokens: int, image_tokens: int | None = Non
 
 def attention_probe(model, lengths: list[int]) -> dict:
     """Peak of one fused-attention call over the tower's head shape at each sequence length, and of one block."""
-    v = model.network.config.vision
-    dtype = model.network.vision_model.patch_embed.proj.weight.dtype
-    block = model.network.vision_model.encoder.blocks[0]
+    runtime = model.runtime
+    v = runtime.network.config.vision
+    dtype = runtime.network.vision_model.patch_embed.proj.weight.dtype
+    block = runtime.network.vision_model.encoder.blocks[0]
     out = {}
     for L in lengths:
         q, k, w = (mx.random.normal((1, v.num_attention_heads, L, v.head_dim)).astype(dtype) for _ in range(3))
@@ -130,24 +134,27 @@ def prefill_probe(model, calls: list[str]) -> dict:
     """Peak of one prefill call of R rows after K cached keys of one sequence ("RxK"; the working memory lifted so
     that it is one call), above what is held before it, beside what the budget plans for such a call (rows x (row
     bytes + keys x key bytes), and its cache's copies): whether a call's memory grows as the budget says."""
-    budget, t = model.budget, model.network.config.text
-    dtype = model.network.language_model.model.norm.weight.dtype
+    runtime = model.runtime
+    budget, t = runtime.budget, runtime.network.config.text
+    dtype = runtime.network.language_model.model.norm.weight.dtype
     out = {}
-    model.budget = dataclasses.replace(budget, working=1 << 50, prefill_cap=None)  # one call of R <= PREFILL_ROWS
+    runtime.budget = dataclasses.replace(budget, working=1 << 50, prefill_cap=None)  # one call of R <= PREFILL_ROWS
     for call in calls:
         R, K = (int(v) for v in call.split("x"))
-        cache = model.new_cache(1)
+        cache = runtime.new_cache(1)
         if K:
-            model.prefill(cache, [(0, mx.zeros((K, t.hidden_size), dtype), 0)])
+            runtime.prefill(cache, [(0, mx.zeros((K, t.hidden_size), dtype), 0)])
         x = mx.zeros((R, t.hidden_size), dtype)
         mx.eval(x, cache.kv)
         held = mx.get_active_memory()
-        peak, seconds = peak_of(lambda x=x, K=K, cache=cache: mx.eval(list(model.prefill(cache, [(0, x, K)]).values())))
+        peak, seconds = peak_of(
+            lambda x=x, K=K, cache=cache: mx.eval(list(runtime.prefill(cache, [(0, x, K)]).values()))
+        )
         planned = R * (budget.prefill_row_bytes + (K + R) * budget.prefill_key_bytes)
-        planned += model.cache_copies_bytes(cache, K + R)
+        planned += cache_copies_bytes(cache, K + R, runtime.budget)
         out[call] = {"peak_gb": (peak - held) / GB, "planned_gb": planned / GB, "seconds": seconds}
         print("prefill", call, out[call], flush=True)
-    model.budget = budget
+    runtime.budget = budget
     return out
 
 
@@ -158,18 +165,18 @@ class PhasePeaks:
 
     PHASES = {"vision": "features_for", "prefix": "compute_prefixes", "prefill": "prefill"}
 
-    def __init__(self, model, engine, weights: int):
+    def __init__(self, runtime, engine, weights: int):
         self.weights, self.peak, self.inside = weights, 0, False
         self.phases: dict[str, dict[str, float]] = {}
         for name, attr in self.PHASES.items():
-            setattr(model, attr, self.wrap(name, getattr(model, attr)))
+            setattr(runtime, attr, self.wrap(name, getattr(runtime, attr)))
         engine.decode_rows = self.wrap("decode", engine.decode_rows)
 
     @staticmethod
-    def remove(model) -> None:
-        """The model's own methods again."""
+    def remove(runtime) -> None:
+        """The runtime's own methods again."""
         for attr in PhasePeaks.PHASES.values():
-            delattr(model, attr)
+            delattr(runtime, attr)
 
     def wrap(self, name: str, fn):
         def run(*args, **kwargs):
@@ -197,15 +204,15 @@ def folder(model, paths: list[Path], rows: int, max_tokens: int) -> dict:
     each phase's peak (`PhasePeaks`)."""
     weights = mx.get_active_memory()
     requests = [Request(p, QUERY, mode="fast", max_tokens=max_tokens) for p in paths]
-    model.clear_caches()
+    model.runtime.clear_caches()
     model.locate_many(requests, max_rows=rows)
-    model.clear_caches()
+    model.runtime.clear_caches()
     engine = model.engine(rows)
-    phases = PhasePeaks(model, engine, weights)
+    phases = PhasePeaks(model.runtime, engine, weights)
     try:
         peak, seconds = peak_of(lambda: [engine.submit(r) for r in requests] and engine.run())
     finally:
-        phases.remove(model)
+        phases.remove(model.runtime)
     return {
         "rows": engine.max_rows,
         "peak_gb": (max(peak, phases.peak) - weights) / GB,
@@ -297,7 +304,7 @@ def measure(args: argparse.Namespace) -> dict:
     else:
         model = in_memory_model(args.preset, args.dtype, args.quantize)
     mx.eval(mx.zeros(1))
-    budget = model.budget
+    budget = model.runtime.budget
     report = {
         "device": str(mx.default_device()),
         "device_info": {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))},
@@ -325,15 +332,15 @@ def measure(args: argparse.Namespace) -> dict:
         w, h = (int(v) for v in size.split("x"))
         paths, _ = folder_images(None, (w, h), args.folder, work)
         report["folder"][size] = {}
-        measured = model.budget
+        measured = model.runtime.budget
         for working in args.working or [None]:
             if working is not None:
-                model.budget = dataclasses.replace(measured, working=int(working * GB))
+                model.runtime.budget = dataclasses.replace(measured, working=int(working * GB))
             for rows in args.rows:
                 key = f"{rows}" if working is None else f"{rows}@{working:g}GB"
                 report["folder"][size][key] = folder(model, paths, rows, args.max_tokens)
                 print(size, key, report["folder"][size][key], flush=True)
-        model.budget = measured
+        model.runtime.budget = measured
     return report
 
 

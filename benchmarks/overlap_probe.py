@@ -31,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     model = in_memory_model(args.preset, "bfloat16")
     runtime = model
-    tower = model.network.vision_model
+    tower = model.runtime.network.vision_model
     blocks = len(tower.encoder.blocks)
     grid = (34, 46)  # 640 x 480 at patch 14
     R, context = args.rows, 512

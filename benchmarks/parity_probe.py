@@ -39,10 +39,10 @@ def main() -> None:
         paths, query = folder_images("demo", (640, 480), args.images, Path(work))
         report = {
             "device": str(mx.default_device()),
-            "dtype": str(model.network.language_model.model.norm.weight.dtype),
+            "dtype": str(model.runtime.network.language_model.model.norm.weight.dtype),
             "mlx_enable_tf32": tf32_setting(),
         }
-        model.measure_rows(16)
+        model.runtime.measure_rows(16)
         for mode in ("fast", "slow"):
             runs = {}
             for rows in (1, 16):

@@ -78,12 +78,13 @@ def op_overhead_us(ops: int = 400) -> float:
 
 def prepared_runners(model, contexts, compile: bool = True) -> dict:
     """Fresh compiled steps traced now (under whatever patch is active) with a prefilled cache per context."""
-    steps = CompiledSteps(model.network, compile=compile)
-    d = model.network.config.text.hidden_size
-    dtype = model.network.language_model.model.norm.weight.dtype
+    runtime = model.runtime
+    steps = CompiledSteps(runtime.network, compile=compile)
+    d = runtime.network.config.text.hidden_size
+    dtype = runtime.network.language_model.model.norm.weight.dtype
     runners = {}
     for context in contexts:
-        runner = StepRunner(steps, model.new_cache())
+        runner = StepRunner(steps, runtime.new_cache())
         mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
         base = runner.offset
 

@@ -200,7 +200,7 @@ def decode(model, jobs: list[tuple[Drawn, str]], max_tokens: int, batch_size: in
     parents, children = [], []
     for scene, query in jobs:
         parent = Request(scene.image, query, tiles="auto", max_tokens=max_tokens)
-        views = split_request(parent, scene.image, model.in_token_limit, model.patch_size)
+        views = split_request(parent, scene.image, model.runtime.in_token_limit, model.runtime.patch_size)
         parents.append((parent, [replace(v, image=None) for v in views]))  # kept without their crops
         children += views
     results = model.locate_many(children, max_rows=batch_size)
@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = range(args.seed, args.seed + max(args.dense, args.seams))
     dense_jobs = [(dense(s), asked(s)) for s in seeds[: args.dense]]
     seam_scenes = [
-        seam(s, model.in_token_limit, model.patch_size, Request(None, "").tile_overlap) for s in seeds[: args.seams]
+        seam(s, model.runtime.in_token_limit, model.runtime.patch_size, Request(None, "").tile_overlap)
+        for s in seeds[: args.seams]
     ]
     seam_jobs = [(scene, scene.things[scene.target].shape) for scene in seam_scenes]
     t0 = time.perf_counter()

@@ -186,7 +186,7 @@ def frames_of(n: int) -> list[video.Frame]:
 
 
 def video_run(model, n: int, batch_size: int | None, max_tokens: int) -> dict:
-    settings = video.Settings("detect", QUERIES[:1], None, "hybrid", max_tokens, 2.0, None, 0.2, True)
+    settings = video.VideoSettings("detect", QUERIES[:1], None, "hybrid", max_tokens, 2.0, None, 0.2, True)
     frames = frames_of(n)
     list(video.locate_frames(model, frames[:2], settings, max_rows=batch_size))  # warm-up
     t0 = time.perf_counter()

@@ -32,8 +32,8 @@ def main() -> None:
         mx.eval(q, k, v)
         ms = timed(lambda q=q, k=k, v=v: mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1)))
         print(f"sdpa B={B} H={H} L={L} D={D}: {ms:.2f} ms", flush=True)
-    model = in_memory_model("3b", "bfloat16")
-    tower = model.network.vision_model
+    runtime = in_memory_model("3b", "bfloat16").runtime
+    tower = runtime.network.vision_model
     grid = (36, 46)
     for images in (1, 16):
         x = mx.random.normal((images, L, 1152)).astype(mx.bfloat16)

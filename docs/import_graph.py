@@ -47,7 +47,7 @@ MAX_UP = 0  # --check: the most upward imports allowed
 
 @dataclass(frozen=True)
 class Import:
-    source: str  # importing module, dotted, relative to the package ("tuner.train"; the package itself "__init__")
+    source: str  # importing module, dotted, relative to the package ("tuner.trainer"; the package itself "__init__")
     target: str
     lazy: bool  # inside a function
     typing: bool  # under `if TYPE_CHECKING:`

@@ -1,5 +1,5 @@
 """The folder-annotation core that `batch`, `cluster` and `video` share: the questions asked of every image
-(`Settings`), the annotate loop over one batched engine, and the results JSONL (one line per image, written,
+(`AnnotateSettings`), the annotate loop over one batched engine, and the results JSONL (one line per image, written,
 flushed and fsynced at once; read back to resume; sorted by image path once a run is done, `write_sorted`).
 
 A line is `{"image": PATH, "size": [W, H], "results": [{"task": T, "query": Q} or {"prompt": P},
@@ -53,7 +53,7 @@ class Question(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class AnnotateSettings:
     """Everything one image's requests and its JSONL line depend on (sent to Ray workers as is)."""
 
     questions: tuple[Question, ...]
@@ -151,7 +151,7 @@ def read_image(path: str, max_pixels: int | None, orientation: str = "exif") -> 
         return error_line(path, ValueError(f"{path} is not a readable image: {type(e).__name__}: {e}"))
 
 
-def annotate(model: LocateModel, paths: Iterable[str], settings: Settings) -> Iterator[Annotated]:
+def annotate(model: LocateModel, paths: Iterable[str], settings: AnnotateSettings) -> Iterator[Annotated]:
     """Every image's line as soon as all its questions are answered (in completion order).
 
     All requests go to one engine; at most `ceil(rows / questions)` images are decoded and held at once. An
@@ -184,7 +184,7 @@ def annotate(model: LocateModel, paths: Iterable[str], settings: Settings) -> It
                 yield image_line(path, image, answers, settings)
 
 
-def image_line(path: str, image: Image.Image, answers: list, settings: Settings) -> Annotated:
+def image_line(path: str, image: Image.Image, answers: list, settings: AnnotateSettings) -> Annotated:
     """The line of an image whose every question is answered: its results in question order, or the first
     failure (named by its question when there are several)."""
     for question, answer in zip(settings.questions, answers, strict=True):

@@ -46,10 +46,10 @@ from . import cli, exports, jsonl
 from .annotate import (
     LEAN_DROPPED,
     Annotated,
+    AnnotateSettings,
     Jsonl,
     OutputError,
     Question,
-    Settings,
     annotate,
     output_lines,
     question_keys,
@@ -168,7 +168,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--actors only applies to --ray")
 
 
-def settings_of(args: argparse.Namespace) -> Settings:
+def settings_of(args: argparse.Namespace) -> AnnotateSettings:
     """The run's settings; every question's prompt text is checked (`ValueError`) before the model loads."""
     if args.prompt is not None:
         questions = tuple(Question(None, None, prompt) for prompt in args.prompt)
@@ -180,7 +180,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     for q in questions:
         if q.prompt is None:
             task_text(q.task, q.query)
-    return Settings(
+    return AnnotateSettings(
         questions=questions,
         options={**cli.request_options(args), **cli.tiling_of(args)},
         max_pixels=args.max_pixels,

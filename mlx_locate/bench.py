@@ -82,9 +82,10 @@ def machine() -> dict:
 
 def step_ms(model: LocateModel, context: int, iters: int) -> dict:
     """Batch-1 ms of an AR step (1 row) and a block step (12 rows) at `context` cached tokens, one wait each."""
-    runner = StepRunner(model.steps, model.new_cache())
-    d = model.network.config.text.hidden_size
-    dtype = model.network.language_model.model.norm.weight.dtype
+    runtime = model.runtime
+    runner = StepRunner(runtime.steps, runtime.new_cache())
+    d = runtime.network.config.text.hidden_size
+    dtype = runtime.network.language_model.model.norm.weight.dtype
     mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
     base = runner.offset
     out = {}
@@ -114,7 +115,7 @@ def one_shot(model_flags: list[str], image: Path, max_tokens: int) -> dict:
 
 def folder(model: LocateModel, images: list[Path], rows: int, max_tokens: int) -> dict:
     """A folder of images, one query each, at `rows` rows: images/s and the engine's seconds by phase."""
-    model.clear_caches()
+    model.runtime.clear_caches()
     engine = model.engine(rows)
     handles = [engine.submit(Request(p, QUERY, max_tokens=max_tokens)) for p in images]
     t0 = time.perf_counter()
@@ -128,11 +129,12 @@ def folder(model: LocateModel, images: list[Path], rows: int, max_tokens: int) -
 
 def photo(model: LocateModel, path: Path) -> dict:
     """A 12 MP photo's vision seconds (tower and connector) and the process's peak memory meanwhile."""
-    model.clear_caches()
-    image = model.prepare(path)
+    runtime = model.runtime
+    runtime.clear_caches()
+    image = runtime.prepare(path)
     mx.reset_peak_memory()
     t0 = time.perf_counter()
-    model.features_for([image])
+    runtime.features_for([image])
     return {
         "vision_s": time.perf_counter() - t0,
         "grid": list(image.pre.grid),
@@ -141,12 +143,13 @@ def photo(model: LocateModel, path: Path) -> dict:
 
 
 def choices(model: LocateModel) -> dict:
+    runtime = model.runtime
     return {
-        "step_attention": model.steps.attention.value,
-        "tower_chunked_attention": model.network.vision_model.chunked_attention,
-        "row_costs_ms": {str(r): 1e3 * s for r, s in sorted(model.row_costs.items())},
-        "compile_after": model.steps.compile_after,
-        "prefill_chunk": model.prefill_chunk or PREFILL_ROWS,
+        "step_attention": runtime.steps.attention.value,
+        "tower_chunked_attention": runtime.network.vision_model.chunked_attention,
+        "row_costs_ms": {str(r): 1e3 * s for r, s in sorted(runtime.row_costs.items())},
+        "compile_after": runtime.steps.compile_after,
+        "prefill_chunk": runtime.prefill_chunk or PREFILL_ROWS,
     }
 
 
@@ -182,7 +185,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 def steps_report(model: LocateModel, quick: bool) -> dict:
     bandwidth = measure_bandwidth(0.25 if quick else 6.4)
-    weights = sum(v.nbytes for _, v in tree_flatten(model.network.language_model.parameters()))
+    weights = sum(v.nbytes for _, v in tree_flatten(model.runtime.network.language_model.parameters()))
     floor_ms = 1e3 * weights / bandwidth
     steps = step_ms(model, context=256 if quick else 1024, iters=5 if quick else 20)
     return {"bandwidth_gb_s": bandwidth / 1e9, "decoder_gb": weights / 1e9, "floor_ms": floor_ms, **steps,

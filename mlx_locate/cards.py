@@ -1,8 +1,9 @@
-"""What a checkpoint was trained to find: the categories fine-tuning keeps by default (replay, `tuner/replay.py`).
+"""What a checkpoint was trained to find (`loader.Checkpoint.known`): the categories fine-tuning keeps by default
+(replay, `tuner/replay.py`).
 
 A checkpoint names them in its config.json, `"known_categories": {"names": [...], "per_prompt": N}` (N: the most
 categories one detection prompt of its training asked for), as the demo's does (its five shapes, written by
-`tuner.train.demo_config`). NVIDIA's release has no such field; for a checkpoint of its architecture (a download,
+`tuner.demo_recipe.demo_config`). NVIDIA's release has no such field; for a checkpoint of its architecture (a download,
 a conversion, a quantized copy) its model card's detection set applies: COCO's 80 categories.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .random_checkpoint import RELEASE_CONFIG
+from .checkpoint import RELEASE_CONFIG
 
 CONFIG_KEY = "known_categories"
 RELEASE_PER_PROMPT = 10  # categories per detection prompt for the release (and for a list without a checkpoint's)

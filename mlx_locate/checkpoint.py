@@ -1,5 +1,5 @@
 """A checkpoint's files: where a checkpoint is (a folder, the bundled demo, a hub id), its JSON files, and its
-safetensors weights (checked before they are read; one file or shards with their index).
+safetensors weights (checked before they are read; one file or shards with their index); the release's config.
 
 Only safetensors files are read; no code from a checkpoint folder is ever executed.
 """
@@ -18,6 +18,9 @@ HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
 DEMO_NAME = "demo"
 DEMO_DIR = Path(__file__).parent / "demo"
 DEMO_IMAGE = DEMO_DIR / "example.png"  # the demo's example scene, wherever the package is installed
+# config.json of NVIDIA's release (as the golden checkpoints have it): random checkpoints take its fields, and a
+# checkpoint of its architecture its model card's categories (`cards.is_release`)
+RELEASE_CONFIG: dict = json.loads((Path(__file__).parent / "release_config.json").read_text())
 
 
 def resolve(path_or_id: str | Path) -> Path:

@@ -436,9 +436,9 @@ def add_training(
     save_every: int | None,
     save_help: str,
 ) -> None:
-    """The flags both trainers take (the demo's `tuner.train` and `mlx-locate-finetune`), with each one's defaults:
-    --steps, --batch-size (samples per step), --lr, --warmup, --weight-decay, --clip, --seed (initialisation and
-    data order), --save-every and --no-compile."""
+    """The flags both trainers take (the demo's `tuner.demo_recipe` and `mlx-locate-finetune`), with each one's
+    defaults: --steps, --batch-size (samples per step), --lr, --warmup, --weight-decay, --clip, --seed
+    (initialisation and data order), --save-every and --no-compile."""
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=batch_size, help="samples per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=lr, help="peak learning rate (default: %(default)s)")

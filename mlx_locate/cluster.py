@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from .annotate import Annotated, Settings, annotate
+from .annotate import Annotated, AnnotateSettings, annotate
 from .locate import load
 
 RETRIES = 3  # restarts of a dead actor, and reruns of a batch whose actor died; a crash that repeats stops the run
@@ -51,7 +51,7 @@ class LocatePredictor:
     """One model copy on a Ray worker. MLX work runs on one thread of its own: Ray calls `__init__` and
     `__call__` on different threads, and MLX streams belong to the thread that made them."""
 
-    def __init__(self, model: dict, settings: Settings):
+    def __init__(self, model: dict, settings: AnnotateSettings):
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx")
         self.model = self.thread.submit(load, **model).result()
         self.settings = settings
@@ -141,7 +141,7 @@ def ray_lines(
     address: str | None,
     paths: list[str],
     model: dict,
-    settings: Settings,
+    settings: AnnotateSettings,
     actors: int | None = None,
     images_per_task: int = 16,
 ) -> Iterator[Annotated]:

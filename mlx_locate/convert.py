@@ -467,7 +467,7 @@ def object_ious(ref: list[LocatedObject], other: list[LocatedObject]) -> list[fl
 
 
 def _weights_bytes(model: LocateModel) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.network.parameters()))
+    return sum(v.nbytes for _, v in tree_flatten(model.runtime.network.parameters()))
 
 
 def _stats(agree: list, kl: list) -> dict:
@@ -503,6 +503,7 @@ def report(
     synchronised; weights are the bytes of the loaded parameters. With `adapter`, the source runs with it.
     """
     src, conv = load(source, adapter_path=adapter), load(converted)
+    src_rt, conv_rt = src.runtime, conv.runtime
     images = report_images() if images is None else images
     prompts = REPORT_PROMPTS if prompts is None else prompts
     max_tokens = REPORT_MAX_TOKENS if max_tokens is None else max_tokens
@@ -514,14 +515,14 @@ def report(
     cases = []
     for image_name, image in images:
         rgb = to_rgb(image)
-        pre = preprocess(rgb, in_token_limit=src.in_token_limit, patch_size=src.network.config.vision.patch_size)
+        pre = preprocess(rgb, in_token_limit=src_rt.in_token_limit, patch_size=src_rt.patch_size)
         for task, query in prompts:
             cases.append(f"{image_name} {task}")
-            ids = prompt_ids(src.tokenizer, task_text(task, query), [pre.grid])
+            ids = prompt_ids(src_rt.tokenizer, task_text(task, query), [pre.grid])
             patches = mx.array(pre.patches)
-            embeds = [m.network.embed(ids, m.network.image_features(patches, pre.grid)) for m in (src, conv)]
+            embeds = [m.network.embed(ids, m.network.image_features(patches, pre.grid)) for m in (src_rt, conv_rt)]
             for mode in Mode:
-                runners = [StepRunner(m.steps, m.new_cache()) for m in (src, conv)]
+                runners = [StepRunner(m.steps, m.new_cache()) for m in (src_rt, conv_rt)]
                 logits = []
                 for who, runner, e in zip(("source", "converted"), runners, embeds, strict=True):
                     t0 = time.perf_counter()
@@ -545,9 +546,9 @@ def report(
                     return out[0]
 
                 options = DecodeOptions(mode=mode, max_new_tokens=max_tokens)
-                ref = decode(paired_step, ids, logits[0], src.token_ids, options, src.tokenizer.model_max_length)
+                ref = decode(paired_step, ids, logits[0], src_rt.token_ids, options, src_rt.tokenizer.model_max_length)
                 ref_objects = parse_tokens(
-                    ref.tokens, src.token_ids, src.tokenizer.decode, pre.original_size, ref.probs
+                    ref.tokens, src_rt.token_ids, src_rt.tokenizer.decode, pre.original_size, ref.probs
                 ).objects
                 result = conv.locate(rgb, query, task=task, mode=mode, max_tokens=max_tokens)
                 m = modes[mode.value]

@@ -16,9 +16,10 @@ import sys
 from tqdm import tqdm
 
 from . import cli
+from .loader import read_checkpoint
 from .lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
 from .tuner.datasets import norm_label, read_data, split
-from .tuner.finetune import MODES, FinetuneOptions, finetune, fmt, load_base
+from .tuner.finetune import MODES, FinetuneOptions, finetune, fmt
 
 DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_DROPOUT = 64, 128.0, 0.05  # NVIDIA's LoRA script
 DEFAULT_HELD_OUT = 0.1
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             train, held = records, read_data(args.val_data, args.images, args.categories_per_prompt, args.seed)
         else:
             train, held = split(records, args.val_fraction, args.seed)
-        base = load_base(args.model, args.dtype)
+        base = read_checkpoint(args.model, args.dtype)
         result = finetune(
             base,
             train,

@@ -23,7 +23,7 @@ from pathlib import Path
 from . import cli
 from .checkpoint import resolve
 from .draw import draw_objects
-from .locate import image_settings
+from .loader import image_settings
 from .preprocess import FORMATS, load_image, photo_notes
 from .prompts import task_text
 from .request import DEFAULT_TASK, Result, prepare_image

@@ -1,20 +1,28 @@
-"""Strict loading of LocateAnything checkpoints: original Hugging Face layout, mlx-vlm layout, our own.
+"""Strict loading of LocateAnything checkpoints: original Hugging Face layout, mlx-vlm layout, our own; the one way
+in from a checkpoint (`read_checkpoint`), which inference (`locate.load`) and fine-tuning share.
 
 Only safetensors files are read; no code from a checkpoint folder is ever executed.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .checkpoint import DTYPES, read_weights
+from .cards import KnownCategories, known_categories
+from .checkpoint import DTYPES, read_json, read_weights, resolve
 from .config import ModelConfig
-from .lora import Adapter, apply_adapter, peft_name
+from .lora import Adapter, apply_adapter, peft_name, read_adapter
 from .model import LocateAnything
+from .preprocess import IN_TOKEN_LIMIT
+from .tokenizer import Tokenizer
+
+CPU_DTYPE = "float32"  # what a checkpoint computes in on the CPU backend unless told otherwise (`read_checkpoint`)
 
 # mlx-vlm's renames (docs/model.md §4), applied in order to key prefixes.
 MLX_VLM_RENAMES = (
@@ -142,3 +150,64 @@ def assemble_model(
     mx.async_eval(params["language_model"])
     model.eval()
     return model
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded checkpoint: its network (unfused, as training wants it; `runtime.Runtime` fuses a view of it for
+    inference), tokenizer and patch limit, where it came from, and what it was trained to find (`cards`)."""
+
+    network: LocateAnything
+    tokenizer: Tokenizer
+    in_token_limit: int = IN_TOKEN_LIMIT  # patches an image may have (preprocessor_config.json)
+    path: str = ""  # the folder or hub id it was read from
+    known: KnownCategories | None = None
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.network.config
+
+    @property
+    def max_length(self) -> int:
+        """Positions a prompt and its answer may use: the tokenizer's model_max_length, and the decoder's
+        max_position_embeddings where the config gives it."""
+        positions = self.config.raw.get("text_config", {}).get("max_position_embeddings")
+        return min(self.tokenizer.model_max_length, positions or self.tokenizer.model_max_length)
+
+
+def in_token_limit(folder: Path) -> int:
+    """The patches an image of this checkpoint may have: preprocessor_config.json's, else the release's."""
+    if not (folder / "preprocessor_config.json").is_file():
+        return IN_TOKEN_LIMIT
+    return int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
+
+
+def image_settings(folder: Path) -> tuple[int, int]:
+    """(in_token_limit, patch_size) of a checkpoint folder: what preparing an image needs, before the model
+    loads (`runtime.Runtime.prepare`)."""
+    return in_token_limit(folder), ModelConfig.from_dict(read_json(folder, "config.json")).vision.patch_size
+
+
+def read_checkpoint(
+    path_or_hub_id: str | Path, dtype: str | None = None, adapter_path: str | Path | None = None
+) -> Checkpoint:
+    """A checkpoint folder or hub id (original Hugging Face, mlx-vlm or converted layout) as a `Checkpoint`.
+
+    `dtype` ("bfloat16", "float16", "float32") casts the weights. By default they stay as stored, except on
+    MLX's CPU backend, where they become float32: there half-precision matmuls and attention run MLX's own
+    kernels instead of BLAS, many times slower than float32's, so float32 is the fast path (CPU_DTYPE).
+    `adapter_path`: a LoRA adapter folder applied on top (`lora.apply_adapter`); the base's files are only read.
+    The tokenizer is built on a thread while the weights load; the decoder's weights may still be loading when
+    this returns (`assemble_model`)."""
+    if dtype is None and mx.default_device() == mx.cpu:
+        dtype = CPU_DTYPE
+    folder = resolve(path_or_hub_id)
+    raw = read_json(folder, "config.json")
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-tokenizer") as pool:
+        tokenizer_job = pool.submit(lambda: Tokenizer.from_folder(folder).warm())
+        network = build_model(folder, ModelConfig.from_dict(raw), None, dtype)
+        tokenizer = tokenizer_job.result()
+    network.token_ids = tokenizer.token_ids(raw)
+    if adapter_path is not None:
+        apply_adapter(network, read_adapter(adapter_path))
+    return Checkpoint(network, tokenizer, in_token_limit(folder), str(path_or_hub_id), known_categories(raw))

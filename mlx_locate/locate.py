@@ -1,45 +1,43 @@
 """The public entry point: `load(path_or_hub_id)` -> `LocateModel`, and `LocateModel.locate(image, query)`.
 
-Every request decodes through the batched engine (`engine.py`); a single `locate` is a batch of one. The model
-(`runtime.Runtime`) keeps what requests share: compiled step functions, vision features by image content, and
-prompt prefixes.
+Every request decodes through the batched engine (`engine.py`); a single `locate` is a batch of one. The model holds
+a runtime (`runtime.Runtime`, the engine's side), which keeps what requests share: compiled step functions, vision
+features by image content, and prompt prefixes.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-import mlx.core as mx
 from PIL import Image
 from tqdm import tqdm
 
-from .checkpoint import read_json, resolve
-from .config import ModelConfig
 from .engine import Engine, EventKind, Schedule
-from .loader import build_model
-from .lora import apply_adapter, read_adapter
-from .preprocess import IN_TOKEN_LIMIT
+from .loader import Checkpoint, read_checkpoint
 from .request import PreparedImage, Request, RequestError, Result
 from .runtime import Runtime
-from .tokenizer import Tokenizer
 from .tune import cached, model_key, tuned
 from .tune import enabled as tunes
 
 __all__ = ["LocateModel", "Result", "Session", "load"]
 
-CPU_DTYPE = "float32"  # what `load` computes in on the CPU backend unless told otherwise
 
+class LocateModel:
+    """A loaded checkpoint with the public API: `locate`, `locate_many`, `session`, `engine`.
 
-class LocateModel(Runtime):
-    """A loaded checkpoint (`runtime.Runtime`) with the public API: `locate`, `locate_many`, `session`, `engine`."""
+    `runtime` is the engine's side (`runtime.Runtime`: the network it runs, its caches, budget and timings), for
+    the engine, the benchmarks and the tests. `probes` (the budget's measurements, `tune.py`) and `take_over` (the
+    caller gives the checkpoint's network up, as `load` does) go to the runtime."""
+
+    def __init__(self, checkpoint: Checkpoint, probes: dict[str, int] | None = None, take_over: bool = False):
+        self.runtime = Runtime(checkpoint, probes, take_over)
 
     def engine(self, max_rows: int | None = None, schedule: Schedule | None = None) -> Engine:
         """A batched engine over this model (see `engine.Engine`): submit requests, step, collect events."""
-        return Engine(self, max_rows, schedule)
+        return Engine(self.runtime, max_rows, schedule)
 
     def locate_many(
         self,
@@ -96,7 +94,7 @@ class LocateModel(Runtime):
         queries = query if isinstance(query, list) else [query]
         source = (image.rgb if isinstance(image, PreparedImage) else image, kwargs.get("max_pixels"))  # for draw()
         if isinstance(image, (str, Path)):
-            image = self.prepare(  # loaded once for every query
+            image = self.runtime.prepare(  # loaded once for every query
                 image, kwargs.get("max_pixels"), kwargs.get("orientation", "exif"), kwargs.get("max_image_tokens")
             )
         results = self.locate_many([Request(image, q, rendering=rendering, **kwargs) for q in queries])
@@ -124,20 +122,21 @@ class Session:
     ):
         self.model = model
         self.rendering = rendering
+        runtime = model.runtime
         t0 = time.perf_counter()
-        self.image = model.prepare(image, max_pixels, orientation, max_image_tokens)
+        self.image = runtime.prepare(image, max_pixels, orientation, max_image_tokens)
         self.pre = self.image.pre
-        prompt = model.prompt("", self.pre.grid, rendering)
-        self.prefix = prompt[: prompt.index(model.token_ids.img_end) + 1]
+        prompt = runtime.prompt("", self.pre.grid, rendering)
+        self.prefix = prompt[: prompt.index(runtime.token_ids.img_end) + 1]
         self.timings = {"preprocess_s": time.perf_counter() - t0}
         t0 = time.perf_counter()
-        ((cached, features),) = model.features_for([self.image])
+        ((cached, features),) = runtime.features_for([self.image])
         self.vision_cached = cached
         self.timings["vision_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         key = (self.image.key, tuple(self.prefix))
-        if key not in model.prefixes:
-            model.store_prefix(key, model.compute_prefixes([(self.prefix, features)])[0])
+        if key not in runtime.prefixes:
+            runtime.store_prefix(key, runtime.compute_prefixes([(self.prefix, features)])[0])
         self.timings["prefix_prefill_s"] = time.perf_counter() - t0
         self.unreported = True  # the first result carries the work above
 
@@ -155,54 +154,32 @@ class Session:
         return result
 
 
-def image_settings(folder: Path) -> tuple[int, int]:
-    """(in_token_limit, patch_size) of a checkpoint folder: what preparing an image needs, before the model
-    loads (`runtime.Runtime.prepare`)."""
-    limit = IN_TOKEN_LIMIT
-    if (folder / "preprocessor_config.json").is_file():
-        limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
-    return limit, ModelConfig.from_dict(read_json(folder, "config.json")).vision.patch_size
-
-
 def load(
     path_or_hub_id: str | Path,
     dtype: str | None = None,
     adapter_path: str | Path | None = None,
     tune: bool | None = None,
 ) -> LocateModel:
-    """Load a checkpoint folder or hub id (original Hugging Face, mlx-vlm or converted layout).
+    """Load a checkpoint folder or hub id (original Hugging Face, mlx-vlm or converted layout) as
+    `loader.read_checkpoint` reads it, for inference.
 
-    `dtype` ("bfloat16", "float16", "float32") casts the weights. By default they stay as stored, except on
-    MLX's CPU backend, where they become float32: there half-precision matmuls and attention run MLX's own
-    kernels instead of BLAS, many times slower than float32's, so float32 is the fast path (CPU_DTYPE).
-    `adapter_path`: a LoRA adapter folder (`mlx-locate-finetune`'s, or a PEFT one) applied on top
-    (`lora.apply_adapter`: merged into a float base, kept beside a quantized one); the base's files are
-    only read. `tune`: measure this device's choices once and cache them (`tune.py`; default: unless
+    `dtype` ("bfloat16", "float16", "float32") casts the weights; by default they stay as stored, float32 on MLX's
+    CPU backend (`loader.CPU_DTYPE`). `adapter_path`: a LoRA adapter folder (`mlx-locate-finetune`'s, or a PEFT one)
+    applied on top (`lora.apply_adapter`: merged into a float base, kept beside a quantized one); the base's files
+    are only read. `tune`: measure this device's choices once and cache them (`tune.py`; default: unless
     MLX_LOCATE_TUNE=0).
 
     The tokenizer is built on a thread while the weights load; the tower's weights are read first and the
     decoder's load behind them (`loader.assemble_model`), so a caller's image and vision tower run while they
-    do. `LocateModel.load_s` is the load's seconds, the wait of the first forward for the decoder included.
+    do. The runtime's `load_s` is the load's seconds, the wait of the first forward for the decoder included.
     """
     t0 = time.perf_counter()
-    if dtype is None and mx.default_device() == mx.cpu:
-        dtype = CPU_DTYPE
-    folder = resolve(path_or_hub_id)
-    raw = read_json(folder, "config.json")
-    config = ModelConfig.from_dict(raw)
-    with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-tokenizer") as pool:
-        tokenizer_job = pool.submit(lambda: Tokenizer.from_folder(folder).warm())
-        network = build_model(folder, config, None, dtype)
-        tokenizer = tokenizer_job.result()
-    network.token_ids = tokenizer.token_ids(raw)
-    if adapter_path is not None:
-        apply_adapter(network, read_adapter(adapter_path))
-    limit, _ = image_settings(folder)
+    checkpoint = read_checkpoint(path_or_hub_id, dtype, adapter_path)
     choices = None
     if tuning := tunes(tune):
-        choices = cached(model_key(network))
-    model = LocateModel(network, tokenizer, in_token_limit=limit, probes=choices.probes if choices else None)
+        choices = cached(model_key(checkpoint.network))
+    model = LocateModel(checkpoint, choices.probes if choices else None, take_over=True)
     if tuning:
-        tuned(model, choices)
-    model.load_s = time.perf_counter() - t0
+        tuned(model.runtime, choices)
+    model.runtime.load_s = time.perf_counter() - t0
     return model

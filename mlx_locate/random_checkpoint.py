@@ -25,10 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .checkpoint import DTYPES, plan_shards, shard_names, write_index
-
-# config.json of the release (as the golden checkpoints have it); the sizes are replaced by a preset's.
-RELEASE_CONFIG: dict = json.loads((Path(__file__).parent / "release_config.json").read_text())
+from .checkpoint import DTYPES, RELEASE_CONFIG, plan_shards, shard_names, write_index
 
 # Files of a checkpoint folder that come from the tokenizer folder; tokenizer.json is copied when present.
 TOKENIZER_FILES = (

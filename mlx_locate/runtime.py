@@ -1,12 +1,13 @@
 """A loaded network ready for inference, and everything the engine asks of it (`Runtime`).
 
 The engine works through this one interface: preparing images, prompt ids and text, vision features and prompt
-prefixes (cached by image content), prefills and compiled steps over a `SlotCache`. `locate.LocateModel` adds the
-public API on top.
+prefixes (cached by image content), prefills and compiled steps over a `SlotCache`. `locate.LocateModel` holds one
+(`model.runtime`) behind the public API.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections import OrderedDict
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from PIL import Image
 
@@ -21,12 +23,11 @@ from .cache import SlotCache, kv_bucket, rows_bucket
 from .compiled import BLOCK_FORWARD_ROWS, PREFILL_BUCKET, PREFILL_ROWS, CompiledSteps, Phase, padded_rows
 from .cpu import store_input_major
 from .language import fuse_projections
+from .loader import Checkpoint
 from .memory import Budget
-from .model import LocateAnything
-from .preprocess import IN_TOKEN_LIMIT, NORMALISED
+from .preprocess import NORMALISED
 from .prompts import UserText, prompt_ids
 from .request import DEFAULT_MAX_TOKENS, PreparedImage, prepare_image
-from .tokenizer import Tokenizer
 
 HOST_WORKERS = 8  # threads that prepare images and prompts ahead of the engine, at most
 PROMPT_WORDS = 128  # a prompt's tokens besides its image's, about (the chat turns and a query)
@@ -91,26 +92,26 @@ class TowerJob:
 
 
 class Runtime:
-    """A network with its tokenizer, compiled step functions, and caches of vision features and prompt prefixes
-    by image content.
+    """A checkpoint's network with its tokenizer, compiled step functions, and caches of vision features and prompt
+    prefixes by image content.
 
-    Takes over `network` for inference: its decoder's projections are fused (`language.fuse_projections`) and,
-    on the CPU backend, its wide ones and the head stored for the CPU's BLAS (`cpu.store_input_major`)."""
+    Works on a view of the checkpoint's network (`network_view`), in eval mode, whose decoder projections are fused
+    (`language.fuse_projections`) and, on the CPU backend, whose wide ones and head are stored for the CPU's BLAS
+    (`cpu.store_input_major`): the checkpoint's own network stays as it was, so fine-tuning goes on training it.
+    `take_over`: the caller gives the network up (`locate.load`), so it is changed in place instead, and its unfused
+    projections are freed as the fused ones load (memory grows by one layer's projections, not the decoder's)."""
 
-    def __init__(
-        self,
-        network: LocateAnything,
-        tokenizer: Tokenizer,
-        in_token_limit: int = IN_TOKEN_LIMIT,
-        probes: dict[str, int] | None = None,
-    ):
+    def __init__(self, checkpoint: Checkpoint, probes: dict[str, int] | None = None, take_over: bool = False):
+        network = checkpoint.network if take_over else network_view(checkpoint.network)
+        network.eval()
         fuse_projections(network.language_model.model.layers)
         if mx.default_device() == mx.cpu:
             store_input_major(network.language_model.model)
         self.network = network
-        self.tokenizer = tokenizer
+        self.tokenizer = checkpoint.tokenizer
         self.token_ids = network.token_ids
-        self.in_token_limit = in_token_limit
+        self.in_token_limit = checkpoint.in_token_limit
+        self.max_length = checkpoint.max_length  # positions a prompt and its answer may use
         self.patch_size = network.config.vision.patch_size
         self.steps = CompiledSteps(network)
         self.budget = Budget.measure(network, probes)  # `probes`: the budget's measurements, kept (`tune.py`)
@@ -121,17 +122,13 @@ class Runtime:
         self.tower_block_s: dict[tuple[int, int], float] = {}  # seconds of a tower block per image, by grid
         self.device_idle_s = 0.0  # time between a wait for the device and the next one (`sync`)
         self._synced: float | None = None
-        self._host_pool: ThreadPoolExecutor | None = None
+        # Threads for host work ahead of the engine (image decoding, resizing, patches, prompt ids): Pillow, numpy
+        # and hashlib release the GIL, and none of it touches MLX. They start with the first job.
+        workers = max(1, min(HOST_WORKERS, (os.cpu_count() or 2) - 1))
+        self.host_pool = ThreadPoolExecutor(workers, thread_name_prefix="mlx-locate-host")
         self.features: OrderedDict[tuple, mx.array] = OrderedDict()
         self._normalised = mx.array(NORMALISED)  # pixel value -> its float32 patch value, on the device
         self.prefixes: OrderedDict[tuple, list[mx.array]] = OrderedDict()
-
-    @property
-    def max_length(self) -> int:
-        """Positions a prompt and its answer may use: the tokenizer's model_max_length, and the decoder's
-        max_position_embeddings where the config gives it."""
-        positions = self.network.config.raw.get("text_config", {}).get("max_position_embeddings")
-        return min(self.tokenizer.model_max_length, positions or self.tokenizer.model_max_length)
 
     @property
     def default_rows(self) -> int:
@@ -151,15 +148,6 @@ class Runtime:
         return self.steps.compile_s
 
     # --- host side: images, prompts, text ---
-
-    @property
-    def host_pool(self) -> ThreadPoolExecutor:
-        """Threads for host work ahead of the engine (image decoding, resizing, patches, prompt ids): Pillow,
-        numpy and hashlib release the GIL, and none of it touches MLX."""
-        if self._host_pool is None:
-            workers = max(1, min(HOST_WORKERS, (os.cpu_count() or 2) - 1))
-            self._host_pool = ThreadPoolExecutor(workers, thread_name_prefix="mlx-locate-host")
-        return self._host_pool
 
     def prepare(
         self,
@@ -351,12 +339,8 @@ class Runtime:
     def prefill_rows(self, keys: int, cache: SlotCache | None = None) -> int:
         """Rows per prefill call (sequences x padded rows) attending to up to `keys` tokens: what the working
         memory holds beside the call's copies of `cache` (`cache_copies_bytes`), in whole prefill buckets."""
-        held = 0 if cache is None else self.cache_copies_bytes(cache, keys)
+        held = 0 if cache is None else cache_copies_bytes(cache, keys, self.budget)
         return self.budget.prefill_rows(PREFILL_BUCKET, keys, held)
-
-    def cache_copies_bytes(self, cache: SlotCache, keys: int) -> int:
-        """Bytes of the copies of `cache`, grown to `keys` slots a row, that a prefill call holds (CACHE_COPIES)."""
-        return CACHE_COPIES * cache.buffer_rows * kv_bucket(keys) * self.budget.slot_bytes
 
     def compute_prefixes(self, items: list[tuple[list[int], mx.array]]) -> list[list[mx.array]]:
         """The K|V of each (prefix ids, image features) pair, prefilled together in a cache of their own; per
@@ -367,3 +351,23 @@ class Runtime:
         prefixes = [cache.copy_out(i, len(ids)) for i, (ids, _) in enumerate(items)]
         self.sync(prefixes)
         return prefixes
+
+
+def cache_copies_bytes(cache: SlotCache, keys: int, budget: Budget) -> int:
+    """Bytes of the copies of `cache`, grown to `keys` slots a row, that a prefill call holds (CACHE_COPIES)."""
+    return CACHE_COPIES * cache.buffer_rows * kv_bucket(keys) * budget.slot_bytes
+
+
+def network_view(module):
+    """A copy of a module tree that shares every array: inference may fuse the view's projections and leave the
+    original's as they are."""
+    if isinstance(module, nn.Module):
+        view = copy.copy(module)
+        for key, value in module.items():
+            view[key] = network_view(value)
+        return view
+    if isinstance(module, list):
+        return [network_view(m) for m in module]
+    if isinstance(module, dict):
+        return {k: network_view(v) for k, v in module.items()}
+    return module

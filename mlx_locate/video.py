@@ -302,7 +302,7 @@ class IouTracker:
 
 
 @dataclass(frozen=True)
-class Settings:
+class VideoSettings:
     """What a run asks; the JSONL's first line, compared on resume."""
 
     task: str
@@ -352,7 +352,7 @@ def frame_detections(line: dict) -> list[tuple[tuple, tuple[float, ...]]]:
     ]
 
 
-def frame_line(frame: Frame, settings: Settings, answers: list[Result | RequestError]) -> dict:
+def frame_line(frame: Frame, settings: VideoSettings, answers: list[Result | RequestError]) -> dict:
     """A frame's JSONL line (without track ids): per query its objects and empty labels, or its error."""
     results = []
     for query, answer in zip(settings.queries, answers, strict=True):
@@ -368,7 +368,7 @@ def frame_line(frame: Frame, settings: Settings, answers: list[Result | RequestE
 def locate_frames(
     model: LocateModel,
     frames: Iterable[Frame],
-    settings: Settings,
+    settings: VideoSettings,
     done: dict[int, dict] | None = None,
     max_rows: int | None = None,
 ) -> Iterator[tuple[Frame, dict, bool]]:
@@ -571,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def settings_of(args: argparse.Namespace) -> Settings:
+def settings_of(args: argparse.Namespace) -> VideoSettings:
     """The run's settings; `ValueError` for a bad query, sampling or tiling value (before the model loads)."""
     task = args.task or DEFAULT_TASK
     categories = cli.categories_of(args)
@@ -581,7 +581,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
             task_text(task, query)
     decoding = cli.request_options(args)
     tiling = cli.tiling_of(args) or {"tiles": None, "tile_overlap": Request.tile_overlap, "tile_whole": True}
-    return Settings(
+    return VideoSettings(
         task=task,
         queries=queries if args.prompt is None else (None,),
         prompt=args.prompt,
@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(
     model: LocateModel,
     args: argparse.Namespace,
-    settings: Settings,
+    settings: VideoSettings,
     info: VideoInfo,
     out: Path,
     header: dict,

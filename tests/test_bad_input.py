@@ -260,7 +260,7 @@ def test_png_named_jpg_is_read_as_png(cli, files):
 def test_prompt_too_long(cli, demo):
     line = error_line(cli(query=" ".join(["square"] * 3000)))
     prompt_len, limit = (int(n) for n in re.findall(r"\d+", line)[:2])
-    assert prompt_len > 3000 and limit == demo.max_length == 2048, line
+    assert prompt_len > 3000 and limit == demo.runtime.max_length == 2048, line
     assert line.startswith(f"error: the prompt has {prompt_len} tokens but the model holds at most 2048")
     with pytest.raises(RequestError, match=f"the prompt has {prompt_len} tokens"):
         demo.locate(EXAMPLE, " ".join(["square"] * 3000))
@@ -268,7 +268,7 @@ def test_prompt_too_long(cli, demo):
 
 def test_max_tokens_clipped_to_what_fits(cli, demo, monkeypatch):
     # The demo holds 2048 positions; a lower limit makes the same case without a 2,000-row prefill.
-    monkeypatch.setattr(demo.tokenizer, "model_max_length", 140)
+    monkeypatch.setattr(demo.runtime, "max_length", 140)
     data = answer(cli("--json", "--max-tokens", "512"))
     room = 140 - len(data["prompt_ids"])
     assert 0 < room < 512
@@ -378,9 +378,9 @@ def test_image_placeholder_inside_a_query(demo):
     """Rendering A puts the image where the user text names it (docs/model.md §8.1), as the reference does; rendering B
     always puts it first, so a second placeholder is a clear error."""
     result = demo.locate(EXAMPLE, "the <image-1> square")
-    image = demo.token_ids.image
+    image = demo.runtime.token_ids.image
     start = result.prompt_ids.index(image)
-    assert demo.tokenizer.decode(result.prompt_ids[:start]).endswith("the <image 1><img>")
+    assert demo.runtime.tokenizer.decode(result.prompt_ids[:start]).endswith("the <image 1><img>")
     with pytest.raises(ValueError, match="<image-1>"):
         demo.locate(EXAMPLE, "the <image-1> square", rendering="B")
 

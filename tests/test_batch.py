@@ -256,7 +256,7 @@ def test_images_in_flight_are_bounded(model, tmp_path, monkeypatch):
     for rows, window in [(1, 1), (2, 1), (3, 2), (4, 2), (16, 8)]:  # ceil(rows / questions) images at a time
         events.clear()
         monkeypatch.setattr(model, "engine", lambda max_rows: OneAtATime(max_rows, result))
-        for _ in annotate.annotate(model, paths, annotate.Settings(questions, max_rows=rows)):
+        for _ in annotate.annotate(model, paths, annotate.AnnotateSettings(questions, max_rows=rows)):
             events.append("line")
         in_flight = np.cumsum([1 if e == "read" else -1 for e in events])
         assert in_flight.max() == min(window, len(paths)) and events.count("line") == len(paths)

@@ -121,9 +121,12 @@ def test_run_batches_runs_the_peer_after_our_modes_at_each_batch_size(monkeypatc
         calls.append(("peer", rows))
         return {"images_per_s": 0.5} if rows == 1 else {"error": "boom"}
 
-    class Model:  # the engine's row counts are measured before the runs
+    class Runtime:  # the engine's row counts are measured before the runs
         def measure_rows(self, rows):
             calls.append(("measure", rows))
+
+    class Model:
+        runtime = Runtime()
 
     monkeypatch.setattr(bench, "folder_run", folder_run)
     ours, theirs = bench.run_batches(Model(), [IMAGE], "q", ["fast", "slow"], [1, 4], 48, None, peer)

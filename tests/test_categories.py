@@ -69,7 +69,7 @@ def test_joint_and_strict_keep_the_reference_prompt(demo):
     """`joint=True` and `strict=True` decode one prompt with the categories joined by `</c>`: its prompt ids
     and one row's tokens, as a raw prompt of the same text gives."""
     image = scene(1)
-    sep = demo.token_ids.cat_sep
+    sep = demo.runtime.token_ids.cat_sep
     for options in ({"joint": True}, {"strict": True}):
         r = demo.locate(image, categories=["circle", "square"], mode="slow", **options)
         assert r.prompt_ids.count(sep) == 1 and "categories" not in r.stats
@@ -101,7 +101,7 @@ def test_a_bad_category_list_is_refused_before_any_decoding(demo, monkeypatch, c
     def no_vision(*args, **kwargs):
         raise AssertionError("vision ran for a refused request")
 
-    monkeypatch.setattr(demo, "features_for", no_vision)
+    monkeypatch.setattr(demo.runtime, "features_for", no_vision)
     with pytest.raises(RequestError, match=message):
         demo.locate(IMAGE, categories=categories)
 
@@ -111,7 +111,7 @@ def test_repeated_categories_merge_with_a_warning(demo):
         assert category_names(["circle", "square", " circle"]) == ["circle", "square"]
     with pytest.warns(UserWarning, match="merged"):
         r = demo.locate(scene(0), categories=["circle", "circle"], mode="fast")
-    assert r.prompt_ids.count(demo.token_ids.cat_sep) == 0  # one category left: one row, its own prompt
+    assert r.prompt_ids.count(demo.runtime.token_ids.cat_sep) == 0  # one category left: one row, its own prompt
     assert category_names(["circle", "circle"], merge=False) == ["circle", "circle"]
 
 
@@ -134,6 +134,7 @@ def test_eighty_coco_categories_run_within_a_memory_limit(demo, monkeypatch):
     """80 COCO names on one image with MLX's memory limit set so the KV budget holds the cache of four rows:
     the engine (asked for 16) never holds more, the peak stays under the limit, and every category is answered
     with the answer it has without the limit."""
+    runtime = demo.runtime
     names = list(COCO_CATEGORIES)
     assert len(names) == 80
     request = Request(IMAGE, names, mode="fast", max_tokens=16)
@@ -147,13 +148,13 @@ def test_eighty_coco_categories_run_within_a_memory_limit(demo, monkeypatch):
             most = max(most, engine.active)
         return most, handle.result
 
-    longest = max(len(demo.prompt(n, (16, 16))) for n in names) + 16 + 12
-    kv = 5 * memory.kv_bucket(longest) * demo.budget.slot_bytes  # four rows and the scratch row
+    longest = max(len(runtime.prompt(n, (16, 16))) for n in names) + 16 + 12
+    kv = 5 * memory.kv_bucket(longest) * runtime.budget.slot_bytes  # four rows and the scratch row
     limit = mx.get_active_memory() + memory.RESERVE + memory.MIN_WORKING + kv
     before = mx.set_memory_limit(limit)
     mx.reset_peak_memory()
     try:
-        monkeypatch.setattr(demo, "budget", memory.Budget.measure(demo.network))
+        monkeypatch.setattr(runtime, "budget", memory.Budget.measure(runtime.network))
         most, tight = run(16)
         peak = mx.get_peak_memory()
     finally:

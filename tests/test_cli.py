@@ -92,7 +92,7 @@ def test_json_output(cli):
 
 def test_categories_make_one_detect_result(cli, golden_dir):
     """One result for the categories: one row each by default, one prompt joined by </c> with --joint-categories."""
-    separator = cached_load(str(golden_dir("tiny_peaky"))).tokenizer.added_tokens["</c>"]
+    separator = cached_load(str(golden_dir("tiny_peaky"))).runtime.tokenizer.added_tokens["</c>"]
     code, out, err = cli("--query", "red box", "--json", "--mode", "slow")
     assert code == 0, err
     assert separator not in json.loads(out)["prompt_ids"]
@@ -113,7 +113,7 @@ def test_categories_make_one_detect_result(cli, golden_dir):
 def test_stats_say_whether_the_vision_tower_ran(cli, golden_dir):
     """One image, one query: the session ran the tower, so the result says so (not the engine's view, which
     found the session's prefix ready); a second run of the same image is served from the vision cache."""
-    cached_load(str(golden_dir("tiny_peaky"))).clear_caches()
+    cached_load(str(golden_dir("tiny_peaky"))).runtime.clear_caches()
     stats = []
     for _ in range(2):
         code, out, err = cli("--query", "red box", "--json", "--mode", "fast")
@@ -312,15 +312,15 @@ def test_both_trainers_take_the_training_flags():
     """`mlx-locate-finetune` and the demo trainer share cli.add_training (each with its defaults); finetune's
     --force is --overwrite's alias."""
     from mlx_locate import finetune
-    from mlx_locate.tuner import train
+    from mlx_locate.tuner import demo_recipe
     from mlx_locate.tuner.finetune import FinetuneOptions
-    from mlx_locate.tuner.train import TrainOptions
+    from mlx_locate.tuner.trainer import TrainOptions
 
     shared = ["--steps", "3", "--batch-size", "2", "--lr", "0.5", "--warmup", "1", "--weight-decay", "0.2"]
     shared += ["--clip", "0.3", "--seed", "7", "--save-every", "2", "--no-compile"]
     for parser, required in (
         (finetune.build_parser(), ["--data", "d", "--out", "o"]),
-        (train.build_parser(), ["--out", "o"]),
+        (demo_recipe.build_parser(), ["--out", "o"]),
     ):
         args = vars(parser.parse_args([*required, *shared]))
         assert {k: args[k] for k in ("steps", "batch_size", "lr", "warmup", "weight_decay", "clip", "seed")} == {
@@ -333,7 +333,7 @@ def test_both_trainers_take_the_training_flags():
         FinetuneOptions.weight_decay,
         FinetuneOptions.save_every,
     )
-    demo = train.build_parser().parse_args(["--out", "o"])
+    demo = demo_recipe.build_parser().parse_args(["--out", "o"])
     assert (demo.lr, demo.weight_decay, demo.clip, demo.batch_size) == (
         TrainOptions.lr,
         TrainOptions.weight_decay,

@@ -72,12 +72,13 @@ def converted(small, tmp_path_factory):
 
 def logits(model, image) -> mx.array:
     """The prefill's last row and the first block step's 6 rows, (7, V) float32."""
-    pre = preprocess(image, in_token_limit=model.in_token_limit, patch_size=model.network.config.vision.patch_size)
-    ids = prompt_ids(model.tokenizer, task_text("detect", "red box"), [pre.grid])
-    features = model.network.image_features(mx.array(pre.patches), pre.grid)
-    runner = StepRunner(model.steps, model.new_cache())
-    first = runner.prefill(model.network.embed(ids, features))
-    block = runner.step([ids[-1]] + [model.token_ids.text_mask] * 5, True)
+    runtime = model.runtime
+    pre = preprocess(image, in_token_limit=runtime.in_token_limit, patch_size=runtime.network.config.vision.patch_size)
+    ids = prompt_ids(runtime.tokenizer, task_text("detect", "red box"), [pre.grid])
+    features = runtime.network.image_features(mx.array(pre.patches), pre.grid)
+    runner = StepRunner(runtime.steps, runtime.new_cache())
+    first = runner.prefill(runtime.network.embed(ids, features))
+    block = runner.step([ids[-1]] + [runtime.token_ids.text_mask] * 5, True)
     return mx.concatenate([first, block])
 
 
@@ -113,7 +114,8 @@ def test_round_trip(golden_dir, tmp_path, image, dtype, capsys, monkeypatch):
     assert fresh is not Tokenizer.from_folder(src) and fresh.encode(probe) == Tokenizer.from_folder(src).encode(probe)
 
     ours, ref = load(dst, dtype="bfloat16") if dtype == "bfloat16" else load(dst), load(src, dtype=dtype)
-    assert ours.network.language_model.model.norm.weight.dtype == getattr(mx, dtype)  # as written (bf16 -> f32 exact)
+    norm = ours.runtime.network.language_model.model.norm
+    assert norm.weight.dtype == getattr(mx, dtype)  # as written (bf16 -> f32 exact)
     a, b = logits(ours, image), logits(ref, image)
     if dtype == "float32":
         assert mx.abs(a - b).max().item() <= 1e-5
@@ -145,7 +147,7 @@ def test_preset_loads_and_runs(converted, small_logits, image, name):
     # Random weights with layer_std 0.5 amplify errors (logits ~0.16 std): 8 bits stay 10x closer than 4.
     error = mx.abs(logits(model, image) - small_logits).mean().item()
     assert error < (0.02 if preset.linear.bits == 8 else 0.1), error
-    lm = model.network.language_model.model
+    lm = model.runtime.network.language_model.model
     assert isinstance(lm.embed_tokens, nn.QuantizedEmbedding)
     assert (lm.embed_tokens.bits, lm.embed_tokens.group_size) == (preset.embedding.bits, preset.embedding.group_size)
     assert lm.embed_tokens.bits >= 8 or name == "q4-unsafe"
@@ -154,9 +156,9 @@ def test_preset_loads_and_runs(converted, small_logits, image, name):
         for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             assert isinstance(m, nn.QuantizedLinear)
             assert (m.bits, m.group_size) == (preset.linear.bits, preset.linear.group_size)
-    vision = model.network.vision_model
+    vision = model.runtime.network.vision_model
     assert isinstance(vision.encoder.blocks[0].mlp.fc1, nn.QuantizedLinear) == (preset.vision is not None)
-    assert isinstance(model.network.mlp1[1], nn.QuantizedLinear) == (preset.vision is not None)
+    assert isinstance(model.runtime.network.mlp1[1], nn.QuantizedLinear) == (preset.vision is not None)
     assert not isinstance(vision.patch_embed.proj, nn.QuantizedLinear)  # 588 wide: no groups of 64
     for mode in MODES:
         result = model.locate(image, "red box", mode=mode, max_tokens=12)

@@ -78,7 +78,7 @@ def test_every_golden_case_in_one_batch(models, checkpoint, modes, schedule):
     cases = [n for n in golden_cases() if n.startswith(checkpoint)]
     pairs = [(n, m) for n in cases for m in (MODES if modes == "mixed" else [modes])]
     rows = 4 if modes == "mixed" else len(pairs)  # mixed: rows join as others finish
-    models[checkpoint].clear_caches()
+    models[checkpoint].runtime.clear_caches()
     engine = models[checkpoint].engine(rows, SCHEDULES[schedule])
     handles = [engine.submit(golden_request(n, m)) for n, m in pairs]
     t0 = time.perf_counter()
@@ -96,15 +96,15 @@ def test_every_golden_case_in_one_batch(models, checkpoint, modes, schedule):
 def test_no_compilations_after_warm_up_for_a_steady_batch(models, monkeypatch):
     """The same batch twice: the second traces nothing, reads once per step, and gives the same tokens."""
     model = models["tiny_peaky"]
-    monkeypatch.setattr(model, "steps", compiled_module.CompiledSteps(model.network))  # none traced yet
+    monkeypatch.setattr(model.runtime, "steps", compiled_module.CompiledSteps(model.runtime.network))  # none traced yet
     pairs = [(n, m) for n in golden_cases() if n.startswith("tiny_peaky") for m in MODES][:8]
     runs = []
     for _ in range(2):
         engine = model.engine(8, Schedule(mixed=True, dense=True))
         handles = [engine.submit(golden_request(n, m)) for n, m in pairs]
-        before = model.compilations
+        before = model.runtime.compilations
         engine.run()
-        runs.append(([h.result.token_ids for h in handles], model.compilations - before))
+        runs.append(([h.result.token_ids for h in handles], model.runtime.compilations - before))
         check_golden(engine, pairs, handles)
     assert runs[0][1] > 0 and runs[1][1] == 0
     assert runs[0][0] == runs[1][0]
@@ -200,17 +200,17 @@ def test_long_prompts_prefill_in_chunks(models, monkeypatch):
 
 
 def test_images_of_one_grid_share_a_vision_batch(models):
-    model = models["tiny_random"]
+    runtime = models["tiny_random"].runtime
     rng = np.random.default_rng(3)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(3)]
-    prepared = [model.prepare(im) for im in images]
-    model.features.clear()
-    together = model.features_for(prepared)
+    prepared = [runtime.prepare(im) for im in images]
+    runtime.features.clear()
+    together = runtime.features_for(prepared)
     assert [cached for cached, _ in together] == [False] * 3
     for image, (_, features) in zip(prepared, together, strict=True):
-        alone = model.network.image_features(mx.array(image.pre.patches), image.pre.grid)
+        alone = runtime.network.image_features(mx.array(image.pre.patches), image.pre.grid)
         np.testing.assert_allclose(np.array(features), np.array(alone), atol=1e-6, rtol=0)
-    assert all(cached for cached, _ in model.features_for(prepared))
+    assert all(cached for cached, _ in runtime.features_for(prepared))
 
 
 def test_a_tower_job_in_pieces_of_one_block_is_the_whole_tower(models):
@@ -221,15 +221,15 @@ def test_a_tower_job_in_pieces_of_one_block_is_the_whole_tower(models):
     images = [
         Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)) for shape in [(56, 84, 3)] * 2 + [(84, 56, 3)]
     ]
-    prepared = [model.prepare(im) for im in images]
-    job = runtime_module.TowerJob(model, prepared)
+    prepared = [model.runtime.prepare(im) for im in images]
+    job = runtime_module.TowerJob(model.runtime, prepared)
     pieces = 0
     while not job.done:
         mx.eval(job.advance(1))
         pieces += 1
-    assert pieces == 2 * len(model.network.vision_model.encoder.blocks)
+    assert pieces == 2 * len(model.runtime.network.vision_model.encoder.blocks)
     for image in prepared:
-        alone = model.network.image_features(mx.array(image.pre.patches), image.pre.grid)
+        alone = model.runtime.network.image_features(mx.array(image.pre.patches), image.pre.grid)
         np.testing.assert_allclose(np.array(job.features[image.key]), np.array(alone), atol=1e-6, rtol=0)
 
 
@@ -238,18 +238,21 @@ def test_a_tower_blocks_cost_is_measured_by_grid(models, monkeypatch):
     the dearest measured cost per patch; nothing is known before any measurement."""
     model = models["tiny_random"]
     rng = np.random.default_rng(6)
-    prepared = [model.prepare(Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8))) for _ in range(2)]
-    job = runtime_module.TowerJob(model, prepared)
+    prepared = [
+        model.runtime.prepare(Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8))) for _ in range(2)
+    ]
+    job = runtime_module.TowerJob(model.runtime, prepared)
     grid = prepared[0].pre.grid
-    monkeypatch.setattr(model, "tower_block_s", {})
-    assert vision_ahead_module.tower_block_s_of(model, job) is None
-    monkeypatch.setattr(model, "tower_block_s", {grid: 0.01})
-    assert vision_ahead_module.tower_block_s_of(model, job) == pytest.approx(0.02)  # 2 images at 10 ms each
+    runtime = model.runtime
+    monkeypatch.setattr(runtime, "tower_block_s", {})
+    assert vision_ahead_module.tower_block_s_of(runtime, job) is None
+    monkeypatch.setattr(runtime, "tower_block_s", {grid: 0.01})
+    assert vision_ahead_module.tower_block_s_of(runtime, job) == pytest.approx(0.02)  # 2 images at 10 ms each
     other = (grid[0] * 2, grid[1])  # twice the patches at 10 ms: 5 ms per image-block of `grid`
-    monkeypatch.setattr(model, "tower_block_s", {other: 0.01, (1, 1): 0.001 / (grid[0] * grid[1])})
-    assert vision_ahead_module.tower_block_s_of(model, job) == pytest.approx(0.01)
-    model.run_piece(job)  # measured now: its own grid's cost
-    assert grid in model.tower_block_s
+    monkeypatch.setattr(runtime, "tower_block_s", {other: 0.01, (1, 1): 0.001 / (grid[0] * grid[1])})
+    assert vision_ahead_module.tower_block_s_of(runtime, job) == pytest.approx(0.01)
+    runtime.run_piece(job)  # measured now: its own grid's cost
+    assert grid in runtime.tower_block_s
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "slow"])
@@ -258,7 +261,7 @@ def test_vision_queued_behind_decode_steps_gives_the_golden_tokens(models, mode)
     decode steps (the ahead path is taken; in slow mode behind the AR forwards queued a step ahead), and every
     answer is the reference's."""
     model = models["tiny_peaky"]
-    model.clear_caches()
+    model.runtime.clear_caches()
     pairs = [(n, mode) for n in golden_cases() if n.startswith("tiny_peaky")]
     engine = model.engine(2, Schedule(mixed=True, dense=True, tower_ahead=1))
     handles = [engine.submit(golden_request(n, m)) for n, m in pairs]
@@ -273,22 +276,22 @@ def test_a_vision_call_of_more_images_than_the_cache_holds_returns_every_image(m
     model = models["tiny_random"]
     rng = np.random.default_rng(5)
     images = [rng.integers(0, 256, (56, 84, 3), dtype=np.uint8) for _ in range(runtime_module.FEATURE_CACHE_SIZE + 2)]
-    prepared = [model.prepare(Image.fromarray(im)) for im in images]
-    model.features.clear()
-    first = model.features_for(prepared[:1])[0][1]
-    both = model.features_for(prepared)
+    prepared = [model.runtime.prepare(Image.fromarray(im)) for im in images]
+    model.runtime.features.clear()
+    first = model.runtime.features_for(prepared[:1])[0][1]
+    both = model.runtime.features_for(prepared)
     assert [cached for cached, _ in both] == [True] + [False] * (len(prepared) - 1)
     assert all(features is not None for _, features in both)
     np.testing.assert_array_equal(np.array(both[0][1]), np.array(first))
-    assert len(model.features) == runtime_module.FEATURE_CACHE_SIZE
+    assert len(model.runtime.features) == runtime_module.FEATURE_CACHE_SIZE
 
 
 def test_queries_on_one_image_prefill_its_prefix_once(models, monkeypatch):
     model = models["tiny_peaky"]
-    model.prefixes.clear()
+    model.runtime.prefixes.clear()
     calls = []
-    compute = model.compute_prefixes
-    monkeypatch.setattr(model, "compute_prefixes", lambda items: calls.append(len(items)) or compute(items))
+    compute = model.runtime.compute_prefixes
+    monkeypatch.setattr(model.runtime, "compute_prefixes", lambda items: calls.append(len(items)) or compute(items))
     image = GOLDEN / "images" / "shapes_448x448.png"
     other = GOLDEN / "images" / "shapes_640x480.png"
     requests = [Request(image, q, max_tokens=8) for q in ("red box", "green circle", "the blue square")]
@@ -348,13 +351,13 @@ def test_more_new_images_than_the_prefix_store_keeps(models, monkeypatch):
     prefix stored in the same admission must not push out one about to be copied)."""
     monkeypatch.setattr(runtime_module, "PREFIX_CACHE_SIZE", 2)
     model = models["tiny_peaky"]
-    model.clear_caches()
+    model.runtime.clear_caches()
     rng = np.random.default_rng(9)
     images = [Image.fromarray(rng.integers(0, 256, (56, 84, 3), dtype=np.uint8)) for _ in range(5)]
     batched = model.locate_many([Request(im, "red box", max_tokens=8) for im in images], max_rows=5)
     alone = [model.locate_many([Request(im, "red box", max_tokens=8)], max_rows=1)[0] for im in images]
     assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
-    assert len(model.prefixes) == 2
+    assert len(model.runtime.prefixes) == 2
 
 
 # -- fair admission, isolation, checks, tiled views (issue 25) ------------------------------------------------
@@ -417,7 +420,7 @@ def test_a_tiled_request_streams_each_view_in_image_pixels(demo):
             steps_of.setdefault(event.kind, []).append(engine.steps)
     views = [e for e in handle.events if e.kind is EventKind.VIEW]
     image = Image.open(DEMO_IMAGE).convert("RGB")
-    children = split_request(request, image, demo.in_token_limit, demo.patch_size)
+    children = split_request(request, image, demo.runtime.in_token_limit, demo.runtime.patch_size)
     assert [e.view for e in views] == [0, 1, 2] and [e.tile for e in views] == [c.tag for c in children]
     for event, child in zip(views, children, strict=True):
         (alone,) = demo.locate_many([child], max_rows=1)
@@ -496,19 +499,20 @@ def test_a_row_whose_commit_raises_fails_alone(demo, monkeypatch):
 
 def test_a_row_that_breaks_admission_fails_alone(demo, monkeypatch):
     """A fault while rows join (vision of one image): the others join, prefill and finish as alone."""
+    runtime = demo.runtime
     bad = Image.open(DEMO_IMAGE).convert("RGB").rotate(90)
     requests = mixed_requests(bad_seed=0)
     requests[1] = Request(bad, "circle", mode="hybrid", max_tokens=40)
-    bad_key = demo.prepare(bad).key
-    features_for = demo.features_for
+    bad_key = runtime.prepare(bad).key
+    features_for = runtime.features_for
 
     def faulty(images, ready=None):
         if any(i.key == bad_key for i in images):
             raise MemoryError("injected vision fault")
         return features_for(images, ready)
 
-    monkeypatch.setattr(demo, "features_for", faulty)
-    demo.clear_caches()
+    monkeypatch.setattr(demo.runtime, "features_for", faulty)
+    runtime.clear_caches()
     check_isolated(demo, requests, "MemoryError: injected vision fault", monkeypatch)
 
 
@@ -584,7 +588,7 @@ def test_sampling_refuses_numbers_out_of_range(fields):
 def test_special_tokens_in_a_query_are_plain_text_and_in_a_raw_prompt_refused(demo, query):
     """The API path: a query's control tokens are read as text (an answer); a raw prompt's are refused."""
     result = demo.locate(DEMO_IMAGE, f"square {query}", mode="fast", max_tokens=16)
-    added = set(demo.tokenizer.added_tokens.values())
+    added = set(demo.runtime.tokenizer.added_tokens.values())
     template = demo.locate(DEMO_IMAGE, "square x", mode="fast", max_tokens=16)
     assert [i for i in result.prompt_ids if i in added] == [i for i in template.prompt_ids if i in added]
     if "<box>" not in query:
@@ -620,10 +624,11 @@ def test_text_events_are_the_answer_item_by_item(demo, mode):
     ],
 )
 def test_view_count_is_what_split_request_makes(demo, size, tiles, whole):
+    runtime = demo.runtime
     from mlx_locate.tiles import split_request, view_count
 
     request = Request(Image.new("RGB", size), "x", tiles=tiles, tile_whole=whole)
-    patch = demo.network.config.vision.patch_size
-    views = [] if tiles is None else split_request(request, request.image, demo.in_token_limit, demo.patch_size)
+    patch = runtime.network.config.vision.patch_size
+    views = [] if tiles is None else split_request(request, request.image, runtime.in_token_limit, runtime.patch_size)
     made = len(views) or 1  # no views: the request is decoded as it is
-    assert view_count(request, size, demo.in_token_limit, patch) == made
+    assert view_count(request, size, runtime.in_token_limit, patch) == made

@@ -114,14 +114,14 @@ def test_measure_session_versus_separate_calls(model):
     options = {"mode": "fast", "max_tokens": int(TOKENS)}
     model.locate(image, queries[:2], **options)  # compile every shape bucket first
 
-    model.clear_caches()
+    model.runtime.clear_caches()
     t0 = time.perf_counter()
     together = model.locate(image, queries, **options)
     session_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     separate = []
     for query in queries:
-        model.clear_caches()
+        model.runtime.clear_caches()
         separate.append(model.locate(image, query, **options))
     separate_s = time.perf_counter() - t0
     assert [r.token_ids for r in together] == [r.token_ids for r in separate]

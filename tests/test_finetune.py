@@ -85,9 +85,9 @@ def test_fused_lora_projections_equal_their_parts():
 
 
 def _demo_network(dtype="float32"):
-    from mlx_locate.tuner.finetune import load_base
+    from mlx_locate.loader import read_checkpoint
 
-    return load_base("demo", dtype)
+    return read_checkpoint("demo", dtype)
 
 
 def _random_adapter(tmp_path, spec: AdapterSpec, seed: int = 0, strength: float = 0.05):
@@ -143,12 +143,11 @@ def test_adapter_loads_merged_kept_and_peft(tmp_path):
     config = json.loads((folder / CONFIG_FILE).read_text())
     assert config["fine_tune_type"] == "lora" and config["lora_parameters"]["scale"] == 2.0
     before = hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest()
-    base.network.eval()
-    trained = LocateModel(base.network, base.tokenizer, base.in_token_limit)
+    trained = LocateModel(base)
     merged = load("demo", dtype="float32", adapter_path=folder)
     peft = load("demo", dtype="float32", adapter_path=_peft_copy(folder, tmp_path / "peft"))
     plain = load("demo", dtype="float32")
-    layer, plain_layer = (m.network.language_model.model.layers[0] for m in (merged, plain))
+    layer, plain_layer = (m.runtime.network.language_model.model.layers[0] for m in (merged, plain))
     assert type(layer.self_attn.qkv_proj) is type(plain_layer.self_attn.qkv_proj)  # merged, then fused as plain
     for mode in ("slow", "fast", "hybrid"):
         want = trained.locate(IMAGE, "square", mode=mode, max_tokens=48).token_ids
@@ -222,7 +221,7 @@ def test_sft_jsonl_and_multi_turn_rows(tmp_path):
     records = read_data(data, DEMO_DIR)
     assert [r.image.name for r in records] == ["example.png", "b.png"] and len(records[0].turns) == 2
     tok = Tokenizer.from_folder(DEMO_DIR)
-    ids = load("demo").token_ids
+    ids = load("demo").runtime.token_ids
     rows = encode_record(records[0], (4, 4), tok, ids)
     x = rows.ids[: rows.length].tolist()
     assert x.count(ids.image) == 4 and x.count(ids.im_end) == 5  # system, user, answer, user, answer
@@ -295,7 +294,7 @@ def test_record_prompt_matches_inference(tmp_path):
     text = "Locate all the instances that match the following description: red circle."
     result = model.locate(IMAGE, prompt=text, max_tokens=4)
     record = Record(IMAGE, (Turn(text, "<box>None</box>"),), "t")
-    rows = encode_record(record, tuple(result.grid), Tokenizer.from_folder(DEMO_DIR), model.token_ids)
+    rows = encode_record(record, tuple(result.grid), Tokenizer.from_folder(DEMO_DIR), model.runtime.token_ids)
     assert rows.ids[: len(result.prompt_ids)].tolist() == result.prompt_ids
     assert math.isfinite(len(result.prompt_ids))
 
@@ -352,13 +351,13 @@ def assert_loaded_and_fused_give_training_time_tokens(base, adapter, requests, t
     """The network as trained (LoRA beside the weights), `load(adapter_path=)` (merged) and the checkpoint that
     `mlx-locate-convert --adapter --fuse` writes produce the same tokens; the base files never change."""
     from mlx_locate.convert import main as convert_main
-    from mlx_locate.tuner.finetune import inference_model
+    from mlx_locate.locate import LocateModel
 
     base_hash = hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest()
     fused = tmp_path / "fused"
     argv = ["--hf-path", "demo", "--mlx-path", str(fused), "--dtype", "float32", "--adapter", str(adapter)]
     assert convert_main([*argv, "--fuse"]) == 0
-    models = [inference_model(base), load("demo", "float32", adapter_path=adapter), load(fused)]
+    models = [LocateModel(base), load("demo", "float32", adapter_path=adapter), load(fused)]
     tokens = [[r.token_ids for r in m.locate_many(requests)] for m in models]
     assert tokens[1] == tokens[0] and tokens[2] == tokens[0]
     assert hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest() == base_hash
@@ -440,11 +439,12 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
     the quantized weights stay as they were, and loading keeps the pairs beside them, q|k|v and gate|up fused,
     with the training-time tokens."""
     from mlx_locate.convert import convert
+    from mlx_locate.loader import read_checkpoint
+    from mlx_locate.locate import LocateModel
     from mlx_locate.request import Request
-    from mlx_locate.tuner.finetune import inference_model, load_base
 
     q = convert("demo", tmp_path / "q", dtype="float32", quantize="mixed_4_8+vision8")
-    base = load_base(q)
+    base = read_checkpoint(q)
     frozen = np.array(base.network.language_model.model.layers[0].mlp.down_proj.weight)
     spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.0))
     _, result = _small_run(novel_data, tmp_path / "a", spec, 3, base=base, compile=False)
@@ -455,16 +455,16 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
         np.array(base.network.language_model.model.layers[0].mlp.down_proj.linear.weight), frozen
     )
     loaded = load(q, adapter_path=tmp_path / "a")
-    layer = loaded.network.language_model.model.layers[0]
+    layer = loaded.runtime.network.language_model.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, FusedLoRALinear) and isinstance(layer.mlp.gate_up_proj, FusedLoRALinear)
     assert isinstance(layer.self_attn.qkv_proj.linear, nn.QuantizedLinear)
-    assert isinstance(loaded.network.mlp1[1], nn.Linear)  # the trained connector, float
+    assert isinstance(loaded.runtime.network.mlp1[1], nn.Linear)  # the trained connector, float
     requests = [
         Request(r.image, prompt=r.turns[0].user, mode=m, max_tokens=48)
         for r in novel_data[1][:2]
         for m in ("slow", "fast")
     ]
-    want = [r.token_ids for r in inference_model(base).locate_many(requests)]
+    want = [r.token_ids for r in LocateModel(base).locate_many(requests)]
     assert [r.token_ids for r in loaded.locate_many(requests)] == want
     assert [r.token_ids for r in load(q).locate_many(requests)] != want
 
@@ -472,7 +472,7 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_gradient_checkpointing_gives_the_same_step(novel_data, compiled):
     from mlx_locate.tuner.finetune import TowerRows, encode_examples, make_batch
-    from mlx_locate.tuner.train import Trainer, TrainOptions
+    from mlx_locate.tuner.trainer import Trainer, TrainOptions
 
     results = []
     for checkpoint in (False, True):
@@ -534,7 +534,7 @@ def test_trained_tower_inputs_match_the_frozen_tower(novel_data):
     """Vision LoRA runs the tower inside the step on padded images with their own tables (`tower_inputs`): with
     the pairs at zero it gives the hidden states of the frozen path (the tower per image, `TowerRows`)."""
     from mlx_locate.tuner.finetune import TowerRows, encode_examples, make_batch
-    from mlx_locate.tuner.train import forward_hidden
+    from mlx_locate.tuner.trainer import forward_hidden
 
     base = _demo_network()
     add_lora(base.network, AdapterSpec(None, LoRASpec(rank=2, alpha=4, dropout=0.0, keys=lora.VISION_KEYS)))
@@ -554,7 +554,7 @@ def test_vision_lora_trains_and_loads(novel_data, tmp_path):
     tower = base.network.vision_model.encoder.blocks[0].wqkv
     assert isinstance(tower, LoRALinear) and float(mx.abs(tower.lora_b).max()) > 0
     loaded = load("demo", adapter_path=tmp_path / "v")
-    merged = loaded.network.vision_model.encoder.blocks[0].wqkv
+    merged = loaded.runtime.network.vision_model.encoder.blocks[0].wqkv
     assert isinstance(merged, nn.Linear)
     np.testing.assert_allclose(np.array(merged.weight), np.array(tower.linear.weight + tower.delta()), atol=1e-6)
 
@@ -631,13 +631,14 @@ def _detect(image, categories, answer):
 
 
 def test_known_categories_of_the_demo_and_the_release():
-    """The demo's config.json names its shapes (as `tuner.train` writes it); NVIDIA's release architecture gets
+    """The demo's config.json names its shapes (as `tuner.demo_recipe` writes it); NVIDIA's release architecture gets
     COCO's 80; a malformed entry is an error naming the field."""
     from mlx_locate.cards import COCO_CATEGORIES, CONFIG_KEY, KnownCategories, known_categories
+    from mlx_locate.checkpoint import RELEASE_CONFIG
     from mlx_locate.config import ModelConfig
-    from mlx_locate.random_checkpoint import PRESETS, RELEASE_CONFIG
+    from mlx_locate.random_checkpoint import PRESETS
     from mlx_locate.synthetic.scenes import DETECT_CATEGORY_COUNTS, SHAPES
-    from mlx_locate.tuner.train import build_tokenizer, demo_config, model_sizes
+    from mlx_locate.tuner.demo_recipe import build_tokenizer, demo_config, model_sizes
 
     raw = json.loads((DEMO_DIR / "config.json").read_text())
     assert known_categories(raw) == KnownCategories(SHAPES, max(DETECT_CATEGORY_COUNTS)) == _demo_network().known
@@ -716,7 +717,7 @@ def test_replay_samples_are_the_base_answers_in_the_data_grammar():
     refer = Record(IMAGE, (Turn("Locate all the instances that match the following description: black shape.",
                                 "<ref>black shape</ref><box><1><2><3><4></box>"),), "r")  # fmt: skip
     detect = _detect(IMAGE, ["cross"], "<ref>cross</ref><box><5><6><7><8></box>")
-    boxes = rp.new_word_boxes([refer, detect], keep, Tokenizer.from_folder(DEMO_DIR), load("demo").token_ids)
+    boxes = rp.new_word_boxes([refer, detect], keep, Tokenizer.from_folder(DEMO_DIR), load("demo").runtime.token_ids)
     assert boxes == {IMAGE: [(5, 6, 7, 8)]}
 
 
@@ -740,6 +741,7 @@ def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, mon
     replay prompt asks for the new word; the held-out report has the kept categories' F1, also on the console."""
     from mlx_locate.finetune import build_parser
     from mlx_locate.finetune import options as cli_options
+    from mlx_locate.loader import read_checkpoint
     from mlx_locate.prompts import parse_task_text, task_text
     from mlx_locate.synthetic.scenes import SHAPES, write_word_only_data
     from mlx_locate.tokenizer import Tokenizer
@@ -764,10 +766,10 @@ def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, mon
                          say=lines.append)  # fmt: skip
     replayed = [e for b in batches for e in b if e.record.where.startswith("replay:")]
     assert len(replayed) == math.floor(4 * 4 * options.replay) and result.replay_samples > 0
-    tok, ids = Tokenizer.from_folder(DEMO_DIR), load("demo").token_ids
+    tok, ids = Tokenizer.from_folder(DEMO_DIR), load("demo").runtime.token_ids
     cache = [json.loads(line) for line in (result.out / "replay.jsonl").read_text().splitlines()]
     assert cache[0]["replay"]["mode"] == "slow"
-    model = ft.inference_model(ft.load_base("demo"))
+    model = ft.LocateModel(read_checkpoint("demo"))
     crosses = {r.image: [o.box_norm for o in ft.truth_of(r.turns[0].answer, tok, ids, (1, 1))] for r in train + held}
     said = {}  # (image, category) -> the base's answer about it, asked again
     for d in cache[1:]:

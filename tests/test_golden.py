@@ -31,7 +31,7 @@ def models(golden_dir, request):
         patch.setattr(cpu.PanelEmbedding, "rows_alike", lambda self: True)  # the layout, whatever this BLAS rounds
         models = {name: mlx_locate.load(golden_dir(name), dtype="float32") for name in CHECKPOINTS}
     kind = cpu.PanelEmbedding if request.param == "head in panels" else cpu.InputMajorEmbedding
-    assert all(type(m.network.language_model.model.embed_tokens) is kind for m in models.values())
+    assert all(type(m.runtime.network.language_model.model.embed_tokens) is kind for m in models.values())
     return models
 
 
@@ -46,11 +46,11 @@ def logit_tolerance(case_name: str, values: np.ndarray) -> float:
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS)
 @pytest.mark.parametrize("image", IMAGES)
 def test_vision_tower_and_features(models, checkpoint, image):
-    model = models[checkpoint]
+    runtime = models[checkpoint].runtime
     pre = preprocess(GOLDEN / "images" / f"{image}.png")
-    tower = model.network.vision_model(mx.array(pre.patches), pre.grid)
+    tower = runtime.network.vision_model(mx.array(pre.patches), pre.grid)
     merged = np.array(merge_2x2(tower, pre.grid))
-    features = np.array(model.network.image_features(mx.array(pre.patches), pre.grid))
+    features = np.array(runtime.network.image_features(mx.array(pre.patches), pre.grid))
     gold_tower = np.load(GOLDEN / "cases" / f"{checkpoint}__{image}.vision_tower.npy")
     gold_features = np.load(GOLDEN / "cases" / f"{checkpoint}__{image}.vision_features.npy")
     np.testing.assert_allclose(merged, gold_tower, atol=1e-4, rtol=0)
@@ -59,12 +59,13 @@ def test_vision_tower_and_features(models, checkpoint, image):
 
 def first_forwards(model, case):
     """Logits of slow mode's first forward (last prompt row) and of the first block step (6 rows)."""
+    runtime = model.runtime
     pre = preprocess(image_path(case["_name"]))
-    features = model.network.image_features(mx.array(pre.patches), pre.grid)
-    runner = StepRunner(model.steps, model.new_cache())
+    features = runtime.network.image_features(mx.array(pre.patches), pre.grid)
+    runner = StepRunner(runtime.steps, runtime.new_cache())
     prompt = case["input_ids"]
-    last = runner.prefill(model.network.embed(prompt, features))
-    block = runner.step([prompt[-1]] + [model.token_ids.text_mask] * 5, block=True)
+    last = runner.prefill(runtime.network.embed(prompt, features))
+    block = runner.step([prompt[-1]] + [runtime.token_ids.text_mask] * 5, block=True)
     return np.array(last)[0], np.array(block)
 
 

@@ -6,12 +6,14 @@ Variants are small copies of the golden `tiny_random` weights (10 MB) rewritten 
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import GOLDEN, TOKENIZER_DIR
@@ -20,6 +22,7 @@ from mlx.utils import tree_flatten
 from mlx_locate.config import ModelConfig
 from mlx_locate.loader import build_model
 from mlx_locate.locate import load
+from mlx_locate.runtime import Runtime
 from mlx_locate.tokenizer import Tokenizer
 
 SOURCE = GOLDEN / "checkpoints" / "tiny_random"
@@ -270,10 +273,84 @@ def test_dtypes(tmp_path, weights, token_ids, reference):
 def test_load_end_to_end(golden_dir):
     """The public `load` on the golden folder (config, tokenizer, weights, preprocessor limit)."""
     model = load(golden_dir("tiny_random"))
-    assert model.network.language_model.model.norm.weight.dtype == mx.float32  # the CPU backend's fast path
+    assert model.runtime.network.language_model.model.norm.weight.dtype == mx.float32  # the CPU backend's fast path
     stored = load(golden_dir("tiny_random"), dtype="bfloat16")
-    assert stored.network.language_model.model.norm.weight.dtype == mx.bfloat16
-    assert model.in_token_limit == 25600 and model.token_ids.image == 151665
+    assert stored.runtime.network.language_model.model.norm.weight.dtype == mx.bfloat16
+    assert model.runtime.in_token_limit == 25600 and model.runtime.token_ids.image == 151665
+
+
+def test_one_way_in_gives_inference_and_training_the_same_record():
+    """`read_checkpoint` is what `load` and fine-tuning start from: the demo's patch limit, positions, path and
+    known categories (its five shapes); `LocateModel` over the record answers as `load` does."""
+    from mlx_locate.cards import known_categories
+    from mlx_locate.checkpoint import DEMO_DIR
+    from mlx_locate.loader import read_checkpoint
+    from mlx_locate.locate import LocateModel
+
+    checkpoint = read_checkpoint("demo")
+    raw = json.loads((DEMO_DIR / "config.json").read_text())
+    assert (checkpoint.in_token_limit, checkpoint.max_length, checkpoint.path) == (256, 2048, "demo")
+    assert checkpoint.known == known_categories(raw) and checkpoint.config.raw == raw
+    model = load("demo")
+    assert model.runtime.max_length == checkpoint.max_length and model.runtime.in_token_limit == 256
+    image = DEMO_DIR / "example.png"
+    want = model.locate(image, "square", mode="fast", max_tokens=32).token_ids
+    assert LocateModel(checkpoint).locate(image, "square", mode="fast", max_tokens=32).token_ids == want
+
+
+def test_the_public_model_shows_the_api_and_holds_the_engines_side():
+    """`LocateModel` holds its runtime (the engine's side, `model.runtime`) instead of being one: its public names
+    are the API's."""
+    model = load("demo")
+    assert {name for name in dir(model) if not name.startswith("_")} == {
+        "engine", "locate", "locate_many", "runtime", "session"
+    }  # fmt: skip
+    assert not isinstance(model, Runtime) and isinstance(model.runtime, Runtime)
+
+
+def test_the_runtime_fuses_a_view_and_leaves_the_checkpoints_network_as_it_was():
+    """A model over a checkpoint someone keeps (fine-tuning trains it) works on a view: the checkpoint's
+    projections stay unfused, its head as stored and its modules in training mode."""
+    from mlx_locate.loader import read_checkpoint
+    from mlx_locate.locate import LocateModel
+
+    checkpoint = read_checkpoint("demo")
+    network = checkpoint.network
+    network.train()
+    model = LocateModel(checkpoint)
+    mine, theirs = model.runtime.network.language_model.model, network.language_model.model
+    assert "qkv_proj" in mine.layers[0].self_attn and "gate_up_proj" in mine.layers[0].mlp
+    assert "qkv_proj" not in theirs.layers[0].self_attn and "q_proj" in theirs.layers[0].self_attn
+    assert "gate_up_proj" not in theirs.layers[0].mlp and type(theirs.embed_tokens) is nn.Embedding
+    assert network.training and not model.runtime.network.training
+    assert mine.norm.weight is theirs.norm.weight  # a view: the arrays are shared
+
+
+def test_load_gives_the_network_over_so_its_peak_holds_one_copy_of_the_projections():
+    """`load` hands its checkpoint over (`take_over`): the unfused projections are freed as the fused ones load, so
+    the load's peak stays below the weights plus the decoder's projections, which a view of a kept network holds
+    twice."""
+    from mlx_locate.loader import read_checkpoint
+    from mlx_locate.locate import LocateModel
+
+    projections = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    decoder = read_checkpoint("demo").network.language_model.model.parameters()
+    twice = sum(v.nbytes for k, v in tree_flatten(decoder) if any(f".{p}." in k for p in projections))
+
+    def peak_and_weights(make) -> tuple[int, int]:
+        """The peak while `make()` loads a model, and the model's weights, above what was held before."""
+        gc.collect()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        model = make()
+        mx.eval(model.runtime.network.parameters())
+        weights = sum(v.nbytes for _, v in tree_flatten(model.runtime.network.parameters()))
+        return mx.get_peak_memory() - base, weights
+
+    loaded, weights = peak_and_weights(lambda: load("demo"))
+    kept = []
+    viewed, _ = peak_and_weights(lambda: LocateModel(kept.append(read_checkpoint("demo")) or kept[0]))
+    assert loaded - weights < twice <= viewed - weights
 
 
 def test_eos_list_in_config_reads_its_first_id(tmp_path, weights, raw_config):
@@ -282,7 +359,7 @@ def test_eos_list_in_config_reads_its_first_id(tmp_path, weights, raw_config):
     folder = write_checkpoint(tmp_path / "ck", weights, config)
     for name in ("added_tokens.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
         shutil.copy(TOKENIZER_DIR / name, folder / name)
-    assert load(folder).token_ids.im_end == raw_config["eos_token_id"] == 151645
+    assert load(folder).runtime.token_ids.im_end == raw_config["eos_token_id"] == 151645
 
 
 def test_unknown_hub_id_is_a_clear_error(monkeypatch):

@@ -25,13 +25,13 @@ IMAGE = DEMO_DIR / "example.png"
 def forward_shapes(model, monkeypatch) -> list[tuple[int, ...]]:
     """The inputs' shape of every forward `model` runs from now on ((R, Q, D) embeddings: a prefill call)."""
     shapes = []
-    run = model.run
+    run = model.runtime.run
 
     def counted(phase, cache, inputs, *args, **kw):
         shapes.append(inputs.shape)
         return run(phase, cache, inputs, *args, **kw)
 
-    monkeypatch.setattr(model, "run", counted)
+    monkeypatch.setattr(model.runtime, "run", counted)
     return shapes
 
 
@@ -41,12 +41,12 @@ def demo():
 
 
 def test_budget_shares_the_limit_after_the_weights(demo):
-    b = demo.budget
+    b = demo.runtime.budget
     assert b.limit == memory.device_limit() == mx.get_memory_limit()  # the CPU: no working-set cap
-    assert b.weights >= sum(v.nbytes for _, v in tree_flatten(demo.network.parameters()))
+    assert b.weights >= sum(v.nbytes for _, v in tree_flatten(demo.runtime.network.parameters()))
     free = b.limit - b.weights - memory.RESERVE
     assert b.working == memory.working_bytes(free, "cpu") and b.kv == free - b.working
-    t = demo.network.config.text
+    t = demo.runtime.network.config.text
     assert b.slot_bytes == t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4  # float32 on the CPU
     assert b.patch_bytes > 0 and b.prefill_row_bytes > 0
     assert b.prefill_key_bytes == t.num_attention_heads * 12  # the CPU's attention holds its scores
@@ -64,7 +64,7 @@ def test_working_memory_by_device_and_free_memory():
 
 
 def test_tower_plan_fills_the_working_memory_first_with_images_then_with_blocks():
-    b = dataclasses.replace(mlx_locate.load("demo").budget, working=100 << 20, patch_bytes=1000)
+    b = dataclasses.replace(mlx_locate.load("demo").runtime.budget, working=100 << 20, patch_bytes=1000)
     room = b.working - b.score_budget
     assert b.tower_plan(64, 1000, 27) == (min(64, room // 1_000_000), 1)  # as many images as one block holds
     assert b.tower_plan(2, 1000, 27) == (2, min(27, room // 2_000_000))  # two images: several blocks at once
@@ -78,22 +78,24 @@ def test_tower_in_batches_and_pieces_equals_each_image_alone(demo, monkeypatch):
     """With a working memory that holds one block of one image (and the MLP in pieces of 16 patches), the tower
     runs each image alone, block by block: the features of the whole-tower call, to float32 rounding."""
     rng = np.random.default_rng(3)
-    images = [demo.prepare(Image.fromarray(rng.integers(0, 256, (224, 168, 3), dtype=np.uint8))) for _ in range(3)]
+    images = [
+        demo.runtime.prepare(Image.fromarray(rng.integers(0, 256, (224, 168, 3), dtype=np.uint8))) for _ in range(3)
+    ]
     patches = images[0].pre.grid[0] * images[0].pre.grid[1]
-    tight = dataclasses.replace(demo.budget, working=demo.budget.patch_bytes * patches + (1 << 20))
-    monkeypatch.setattr(demo, "budget", tight)
+    tight = dataclasses.replace(demo.runtime.budget, working=demo.runtime.budget.patch_bytes * patches + (1 << 20))
+    monkeypatch.setattr(demo.runtime, "budget", tight)
     assert tight.tower_plan(3, patches, 2)[0] == 1
     monkeypatch.setattr(vision, "MLP_ROWS", 16)
     syncs = []
-    sync = demo.sync
-    monkeypatch.setattr(demo, "sync", lambda *a: syncs.append(1) or sync(*a))
-    demo.clear_caches()
-    pieces = demo.features_for(images)
-    blocks = len(demo.network.vision_model.encoder.blocks)
+    sync = demo.runtime.sync
+    monkeypatch.setattr(demo.runtime, "sync", lambda *a: syncs.append(1) or sync(*a))
+    demo.runtime.clear_caches()
+    pieces = demo.runtime.features_for(images)
+    blocks = len(demo.runtime.network.vision_model.encoder.blocks)
     assert len(syncs) >= 3 * blocks  # an evaluation per block of each image
     monkeypatch.setattr(vision, "MLP_ROWS", 4096)
     for image, (cached, features) in zip(images, pieces, strict=True):
-        whole = demo.network.image_features(mx.array(image.pre.patches), image.pre.grid)
+        whole = demo.runtime.network.image_features(mx.array(image.pre.patches), image.pre.grid)
         assert not cached
         np.testing.assert_allclose(np.array(features), np.array(whole), rtol=1e-5, atol=1e-5)
 
@@ -101,21 +103,21 @@ def test_tower_in_batches_and_pieces_equals_each_image_alone(demo, monkeypatch):
 def test_a_prefill_call_holds_no_more_than_its_rows_measured_cost(demo):
     """The per-row cost measured at load (uncompiled, on a few rows) bounds what a compiled prefill of three times
     as many rows holds above its inputs and its cache, scores included."""
-    b = demo.budget
-    t = demo.network.config.text
+    b = demo.runtime.budget
+    t = demo.runtime.network.config.text
     rows = 384
-    assert demo.prefill_rows(rows) >= rows  # one call
-    cache = demo.new_cache(slots=1)
+    assert demo.runtime.prefill_rows(rows) >= rows  # one call
+    cache = demo.runtime.new_cache(slots=1)
     cache.reserve(rows)
-    x = mx.zeros((rows, t.hidden_size), demo.network.language_model.model.norm.weight.dtype)
+    x = mx.zeros((rows, t.hidden_size), demo.runtime.network.language_model.model.norm.weight.dtype)
     mx.eval(x, cache.kv)
-    mx.eval(list(demo.prefill(cache, [(0, x, 0)]).values()))  # compiles that shape
-    cache = demo.new_cache(slots=1)
+    mx.eval(list(demo.runtime.prefill(cache, [(0, x, 0)]).values()))  # compiles that shape
+    cache = demo.runtime.new_cache(slots=1)
     cache.reserve(rows)
     mx.eval(cache.kv)
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    mx.eval(list(demo.prefill(cache, [(0, x, 0)]).values()), cache.kv)
+    mx.eval(list(demo.runtime.prefill(cache, [(0, x, 0)]).values()), cache.kv)
     held = mx.get_peak_memory() - base
     # The call's K|V land in new buffers that replace the cache's (the KV budget's, not the working memory's).
     assert 0 < held <= rows * (b.prefill_row_bytes + rows * b.prefill_key_bytes) + cache.nbytes
@@ -124,7 +126,7 @@ def test_a_prefill_call_holds_no_more_than_its_rows_measured_cost(demo):
 def test_a_cpu_prefill_call_takes_at_most_the_cpu_cap(demo):
     """On the CPU more working memory does not make prefill calls larger than `CPU_PREFILL_ROWS`; without the cap
     they would be."""
-    roomy = dataclasses.replace(demo.budget, working=64 << 30)
+    roomy = dataclasses.replace(demo.runtime.budget, working=64 << 30)
     assert roomy.prefill_cap == memory.CPU_PREFILL_ROWS
     assert roomy.prefill_rows(128, 500) == memory.CPU_PREFILL_ROWS
     assert dataclasses.replace(roomy, prefill_cap=None).prefill_rows(128, 500) > memory.CPU_PREFILL_ROWS
@@ -134,20 +136,20 @@ def test_a_prefill_call_leaves_room_for_the_copies_of_its_cache(demo, monkeypatc
     """A call's rows get the working memory its cache's copies leave (the buffers before and after they grow, the
     one its K|V are written into): where the working memory holds four rows of 128 beside those copies, four
     prompts go in one call; where it holds the four rows but not the copies, in smaller calls."""
-    d = demo.network.config.text.hidden_size
-    dtype = demo.network.language_model.model.norm.weight.dtype
-    b = demo.budget
-    cache = demo.new_cache(slots=4)
-    copies = demo.cache_copies_bytes(cache, 128)
+    d = demo.runtime.network.config.text.hidden_size
+    dtype = demo.runtime.network.language_model.model.norm.weight.dtype
+    b = demo.runtime.budget
+    cache = demo.runtime.new_cache(slots=4)
+    copies = runtime.cache_copies_bytes(cache, 128, b)
     assert copies == runtime.CACHE_COPIES * 5 * 256 * b.slot_bytes  # 4 rows and the scratch row, 256 slots each
     rows_bytes = 4 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes)
-    monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=rows_bytes + copies, prefill_cap=None))
+    monkeypatch.setattr(demo.runtime, "budget", dataclasses.replace(b, working=rows_bytes + copies, prefill_cap=None))
     calls = forward_shapes(demo, monkeypatch)
-    demo.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
+    demo.runtime.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
     assert [R for R, _, _ in calls] == [4]
-    monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=rows_bytes, prefill_cap=None))
+    monkeypatch.setattr(demo.runtime, "budget", dataclasses.replace(b, working=rows_bytes, prefill_cap=None))
     calls.clear()
-    demo.prefill(demo.new_cache(slots=4), [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
+    demo.runtime.prefill(demo.runtime.new_cache(slots=4), [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
     assert len(calls) > 1 and max(R for R, _, _ in calls) < 4
 
 
@@ -173,12 +175,12 @@ def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):
     model = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
     request = Request(GOLDEN / "images" / "shapes_640x480.png", "red box", mode="slow", max_tokens=12)
     whole = model.locate_many([request])[0]
-    b = model.budget
+    b = model.runtime.budget
     per_row = b.prefill_row_bytes + len(whole.prompt_ids) * b.prefill_key_bytes
-    monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=128 * per_row))
-    assert model.prefill_rows(len(whole.prompt_ids)) == 128
+    monkeypatch.setattr(model.runtime, "budget", dataclasses.replace(b, working=128 * per_row))
+    assert model.runtime.prefill_rows(len(whole.prompt_ids)) == 128
     calls = forward_shapes(model, monkeypatch)
-    model.clear_caches()
+    model.runtime.clear_caches()
     pieces = model.locate_many([request])[0]
     prefills = [shape for shape in calls if len(shape) == 3]  # (R, Q, D) embeddings: a prefill call
     assert len(prefills) >= 4 and all(R * Q <= 128 for R, Q, _ in prefills)
@@ -193,12 +195,12 @@ def test_a_prefill_call_takes_several_prompts_where_the_working_memory_holds_the
     images = [GOLDEN / "images" / f"shapes_{s}.png" for s in ("448x448", "640x480")] + [IMAGE]
     requests = [Request(image, "red box", mode="fast", max_tokens=12) for image in images]
     monkeypatch.setattr(runtime, "PREFILL_ROWS", 128)
-    b = model.budget
-    monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=128 * b.prefill_row_bytes))
+    b = model.runtime.budget
+    monkeypatch.setattr(model.runtime, "budget", dataclasses.replace(b, working=128 * b.prefill_row_bytes))
     alone = model.locate_many(requests)  # a call of 128 rows: one chunk of one prompt
-    monkeypatch.setattr(model, "budget", dataclasses.replace(b, working=64 << 30, prefill_cap=None))
+    monkeypatch.setattr(model.runtime, "budget", dataclasses.replace(b, working=64 << 30, prefill_cap=None))
     calls = forward_shapes(model, monkeypatch)
-    model.clear_caches()
+    model.runtime.clear_caches()
     together = model.locate_many(requests)
     prefills = [shape for shape in calls if len(shape) == 3]  # (R, Q, D) embeddings: a prefill call
     assert all(Q <= 128 for _, Q, _ in prefills) and max(R * Q for R, Q, _ in prefills) > 128
@@ -209,15 +211,15 @@ def test_a_prefill_call_takes_several_prompts_where_the_working_memory_holds_the
 def test_prefill_calls_take_a_power_of_two_of_sequences(demo, monkeypatch):
     """A call's sequences pad to a power of two, so where the working memory holds three prompts, four go in two
     calls of two (not three and one, the first padded to four)."""
-    d = demo.network.config.text.hidden_size
-    dtype = demo.network.language_model.model.norm.weight.dtype
-    b = demo.budget
-    cache = demo.new_cache(slots=4)
-    working = 3 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes) + demo.cache_copies_bytes(cache, 128)
-    monkeypatch.setattr(demo, "budget", dataclasses.replace(b, working=working, prefill_cap=None))
-    assert demo.prefill_rows(128, cache) == 3 * 128
+    d = demo.runtime.network.config.text.hidden_size
+    dtype = demo.runtime.network.language_model.model.norm.weight.dtype
+    b = demo.runtime.budget
+    cache = demo.runtime.new_cache(slots=4)
+    working = 3 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes) + runtime.cache_copies_bytes(cache, 128, b)
+    monkeypatch.setattr(demo.runtime, "budget", dataclasses.replace(b, working=working, prefill_cap=None))
+    assert demo.runtime.prefill_rows(128, cache) == 3 * 128
     calls = forward_shapes(demo, monkeypatch)
-    demo.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
+    demo.runtime.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
     assert [R for R, _, _ in calls] == [2, 2]
 
 
@@ -238,15 +240,15 @@ def test_a_memory_limit_below_the_rows_runs_fewer_rows_with_the_same_answers(dem
         return rows, [h.result for h in handles]
 
     rows, free_results = run(demo)
-    assert rows == 4 == demo.default_rows
+    assert rows == 4 == demo.runtime.default_rows
     longest = max(len(r.prompt_ids) for r in free_results) + 32 + 12
-    kv = 3 * memory.kv_bucket(longest) * demo.budget.slot_bytes  # two rows and the scratch row
+    kv = 3 * memory.kv_bucket(longest) * demo.runtime.budget.slot_bytes  # two rows and the scratch row
     before = mx.set_memory_limit(mx.get_active_memory() + memory.RESERVE + memory.MIN_WORKING + kv)
     try:
-        tight = memory.Budget.measure(demo.network)  # as `load` does, under this limit
-        monkeypatch.setattr(demo, "budget", tight)
+        tight = memory.Budget.measure(demo.runtime.network)  # as `load` does, under this limit
+        monkeypatch.setattr(demo.runtime, "budget", tight)
         assert tight.kv < 5 * memory.kv_bucket(longest) * tight.slot_bytes  # four rows would not fit
-        assert demo.default_rows < 4
+        assert demo.runtime.default_rows < 4
         rows, tight_results = run(demo)
     finally:
         mx.set_memory_limit(before)

@@ -46,12 +46,12 @@ def random_net(golden, tmp_path_factory):
     overrides = {"text_hidden": 32, "text_heads": 8, "text_kv_heads": 2, "text_layers": 3}
     folder = make_random_checkpoint(tmp_path_factory.mktemp("rt") / "ckpt", "tiny", seed=4, overrides=overrides)
     config = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
-    return build_model(folder, config, golden.token_ids, "float32")
+    return build_model(folder, config, golden.runtime.token_ids, "float32")
 
 
 @pytest.fixture(params=["golden", "random"])
 def net(request, golden, random_net):
-    return golden.network if request.param == "golden" else random_net
+    return golden.runtime.network if request.param == "golden" else random_net
 
 
 def new_cache(net, slots: int = 1) -> SlotCache:
@@ -171,7 +171,7 @@ def test_prefill_then_empty_tail_block_equals_first_call(net):
 @pytest.mark.parametrize("split", [1, 127, 129])
 def test_prefill_in_two_parts_equals_one(golden, split):
     """A cached prefix then the rest of the prompt (what a session does per query), across the 128-row bucket."""
-    net = golden.network
+    net = golden.runtime.network
     ids, embeds = make_prompt(net, 150, seed=split)
     run = runner(net)
     run.prefill(embeds[:, :split])
@@ -184,7 +184,7 @@ def test_prefill_in_two_parts_equals_one(golden, split):
 def test_golden_first_block_and_prompt_logits(golden):
     """The same path on a golden prompt (reference vision features spliced in) gives the recorded logits."""
     case = golden_case("tiny_random__shapes_448x448__detect")
-    net = golden.network
+    net = golden.runtime.network
     features = mx.array(np.load(GOLDEN / "cases" / "tiny_random__shapes_448x448.vision_features.npy"))
     ids = case["input_ids"]
     run = runner(net)
@@ -240,7 +240,7 @@ def test_default_buckets_leave_logits_unchanged(golden, prompt_len, prefill_rows
     """Short prompts (powers of two from 16), prompts around the 128-row prefill bucket and the 256-slot KV bucket
     (250 + 6 crosses it mid-request)."""
     assert (PREFILL_MIN, PREFILL_BUCKET, KV_BUCKET) == (16, 128, 256)
-    net = golden.network
+    net = golden.runtime.network
     ids, embeds = make_prompt(net, prompt_len, seed=prompt_len)
     run = runner(net)
     for a, b in zip(script(net, run, ids, embeds), script_reference(net, ids, embeds), strict=True):
@@ -286,7 +286,7 @@ class NumpySpy:
 def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image, monkeypatch, mode):
     """Run `locate` twice: the second run traces nothing; each step reads the device exactly once, counted both by
     the stats and by a spy on the engine's conversions (decide.py and row_decoder.py get host arrays only)."""
-    golden.steps = CompiledSteps(golden.network)  # count this mode's functions alone
+    golden.runtime.steps = CompiledSteps(golden.runtime.network)  # count this mode's functions alone
     for run in range(2):
         spy = NumpySpy()
         monkeypatch.setattr(engine_module, "np", spy)
@@ -298,10 +298,10 @@ def test_no_compilations_after_warm_up_and_one_host_read_per_step(golden, image,
         assert all(t is mx.array for t in spy.conversions)
         assert (stats["block_steps"] == 0) == (mode == "slow")
         if run == 0:
-            warm, first = golden.compilations, result
-            assert warm == stats["compilations"] == len(golden.steps.functions) > 0  # one trace per key
-    print(f"{mode}: {warm} compilations in the first run, {golden.compilations} after the second")
-    assert golden.compilations == warm
+            warm, first = golden.runtime.compilations, result
+            assert warm == stats["compilations"] == len(golden.runtime.steps.functions) > 0  # one trace per key
+    print(f"{mode}: {warm} compilations in the first run, {golden.runtime.compilations} after the second")
+    assert golden.runtime.compilations == warm
     assert result.token_ids == first.token_ids
 
 
@@ -311,17 +311,17 @@ def test_a_model_answers_from_any_thread(golden_dir, image, monkeypatch):
     monkeypatch.setattr(cpu, "openblas_core", lambda: "skylakex")
     monkeypatch.setattr(cpu.PanelEmbedding, "rows_alike", lambda self: True)  # the layout, whatever this BLAS rounds
     model = load(golden_dir("tiny_random"), dtype="float32")
-    assert type(model.network.language_model.model.embed_tokens) is cpu.PanelEmbedding
+    assert type(model.runtime.network.language_model.model.embed_tokens) is cpu.PanelEmbedding
     first = model.locate(image, "red box", mode="hybrid", max_tokens=16)
-    traced = model.compilations
+    traced = model.runtime.compilations
     with ThreadPoolExecutor(1) as pool:
         again = pool.submit(model.locate, image, "red box", mode="hybrid", max_tokens=16).result()
-        there = model.compilations
+        there = model.runtime.compilations
         twice = pool.submit(model.locate, image, "red box", mode="hybrid", max_tokens=16).result()
     assert again.token_ids == twice.token_ids == first.token_ids
-    assert model.compilations == there > traced  # the other thread traced its own, once
+    assert model.runtime.compilations == there > traced  # the other thread traced its own, once
     assert model.locate(image, "red box", mode="hybrid", max_tokens=16).token_ids == first.token_ids
-    assert model.compilations == there
+    assert model.runtime.compilations == there
 
 
 @pytest.mark.parametrize("mode", ["slow", "fast", "hybrid"])
@@ -332,7 +332,7 @@ def test_steps_queued_ahead_change_nothing(monkeypatch, mode):
     model = load("demo")
     image = DEMO_DIR / "example.png"
     runs = {}
-    run_step = model.steps.run
+    run_step = model.runtime.steps.run
     for queue_ahead in (False, True):
         fed = []
 
@@ -340,7 +340,7 @@ def test_steps_queued_ahead_change_nothing(monkeypatch, mode):
             fed.append(phase)
             return run_step(phase, *args, **kwargs)
 
-        monkeypatch.setattr(model.steps, "run", spy)
+        monkeypatch.setattr(model.runtime.steps, "run", spy)
         schedule = Schedule(mixed=False, dense=False, queue_ahead=queue_ahead)
         engine = model.engine(1, schedule)
         handle = engine.submit(Request(image, "red square", task="refer", mode=mode, max_tokens=40))
@@ -461,7 +461,7 @@ def test_cache_grows_by_buckets():
 
 
 def test_runner_grows_the_cache_across_a_request(golden):
-    net = golden.network
+    net = golden.runtime.network
     ids, embeds = make_prompt(net, 240, seed=11)
     run = runner(net)
     run.prefill(embeds)

@@ -841,11 +841,11 @@ def test_warm_up_compiles_before_ready_and_health_says_loading():
         release.set()
         app.state.worker.wait_ready(60)
         assert client.get("/health").json()["status"] == "ok"
-        before = app.state.worker.model.compilations
+        before = app.state.worker.model.runtime.compilations
         assert before > 0
         for mode in ("slow", "fast", "hybrid"):
             assert client.post("/v1/locate", json=good_body("square", mode)).status_code == 200
-        assert app.state.worker.model.compilations == before
+        assert app.state.worker.model.runtime.compilations == before
 
 
 def test_a_full_queue_is_refused_until_it_has_room():

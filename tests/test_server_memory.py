@@ -131,20 +131,20 @@ def test_a_call_that_stops_waiting_frees_its_place():
 def test_decoded_bytes_cover_what_a_prepared_image_keeps():
     """Pillow keeps 4 bytes a pixel (twice where the image policy turns or converts it); the engine keeps each
     view's patches."""
-    model = mlx_locate.load("demo")
+    runtime = mlx_locate.load("demo").runtime
     image = Image.open(io.BytesIO(jpeg(0)))
     image.load()
     kept = 4 * image.width * image.height
-    prepared = model.prepare(image)
-    need = decoded_bytes(image.size, image.mode, model.in_token_limit, model.patch_size)
-    final = np.prod(target_size(*image.size, model.in_token_limit, model.patch_size).final)
+    prepared = runtime.prepare(image)
+    need = decoded_bytes(image.size, image.mode, runtime.in_token_limit, runtime.patch_size)
+    final = np.prod(target_size(*image.size, runtime.in_token_limit, runtime.patch_size).final)
     assert prepared.pre.pixels.nbytes == 3 * final
     assert kept + prepared.pre.pixels.nbytes < need <= 2 * kept + 13 * final
     request = Request(image, "square", tiles=(2, 2))
-    views = split_request(request, image, model.in_token_limit, model.patch_size)
+    views = split_request(request, image, runtime.in_token_limit, runtime.patch_size)
     crops = sum(4 * v.image.width * v.image.height for v in views)
-    patches = sum(model.prepare(v.image).pre.pixels.nbytes for v in views)
-    assert kept + crops + patches < decoded_bytes(image.size, "RGB", model.in_token_limit, model.patch_size, 5)
+    patches = sum(runtime.prepare(v.image).pre.pixels.nbytes for v in views)
+    assert kept + crops + patches < decoded_bytes(image.size, "RGB", runtime.in_token_limit, runtime.patch_size, 5)
 
 
 # -- a burst through the server ---------------------------------------------------------------------------
@@ -155,8 +155,8 @@ def burst_server():
     gate = threading.Event()
     gate.set()
     uploads = [jpeg(i) for i in range(BURST)]
-    model = mlx_locate.load("demo")
-    need = decoded_bytes((640, 480), "RGB", model.in_token_limit, model.patch_size)
+    runtime = mlx_locate.load("demo").runtime
+    need = decoded_bytes((640, 480), "RGB", runtime.in_token_limit, runtime.patch_size)
     small, large = min(map(len, uploads)), max(map(len, uploads))
     assert 2.5 * small > 2 * large  # so any two calls fit beside each other and no three
     # The first call decodes alone (past half the budget), the second waits compressed, the third is over it.

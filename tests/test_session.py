@@ -23,7 +23,7 @@ def test_prefix_reuse_gives_the_same_tokens_as_separate_calls(model, golden_dir)
     fresh = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
     for query, result in zip(QUERIES, together, strict=True):
         alone = fresh.locate(IMAGE, query, mode="hybrid", max_tokens=24)
-        fresh.clear_caches()
+        fresh.runtime.clear_caches()
         assert result.prompt_ids == alone.prompt_ids
         assert result.token_ids == alone.token_ids
         assert result.objects == alone.objects
@@ -35,11 +35,11 @@ def test_session_queries_are_independent(model):
     session.locate("green circle", mode="slow", max_tokens=12)
     again = session.locate("red box", mode="fast", max_tokens=12)
     assert again.token_ids == first.token_ids
-    assert sum(key[0] == session.image.key for key in model.prefixes) == 1  # the prefix was prefilled once
+    assert sum(key[0] == session.image.key for key in model.runtime.prefixes) == 1  # the prefix was prefilled once
 
 
 def test_vision_cache_hits_on_the_same_image_and_misses_on_a_changed_one(model, tmp_path):
-    model.features.clear()
+    model.runtime.features.clear()
     assert not model.session(IMAGE).vision_cached
     assert model.session(Image.open(IMAGE)).vision_cached  # same content, another object
     changed = Image.open(IMAGE).convert("RGB")

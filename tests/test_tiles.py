@@ -468,7 +468,7 @@ def test_an_image_that_needs_no_tiles_gives_the_untiled_result(model, tmp_path, 
     plain = model.locate(image, "square", max_tokens=MAX_TOKENS)
     for tiles in ("auto", (1, 1)):
         tiled = model.locate(image, "square", tiles=tiles, max_tokens=MAX_TOKENS)
-        assert tiled.token_ids == plain.token_ids and tiled.token_ids[-1] == model.token_ids.im_end
+        assert tiled.token_ids == plain.token_ids and tiled.token_ids[-1] == model.runtime.token_ids.im_end
         assert (tiled.text, tiled.objects, tiled.prompt_ids, tiled.grid) == (
             plain.text,
             plain.objects,

@@ -14,22 +14,17 @@ from mlx_locate.locate import load
 from mlx_locate.prompts import prompt_ids, task_text
 from mlx_locate.synthetic.scenes import Sample, Task, make_sample, make_scene, norm_coords
 from mlx_locate.tokenizer import Tokenizer
-from mlx_locate.tuner.train import (
+from mlx_locate.tuner.demo_recipe import (
     SIZES,
-    GridTables,
-    Trainer,
-    TrainOptions,
     build_tokenizer,
-    collate,
-    cut_blocks,
     demo_config,
     demo_tokenizer,
     encode,
-    forward_hidden,
     init_model,
     patchify,
     save_checkpoint,
 )
+from mlx_locate.tuner.trainer import GridTables, Trainer, TrainOptions, collate, cut_blocks, forward_hidden
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +156,7 @@ def test_training_rows_equal_inference_steps(tok, tokenizer, ids, tmp_path):
     tokens."""
     model = init_model(tok, SIZES["micro"], seed=1, std=0.25)
     save_checkpoint(model, tok, tmp_path)
-    runtime = load(tmp_path)
+    runtime = load(tmp_path).runtime
     samples = [encode(_fixed_sample(s), tokenizer, ids) for s in (5, 6)]
     tables = GridTables.for_sides()
     batch = {k: mx.array(v) for k, v in collate(samples, tables, 0).items()}

@@ -49,9 +49,9 @@ def cache(tmp_path, monkeypatch):
 
 def test_no_tune_measures_nothing_and_writes_nothing(cache):
     before = tune.measurements
-    model = mlx_locate.load("demo", tune=False)
+    runtime = mlx_locate.load("demo", tune=False).runtime
     assert tune.measurements == before and not list(cache.iterdir())
-    assert model.steps.compile_after == 0 and model.steps.attention is AttentionPath.SDPA
+    assert runtime.steps.compile_after == 0 and runtime.steps.attention is AttentionPath.SDPA
 
 
 def corrupt(file: Path) -> None:
@@ -85,16 +85,16 @@ def test_a_bad_or_stale_cache_file_is_ignored_with_a_warning_and_replaced(cache,
 
 
 def test_a_step_function_runs_eagerly_until_compiling_pays(cache):
-    model = mlx_locate.load("demo", tune=False)
-    model.steps.compile_after = 2
-    run = tune.step_probe(model, Phase.BLOCK, 12)
+    runtime = mlx_locate.load("demo", tune=False).runtime
+    runtime.steps.compile_after = 2
+    run = tune.step_probe(runtime, Phase.BLOCK, 12)
     for calls in (1, 2):
         run()
-        assert model.compilations == 0 and model.compile_s == 0, calls
+        assert runtime.compilations == 0 and runtime.compile_s == 0, calls
     run()
-    assert model.compilations == 1 and model.compile_s > 0
+    assert runtime.compilations == 1 and runtime.compile_s > 0
     run()
-    assert model.compilations == 1  # compiled once
+    assert runtime.compilations == 1  # compiled once
 
 
 PATHS = [(p, after, chunked) for p in AttentionPath for after, chunked in ((0, False), (3, True))]
@@ -108,11 +108,13 @@ def golden_models(golden_dir):
 @pytest.mark.parametrize("path, compile_after, tower_chunked", PATHS, ids=lambda v: str(getattr(v, "value", v)))
 def test_golden_and_batch_parity_on_every_path_the_tuner_can_choose(golden_models, path, compile_after, tower_chunked):
     for checkpoint, model in golden_models.items():
-        model.steps.functions.clear()
-        model.clear_caches()
+        model.runtime.steps.functions.clear()
+        model.runtime.clear_caches()
         tune.apply(
-            model,
-            tune.Choices(tune.probes_of(model), path.value, {1: 1.0}, tower_chunked, PREFILL_ROWS, compile_after),
+            model.runtime,
+            tune.Choices(
+                tune.probes_of(model.runtime), path.value, {1: 1.0}, tower_chunked, PREFILL_ROWS, compile_after
+            ),
         )
         pairs = [(n, m) for n in golden_cases() if n.startswith(checkpoint) for m in MODES]
         for rows in (1, len(pairs)):  # alone, then every case in one batch

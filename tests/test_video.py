@@ -303,7 +303,7 @@ def test_missing_pyav_names_the_extra(run, clip, tmp_path, monkeypatch):
 
 def test_frames_in_flight_stay_bounded(model):
     """At most `2 * rows` frames are taken from the video ahead of the last line given back, resumed or new."""
-    settings = video.Settings("detect", ("square",), None, "fast", 8, 2.0, None, 0.2, True)
+    settings = video.VideoSettings("detect", ("square",), None, "fast", 8, 2.0, None, 0.2, True)
     taken = []
 
     def frames(n):

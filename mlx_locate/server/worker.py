@@ -271,15 +271,14 @@ class Worker:
         try:
             model = self._load()
             engine = model.engine(self.max_rows)
+            runtime = model.runtime
             if self.warmup:
-                model.steps.compile_after = 0  # a server's steps are many: compiled in the warm-up, not eagerly run
+                runtime.steps.compile_after = 0  # a server's steps are many: compiled in the warm-up, not eagerly run
                 t0 = time.perf_counter()
                 warm_up(engine)
                 self.stats.warmup_s = time.perf_counter() - t0
-                log.info("warm-up done in %.1f s (%d compilations)", self.stats.warmup_s, model.compilations)
-            self.limits = ModelLimits(
-                model.token_ids.vocab_size, model.in_token_limit, model.network.config.vision.patch_size
-            )
+                log.info("warm-up done in %.1f s (%d compilations)", self.stats.warmup_s, runtime.compilations)
+            self.limits = ModelLimits(runtime.token_ids.vocab_size, runtime.in_token_limit, runtime.patch_size)
             self.model = model
         except Exception as e:  # noqa: BLE001 - any load failure is reported to whoever waits
             self.load_error = e

@@ -11,7 +11,7 @@
   answered `<ref>name</ref><box>None</box>` in their place in the prompt; crowd and empty boxes are left out.
 
 A record becomes rows with the real chat rendering (`prompts.prompt_ids`, rendering A, the image as `<image-1>`
-of the first user turn) and `train.encode_rows`: every answer is supervised in the NTP and the block stream.
+of the first user turn) and `trainer.encode_rows`: every answer is supervised in the NTP and the block stream.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..prompts import CATEGORY_SEPARATOR, parse_task_text, prompt_ids, task_text
 from ..synthetic.scenes import norm_coords
 from ..tokenizer import Tokenizer
 from ..tokens import TokenIds
-from .train import Encoded, encode_rows
+from .trainer import Encoded, encode_rows
 
 USER_ROLES = ("human", "user")
 ASSISTANT_ROLES = ("gpt", "assistant")

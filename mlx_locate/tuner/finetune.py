@@ -2,7 +2,7 @@
 
 NVIDIA's LoRA recipe on MLX: LoRA on every decoder projection (`lora.DECODER_KEYS`, rank 64, alpha 128), the
 connector trained whole, the vision tower frozen (or with LoRA of its own), the base float or quantized (a q8 or
-mixed_4_8 conversion) and never written. Each step is `train.Trainer`'s: the NTP and block streams of every
+mixed_4_8 conversion) and never written. Each step is `trainer.Trainer`'s: the NTP and block streams of every
 sample in one sequence under the docs/training.md §2.2 mask, one float32 cross-entropy, AdamW with warmup and cosine
 decay.
 
@@ -17,7 +17,6 @@ adapter (`adapters.safetensors` + `adapter_config.json`), checkpoints to resume 
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 import time
@@ -27,26 +26,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..cards import KnownCategories, known_categories
-from ..checkpoint import read_json, resolve
-from ..config import ModelConfig
 from ..evaluation.score import located_f1
-from ..loader import build_model
-from ..locate import CPU_DTYPE, LocateModel
+from ..loader import Checkpoint
+from ..locate import LocateModel
 from ..lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
-from ..model import LocateAnything
-from ..preprocess import IN_TOKEN_LIMIT, preprocess
+from ..preprocess import preprocess
 from ..projector import merge_2x2
 from ..request import Request, RequestError, Result
-from ..tokenizer import Tokenizer
 from ..vision import rope2d_tables
 from . import replay as rp
 from .datasets import Example, Record, encode_record, norm_label, record_labels, truth_of
-from .train import (
+from .trainer import (
     KIND_NTP,
     NUM_KINDS,
     STAT_COLUMNS,
@@ -124,59 +117,6 @@ class FinetuneResult:
     skipped: dict = field(default_factory=dict)  # records left out, by reason
 
 
-# --- The base model -----------------------------------------------------------------------------------------
-
-
-@dataclass
-class Base:
-    network: LocateAnything  # unfused: fine-tuning wraps its projections
-    tokenizer: Tokenizer
-    in_token_limit: int
-    path: str
-    known: KnownCategories | None = None  # what the checkpoint was trained to find (`cards`)
-
-    def max_length(self) -> int:
-        """Rows a sample may have: as `LocateModel.max_length` (tokenizer and position limits)."""
-        positions = self.network.config.raw.get("text_config", {}).get("max_position_embeddings")
-        return min(self.tokenizer.model_max_length, positions or self.tokenizer.model_max_length)
-
-
-def load_base(path_or_hub_id: str | Path, dtype: str | None = None) -> Base:
-    """The network as `locate.load` builds it (float32 on the CPU backend unless `dtype` says otherwise), before
-    the inference-only fusing of projections."""
-    if dtype is None and mx.default_device() == mx.cpu:
-        dtype = CPU_DTYPE
-    folder = resolve(path_or_hub_id)
-    raw = read_json(folder, "config.json")
-    tokenizer = Tokenizer.from_folder(folder)
-    network = build_model(folder, ModelConfig.from_dict(raw), tokenizer.token_ids(raw), dtype)
-    limit = IN_TOKEN_LIMIT
-    if (folder / "preprocessor_config.json").is_file():
-        limit = int(read_json(folder, "preprocessor_config.json").get("in_token_limit", IN_TOKEN_LIMIT))
-    return Base(network, tokenizer, limit, str(path_or_hub_id), known_categories(raw))
-
-
-def module_view(module):
-    """A copy of a module tree that shares every array: inference may fuse its projections, not the original's."""
-    if isinstance(module, nn.Module):
-        view = copy.copy(module)
-        for key, value in module.items():
-            view[key] = module_view(value)
-        return view
-    if isinstance(module, list):
-        return [module_view(m) for m in module]
-    if isinstance(module, dict):
-        return {k: module_view(v) for k, v in module.items()}
-    return module
-
-
-def inference_model(base: Base) -> LocateModel:
-    """`LocateModel` over a view of the network as it is now (LoRA unmerged, dropout off)."""
-    view = module_view(base.network)
-    view.eval()
-    return LocateModel(view, base.tokenizer, base.in_token_limit)
-
-
 # --- Images ---------------------------------------------------------------------------------------------------
 
 
@@ -209,7 +149,7 @@ class RowCache:
 class TowerRows:
     """The frozen tower's merged rows (M, 4C) per image, computed once and kept up to a byte budget (LRU)."""
 
-    def __init__(self, base: Base, budget_bytes: int):
+    def __init__(self, base: Checkpoint, budget_bytes: int):
         self.base = base
         self.cache = RowCache(budget_bytes)
 
@@ -228,8 +168,8 @@ def merged_batch(rows: list[mx.array]) -> mx.array:
     return mx.stack([mx.pad(r, [(0, m - r.shape[0]), (0, 0)]) for r in rows])
 
 
-def tower_inputs(base: Base, images: list[Path]) -> dict[str, np.ndarray | mx.array]:
-    """Padded patches and per-image tower inputs for a tower that trains (LoRA): `train.tower_features`."""
+def tower_inputs(base: Checkpoint, images: list[Path]) -> dict[str, np.ndarray | mx.array]:
+    """Padded patches and per-image tower inputs for a tower that trains (LoRA): `trainer.tower_features`."""
     network = base.network
     v = network.config.vision
     pres = [preprocess(p, base.in_token_limit, v.patch_size) for p in images]
@@ -257,7 +197,7 @@ def tower_inputs(base: Base, images: list[Path]) -> dict[str, np.ndarray | mx.ar
 # --- Examples -------------------------------------------------------------------------------------------------
 
 
-def encode_examples(base: Base, records: list[Record], max_length: int) -> tuple[list[Example], dict[str, int]]:
+def encode_examples(base: Checkpoint, records: list[Record], max_length: int) -> tuple[list[Example], dict[str, int]]:
     """Records as examples; those whose image cannot be read or whose rows exceed `max_length` are counted out."""
     from ..preprocess import load_image, target_size
 
@@ -310,7 +250,7 @@ class Batches:
         return self._take(0, self.n, d0, d1), self._take(1, self.n_replay, r0, r1)
 
 
-def frozen_layers(base: Base, spec: AdapterSpec) -> int:
+def frozen_layers(base: Checkpoint, spec: AdapterSpec) -> int:
     """How many decoder layers lie below everything `spec` trains (their outputs never change): 0 unless the
     tower and the connector are frozen and LoRA sits on the last layers only."""
     if spec.vision is not None or spec.trainable or spec.decoder is None or spec.decoder.num_layers is None:
@@ -321,7 +261,7 @@ def frozen_layers(base: Base, spec: AdapterSpec) -> int:
 class LowerRows:
     """The output (R, D) of the frozen lower decoder layers per example, computed once (LRU up to a budget)."""
 
-    def __init__(self, base: Base, layers: int, tower: TowerRows, pad_id: int, budget_bytes: int):
+    def __init__(self, base: Checkpoint, layers: int, tower: TowerRows, pad_id: int, budget_bytes: int):
         self.lower = layer_view(base.network, slice(0, layers))
         self.tower, self.pad = tower, pad_id
         self.cache = RowCache(budget_bytes)
@@ -336,7 +276,7 @@ class LowerRows:
 
 
 def make_batch(
-    examples: list[Example], base: Base, inputs: TowerRows | LowerRows | None, pad: int, bucket: int
+    examples: list[Example], base: Checkpoint, inputs: TowerRows | LowerRows | None, pad: int, bucket: int
 ) -> dict:
     """Rows and the model input: the frozen lower layers' output, the frozen tower's rows, or tower inputs."""
     batch = collate_rows([e.rows for e in examples], pad, bucket)
@@ -405,7 +345,7 @@ def f1_scores(
 
 
 def held_out_loss(
-    trainer: Trainer, examples: list[Example], base: Base, inputs, options: FinetuneOptions, pad: int
+    trainer: Trainer, examples: list[Example], base: Checkpoint, inputs, options: FinetuneOptions, pad: int
 ) -> dict:
     stats = mx.zeros((3, STAT_COLUMNS))
     size = options.batch_size
@@ -425,7 +365,7 @@ def is_kept(record: Record, keep: rp.Keep) -> bool:
 
 
 def base_answers(
-    base: Base,
+    base: Checkpoint,
     keep: rp.Keep,
     train_records: list[Record],
     held: list[Example],
@@ -455,7 +395,7 @@ def base_answers(
     if not train_asks + held_asks:
         return [], kept_held, "the held-out data" if kept_held else None
     answers = rp.label(
-        inference_model(base),
+        LocateModel(base),
         train_asks + held_asks,
         out / rp.CACHE_FILE,
         rp.cache_key(base.path),
@@ -466,7 +406,7 @@ def base_answers(
     new_boxes = rp.new_word_boxes(
         train_records + [e.record for e in held], keep, base.tokenizer, base.network.token_ids
     )
-    max_length = base.max_length()
+    max_length = base.max_length
     pool = []
     if train_asks:
         records, n = rp.replay_set(train_asks, answers[: len(train_asks)], new_boxes, keep.per_prompt, options.seed, 0)
@@ -506,7 +446,7 @@ def checkpoint_dirs(out: Path) -> list[Path]:
     return sorted((out / CHECKPOINTS).glob("step-*"))
 
 
-def save_checkpoint(out: Path, step: int, base: Base, trainer: Trainer, spec: AdapterSpec, state: dict) -> None:
+def save_checkpoint(out: Path, step: int, base: Checkpoint, trainer: Trainer, spec: AdapterSpec, state: dict) -> None:
     """Adapter, optimizer state and the run's state as `checkpoints/step-N/` (the last few kept)."""
     folder = out / CHECKPOINTS / f"step-{step:07d}"
     tmp = folder.with_name(folder.name + ".tmp")
@@ -520,7 +460,7 @@ def save_checkpoint(out: Path, step: int, base: Base, trainer: Trainer, spec: Ad
         shutil.rmtree(old)
 
 
-def restore_checkpoint(folder: Path, base: Base, trainer: Trainer) -> dict:
+def restore_checkpoint(folder: Path, base: Checkpoint, trainer: Trainer) -> dict:
     """Load a checkpoint's trained tensors and optimizer state; returns its run state."""
     weights = mx.load(str(folder / ADAPTER_FILE))
     trainable = dict(tree_flatten(base.network.trainable_parameters()))
@@ -589,7 +529,7 @@ def check_out(out: Path, resume: bool, force: bool) -> None:
 
 
 def finetune(
-    base: Base,
+    base: Checkpoint,
     train_records: list[Record],
     eval_records: list[Record],
     out: str | Path,
@@ -616,7 +556,7 @@ def finetune(
         raise ValueError(f"replay must be a share of the batch in [0, 1), got {options.replay}")
     mx.random.seed(options.seed)
     trainable = add_lora(base.network, spec)
-    max_length = base.max_length()
+    max_length = base.max_length
     train, skipped = encode_examples(base, train_records, max_length)
     held, held_skipped = encode_examples(base, eval_records, max_length)
     for reason, n in {**skipped, **held_skipped}.items():
@@ -665,7 +605,7 @@ def finetune(
             entry["eval"].update(held_out_loss(trainer, held, base, inputs, options, pad))
         if any(groups.values()):
             scores = f1_scores(
-                inference_model(base),
+                LocateModel(base),
                 groups,
                 options.eval_modes,
                 options.eval_max_tokens,
