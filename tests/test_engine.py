@@ -559,8 +559,8 @@ def test_a_request_is_resolved_once_at_its_edge(demo):
 def test_only_a_first_ar_step_decides_from_the_prompts_last_logits(demo, mode):
     """Slow mode's first token is the prefill's next token (`RowDecoder.begin` hands the prompt's logits back);
     a block step feeds the last prompt token as its anchor instead."""
-    logits = mx.zeros((1, demo.token_ids.vocab_size))
-    row = RowDecoder([1, 2, 3], demo.token_ids, DecodeOptions(Mode(mode)))
+    logits = mx.zeros((1, demo.runtime.token_ids.vocab_size))
+    row = RowDecoder([1, 2, 3], demo.runtime.token_ids, DecodeOptions(Mode(mode)))
     assert (row.begin(logits) is logits) == (mode == "slow")
 
 
