@@ -1,7 +1,7 @@
 """Images/s of `mlx-locate-batch` over a folder, per --batch-size (issue 12's CPU line: batch 4 against batch 1).
 
     python benchmarks/batch_bench.py --model demo --batch 1 4                      # synthetic scenes, real boxes
-    python benchmarks/batch_bench.py --preset medium --dtype float32 --batch 1 4   # random checkpoint (bench.py's)
+    python benchmarks/batch_bench.py --preset medium --dtype float32 --batch 1 4  # random checkpoint (bench.py's)
     python benchmarks/batch_bench.py --model CKPT --folder photos/ --query car --batch 1 4 16
 
 Each batch size runs the command's own `main` in this process over the same folder into a fresh JSONL (reading,
@@ -35,11 +35,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench import peer_request  # noqa: E402
 
 import mlx_locate  # noqa: E402
-from mlx_locate import batch  # noqa: E402
+from mlx_locate.commands import batch  # noqa: E402
 from mlx_locate.preprocess import preprocess  # noqa: E402
 from mlx_locate.prompts import prompt_ids, task_text  # noqa: E402
-from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 from mlx_locate.synthetic.scenes import make_sample  # noqa: E402
+from mlx_locate.weights.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 
 TOKENIZER_DIR = ROOT / "tests" / "data" / "golden" / "tokenizer"
 

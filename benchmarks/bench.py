@@ -36,21 +36,21 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mlx_locate  # noqa: E402
-from mlx_locate.bench import measure_bandwidth, timed_ms  # noqa: E402
-from mlx_locate.checkpoint import resolve  # noqa: E402
+from mlx_locate.commands.bench import measure_bandwidth, timed_ms  # noqa: E402
+from mlx_locate.commands.convert import PRESETS as QUANT_PRESETS  # noqa: E402
+from mlx_locate.commands.convert import quantization_plan  # noqa: E402
 from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
-from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
-from mlx_locate.convert import quantization_plan  # noqa: E402
 from mlx_locate.engine import Schedule  # noqa: E402
-from mlx_locate.loader import Checkpoint  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
-from mlx_locate.model import LocateAnything  # noqa: E402
+from mlx_locate.network.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
-from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 from mlx_locate.request import DEFAULT_TASK, Request  # noqa: E402
 from mlx_locate.sampling import Features, RowSampling, Sampling, summary_functions  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
+from mlx_locate.weights.checkpoint import resolve  # noqa: E402
+from mlx_locate.weights.loader import Checkpoint  # noqa: E402
+from mlx_locate.weights.random_checkpoint import PRESETS, make_random_checkpoint  # noqa: E402
 
 TOKENIZER_DIR = ROOT / "tests" / "data" / "golden" / "tokenizer"
 IMAGES = {"640x480": ROOT / "tests/data/golden/images/shapes_640x480.png"}
@@ -361,7 +361,7 @@ def whole_process(
     out. Strict greedy decoding; the peer gets our prompt ids."""
     out = {}
     sides = ("ours", "mlx_vlm") if peer else ("ours",)
-    ours = [sys.executable, "-m", "mlx_locate.generate", "--model", str(model_dir), "--image", str(image)]
+    ours = [sys.executable, "-m", "mlx_locate.commands.locate", "--model", str(model_dir), "--image", str(image)]
     ours += ["--prompt", prompt, "--dtype", dtype, "--strict", "--json"]
     ids: list[int] = []
     for mode in modes:

@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mlx_locate  # noqa: E402
-from mlx_locate.cards import COCO_CATEGORIES  # noqa: E402
 from mlx_locate.decide import Guards  # noqa: E402
 from mlx_locate.evaluation.score import located_f1  # noqa: E402
 from mlx_locate.parse import LocatedObject  # noqa: E402
 from mlx_locate.request import Request  # noqa: E402
 from mlx_locate.synthetic.scenes import SHAPES, kept_tasks, make_sample  # noqa: E402
+from mlx_locate.weights.cards import COCO_CATEGORIES  # noqa: E402
 
 VARIANTS = {
     "joint": {"joint": True, "guards": Guards(label_constraint=False)},

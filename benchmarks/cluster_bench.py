@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from batch_bench import synthetic_folder  # noqa: E402
 
-from mlx_locate import annotate, batch, cluster  # noqa: E402
+from mlx_locate.commands import batch, cluster  # noqa: E402
+from mlx_locate.commands import folders as annotate  # noqa: E402
 from mlx_locate.locate import load  # noqa: E402
 
 

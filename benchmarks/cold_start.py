@@ -27,7 +27,7 @@ PHASES = ("load_s", "compile_s", "preprocess_s", "vision_s", "prefix_prefill_s",
 
 
 def one_shot(side: Path, model: str, image: Path, max_tokens: int, mode: str) -> dict:
-    cmd = [sys.executable, "-m", "mlx_locate.generate", "--model", model, "--image", str(image)]
+    cmd = [sys.executable, "-m", "mlx_locate.commands.locate", "--model", model, "--image", str(image)]
     cmd += ["--query", "red box", "--json", "--max-tokens", str(max_tokens), "--mode", mode]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(side), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()

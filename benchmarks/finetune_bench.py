@@ -45,24 +45,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench.step_costs
 
+from mlx_locate.commands.convert import PRESETS as QUANT_PRESETS  # noqa: E402
+from mlx_locate.commands.convert import quantization_plan  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
-from mlx_locate.convert import PRESETS as QUANT_PRESETS  # noqa: E402
-from mlx_locate.convert import quantization_plan  # noqa: E402
-from mlx_locate.loader import Checkpoint, read_checkpoint  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
-from mlx_locate.lora import (  # noqa: E402
-    DECODER_PREFIX,
-    Adapter,
-    AdapterSpec,
-    LoRALinear,
-    LoRASpec,
-    apply_adapter,
-    layer_targets,
-    linear_dims,
-)
-from mlx_locate.model import LocateAnything  # noqa: E402
+from mlx_locate.network.model import LocateAnything  # noqa: E402
 from mlx_locate.prompts import task_text  # noqa: E402
-from mlx_locate.random_checkpoint import DEFAULT_TOKENIZER_DIR, PRESETS  # noqa: E402
 from mlx_locate.synthetic.scenes import DISTRACTORS, write_novel_data, write_word_only_data  # noqa: E402
 from mlx_locate.tokenizer import Tokenizer  # noqa: E402
 from mlx_locate.tuner.datasets import Record, Turn  # noqa: E402
@@ -75,6 +63,18 @@ from mlx_locate.tuner.finetune import (  # noqa: E402
     FinetuneOptions,
     finetune,
 )
+from mlx_locate.weights.loader import Checkpoint, read_checkpoint  # noqa: E402
+from mlx_locate.weights.lora import (  # noqa: E402
+    DECODER_PREFIX,
+    Adapter,
+    AdapterSpec,
+    LoRALinear,
+    LoRASpec,
+    apply_adapter,
+    layer_targets,
+    linear_dims,
+)
+from mlx_locate.weights.random_checkpoint import DEFAULT_TOKENIZER_DIR, PRESETS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench import folder_images, in_memory_model, make_image  # noqa: E402
 
 import mlx_locate  # noqa: E402
-from mlx_locate.cli import add_memory_limit, apply_memory_limit  # noqa: E402
+from mlx_locate.commands.flags import add_memory_limit, apply_memory_limit  # noqa: E402
 from mlx_locate.compiled import PREFILL_ROWS  # noqa: E402
 from mlx_locate.request import Request  # noqa: E402
 from mlx_locate.runtime import cache_copies_bytes  # noqa: E402

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench import make_image
 
-    from mlx_locate.random_checkpoint import make_random_checkpoint
+    from mlx_locate.weights.random_checkpoint import make_random_checkpoint
 
     work = Path(args.work)
     checkpoint = work / f"random-{args.preset}"

@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench import in_memory_model, measure_bandwidth  # noqa: E402
 
-from mlx_locate import language  # noqa: E402
 from mlx_locate.compiled import CompiledSteps, StepRunner  # noqa: E402
+from mlx_locate.network import language  # noqa: E402
 
 
 def timed(fn, iters: int = 30) -> float:

@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import timed_ms  # noqa: E402
 
-from mlx_locate.language import apply_rope, qkv_tables, rope_tables  # noqa: E402
-from mlx_locate.vision import apply_rope2d, rope2d_tables  # noqa: E402
+from mlx_locate.network.language import apply_rope, qkv_tables, rope_tables  # noqa: E402
+from mlx_locate.network.vision import apply_rope2d, rope2d_tables  # noqa: E402
 
 ITERS = 20
 

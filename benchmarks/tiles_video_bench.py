@@ -61,7 +61,8 @@ except ImportError:  # progress bars are not measured here; the offline GPU mach
     sys.modules["tqdm"] = types.ModuleType("tqdm")
     sys.modules["tqdm"].tqdm = _SilentBar
 
-from mlx_locate import Request, video  # noqa: E402
+from mlx_locate import Request  # noqa: E402
+from mlx_locate.commands import video  # noqa: E402
 from mlx_locate.locate import load  # noqa: E402
 from mlx_locate.metrics import greedy_match, iou  # noqa: E402
 from mlx_locate.synthetic.large_scenes import (  # noqa: E402

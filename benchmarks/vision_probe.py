@@ -39,7 +39,7 @@ def main() -> None:
         x = mx.random.normal((images, L, 1152)).astype(mx.bfloat16)
         mx.eval(x)
         block = tower.encoder.blocks[0]
-        from mlx_locate.vision import rope2d_tables
+        from mlx_locate.network.vision import rope2d_tables
 
         cos, sin = rope2d_tables(*grid, 72, 10000.0)
         ms = timed(lambda x=x, block=block, cos=cos, sin=sin: mx.eval(block(x, cos[None], sin[None])))
@@ -64,7 +64,7 @@ def main() -> None:
     print(
         f"matmul {16 * L}x1152 @ 1152x3456: {ms:.2f} ms = {2 * 16 * L * 1152 * 3456 / ms / 1e9:.0f} TFLOP/s", flush=True
     )
-    from mlx_locate.vision import apply_rope2d
+    from mlx_locate.network.vision import apply_rope2d
 
     t = mx.random.normal((16, L, 16, 72)).astype(mx.bfloat16)
     c, s = rope2d_tables(*grid, 72, 10000.0)

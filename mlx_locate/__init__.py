@@ -1,12 +1,12 @@
 """mlx_locate: NVIDIA LocateAnything grounding on Apple MLX, with Parallel Box Decoding."""
 
-from .checkpoint import DEMO_IMAGE
 from .decide import Guards, Mode
 from .engine import Engine, EngineEvent, EventKind, Handle
 from .locate import LocateModel, load
 from .parse import LocatedObject, parse_text
 from .request import Request, RequestError, Result
 from .sampling import Sampling
+from .weights.checkpoint import DEMO_IMAGE
 
 __all__ = [
     "DEMO_IMAGE",

@@ -20,9 +20,9 @@ from enum import Enum
 import mlx.core as mx
 
 from .cache import SlotCache, Where
-from .language import AttentionPath
 from .masks import BLOCK, step_mask, step_positions
-from .model import LocateAnything
+from .network.language import AttentionPath
+from .network.model import LocateAnything
 
 PREFILL_BUCKET = 128
 PREFILL_MIN = 16  # a short prompt (a query after a cached prefix) pads to a power of two from here

@@ -33,6 +33,9 @@ class Mode(Enum):
     HYBRID = "hybrid"  # block steps; an error box falls back to AR until </box>
 
 
+MODE_NAMES = tuple(m.value for m in Mode)  # what users type, in one place
+
+
 class Next(Enum):
     BLOCK = "block"
     AR = "ar"

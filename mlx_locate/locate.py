@@ -16,11 +16,11 @@ from PIL import Image
 from tqdm import tqdm
 
 from .engine import Engine, EventKind, Schedule
-from .loader import Checkpoint, read_checkpoint
 from .request import PreparedImage, Request, RequestError, Result
 from .runtime import Runtime
 from .tune import cached, model_key, tuned
 from .tune import enabled as tunes
+from .weights.loader import Checkpoint, read_checkpoint
 
 __all__ = ["LocateModel", "Result", "Session", "load"]
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .attention import SCORE_BUDGET, SCORE_BYTES, Path, attention_path, backend
 from .cache import kv_bucket
-from .model import LocateAnything
+from .network.attention import SCORE_BUDGET, SCORE_BYTES, Path, attention_path, backend
+from .network.model import LocateAnything
 
 # Bytes of transient work at once (a few tower blocks, one prefill call) where half the free memory holds them: on
 # a GPU, bigger pieces read the weights fewer times, so a GPU with much free memory lends its work a share of it

@@ -21,13 +21,13 @@ from PIL import Image
 
 from .cache import SlotCache, kv_bucket, rows_bucket
 from .compiled import BLOCK_FORWARD_ROWS, PREFILL_BUCKET, PREFILL_ROWS, CompiledSteps, Phase, padded_rows
-from .cpu import store_input_major
-from .language import fuse_projections
-from .loader import Checkpoint
 from .memory import Budget
+from .network.cpu import store_input_major
+from .network.language import fuse_projections
 from .preprocess import NORMALISED
 from .prompts import UserText, prompt_ids
 from .request import DEFAULT_MAX_TOKENS, PreparedImage, prepare_image
+from .weights.loader import Checkpoint
 
 HOST_WORKERS = 8  # threads that prepare images and prompts ahead of the engine, at most
 PROMPT_WORDS = 128  # a prompt's tokens besides its image's, about (the chat turns and a query)

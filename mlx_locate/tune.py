@@ -26,13 +26,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .attention import Path as TowerPath
-from .attention import attention_path, backend
 from .compiled import BLOCK_FORWARD_ROWS, PREFILL_ROWS, Phase
-from .language import AttentionPath
 from .masks import BLOCK
 from .memory import PROBE_PATCHES
-from .model import LocateAnything
+from .network.attention import Path as TowerPath
+from .network.attention import attention_path, backend
+from .network.language import AttentionPath
+from .network.model import LocateAnything
 from .runtime import Runtime
 
 TUNE_ENV = "MLX_LOCATE_TUNE"  # "0": measure nothing, read and write no cache

@@ -1,8 +1,8 @@
 """Shared fixtures: the golden reference data and checkpoint folders assembled from tests/data; the two tiers.
 
 `python3 -m pytest` runs the fast tier (pyproject's addopts: `-m 'not slow'`, spread over the cores by
-pytest-xdist); `python3 -m pytest -m slow` the slow tier; add `-n 0` to run in one process. A module of hypothesis tests belongs to both: a share of their examples in the fast tier, all of them in
-the slow one."""
+pytest-xdist); `python3 -m pytest -m slow` the slow tier; add `-n 0` to run in one process. A module of hypothesis
+tests belongs to both: a share of their examples in the fast tier, all of them in the slow one."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ import pytest
 from PIL import Image, ImageFile
 
 import mlx_locate
-from mlx_locate import Request, generate
-from mlx_locate import cli as cli_module
+from mlx_locate import Request
+from mlx_locate.commands import flags as cli_module
+from mlx_locate.commands import locate as generate
 from mlx_locate.locate import load
 from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, SIGNATURES, ImageTooLargeError, load_image, to_rgb
 from mlx_locate.request import RequestError

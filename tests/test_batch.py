@@ -1,4 +1,4 @@
-"""`mlx_locate.batch` over a small folder with the bundled demo model: JSONL lines through the batched engine,
+"""`mlx_locate.commands.batch` over a small folder with the bundled demo model: JSONL lines through the batched engine,
 bad files as error lines, resume, COCO, drawings, shards and merging."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import pytest
 from conftest import approx_tree
 from PIL import Image
 
-from mlx_locate import annotate, batch, exports
-from mlx_locate import cli as cli_module
-from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.commands import batch, exports
+from mlx_locate.commands import flags as cli_module
+from mlx_locate.commands import folders as annotate
 from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
 from mlx_locate.locate import load
 from mlx_locate.parse import LocatedObject
 from mlx_locate.prompts import task_text
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 IMAGE = DEMO_DIR / "example.png"
 QUERIES = ["square", "circle"]  # the demo model finds both on IMAGE

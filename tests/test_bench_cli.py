@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_command_is_installed():
-    assert 'mlx-locate-bench = "mlx_locate.bench:main"' in (ROOT / "pyproject.toml").read_text()
+    assert 'mlx-locate-bench = "mlx_locate.commands.bench:main"' in (ROOT / "pyproject.toml").read_text()
 
 
 def test_a_model_that_does_not_load_is_one_error_line(tmp_path, capsys):
-    from mlx_locate.bench import main
+    from mlx_locate.commands.bench import main
 
     assert main(["--model", str(tmp_path / "missing"), "--quick", "--json", str(tmp_path / "out.json")]) == 2
     err = capsys.readouterr().err
@@ -30,7 +30,17 @@ def test_a_model_that_does_not_load_is_one_error_line(tmp_path, capsys):
 def test_bench_quick_on_the_demo_writes_every_field(tmp_path):
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_LOCATE_TUNE": "1", "MLX_LOCATE_CACHE_DIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "mlx_locate.bench", "--model", "demo", "--quick", "--ops-per-buffer", "20", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_locate.commands.bench",
+        "--model",
+        "demo",
+        "--quick",
+        "--ops-per-buffer",
+        "20",
+        "60",
+    ]
     proc = subprocess.run([*cmd, "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("| what | measured |")

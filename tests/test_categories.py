@@ -12,13 +12,15 @@ import pytest
 from conftest import approx_tree
 
 import mlx_locate
-from mlx_locate import exports, generate, memory
-from mlx_locate.annotate import Question
-from mlx_locate.cards import COCO_CATEGORIES
+from mlx_locate import memory
 from mlx_locate.categories import category_names
-from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.commands import exports
+from mlx_locate.commands import locate as generate
+from mlx_locate.commands.folders import Question
 from mlx_locate.request import Request, RequestError
 from mlx_locate.synthetic.scenes import SHAPES, make_sample
+from mlx_locate.weights.cards import COCO_CATEGORIES
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 IMAGE = str(DEMO_DIR / "example.png")
 

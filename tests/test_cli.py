@@ -16,8 +16,8 @@ from conftest import GOLDEN
 from PIL import Image
 
 import mlx_locate
-from mlx_locate import cli as cli_module
-from mlx_locate import generate
+from mlx_locate.commands import flags as cli_module
+from mlx_locate.commands import locate as generate
 from mlx_locate.locate import load
 from mlx_locate.sampling import Sampling
 
@@ -235,7 +235,7 @@ def test_argument_errors(cli, capsys, args, message):
 
 
 def test_default_model_is_the_bundled_demo_and_demo_example_its_image_from_any_folder(capsys, tmp_path, monkeypatch):
-    demo = Path(generate.__file__).parent / "demo"
+    demo = Path(mlx_locate.__file__).parent / "demo"
     code = generate.main(["--image", str(demo / "example.png"), "--query", "square", "--max-tokens", "24", "--json"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
@@ -267,8 +267,13 @@ def test_module_help():
 
 
 def test_every_command_with_a_progress_bar_takes_no_progress():
-    with_bar = {"mlx_locate.batch", "mlx_locate.video", "mlx_locate.convert", "mlx_locate.evaluate"}
-    with_bar.add("mlx_locate.finetune")  # the training loop's bar (tuner.finetune)
+    with_bar = {
+        "mlx_locate.commands.batch",
+        "mlx_locate.commands.video",
+        "mlx_locate.commands.convert",
+        "mlx_locate.commands.evaluate",
+    }
+    with_bar.add("mlx_locate.commands.finetune")  # the training loop's bar (tuner.finetune)
     pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
     section = pyproject.split("[project.scripts]")[1].split("\n[")[0]
     for target in re.findall(r'^mlx-locate[\w-]* = "([\w.]+):main"', section, re.M):
@@ -279,7 +284,8 @@ def test_every_command_with_a_progress_bar_takes_no_progress():
 
 
 # Flags declared in more than one place on purpose: the name means something else in each command, or the module
-# sits on a floor below cli.py (random_checkpoint: weights; synthetic.scenes: host-side data) and cannot import it.
+# sits on a floor below commands/flags.py (random_checkpoint: weights; synthetic.scenes: host-side data) and cannot
+# import it.
 SAME_NAME_OTHER_MEANING = {
     "--out": "a JSONL file, a folder of answers, an adapter or a checkpoint folder, per command",
     "--seed": "sampling (cli), training (cli), a synthetic stream (evaluate, synthetic.scenes), random weights",
@@ -288,30 +294,30 @@ SAME_NAME_OTHER_MEANING = {
     "--images": "the images to annotate (batch) or the root of a data file's image paths (cli.add_images_root)",
     "--batch-size": "engine rows (cli.add_rows' alias of --max-rows) or samples per training step (add_training)",
     "--adapter": "convert: the adapter fused into the weights (needs --fuse), not one applied at load",
-    "--dtype": "random_checkpoint: the stored dtype, below cli's floor",
-    "--overwrite": "random_checkpoint, below cli's floor",
-    "--force": "random_checkpoint, below cli's floor (the alias of --overwrite)",
+    "--dtype": "random_checkpoint: the stored dtype, below the flags' floor",
+    "--overwrite": "random_checkpoint, below the flags' floor",
+    "--force": "random_checkpoint, below the flags' floor (the alias of --overwrite)",
 }
 
 
 def test_each_shared_flag_is_declared_once():
-    """Every flag of the package's parsers is declared in one place (cli.py composes the shared ones), apart
+    """Every flag of the package's parsers is declared in one place (commands/flags.py composes the shared ones), apart
     from SAME_NAME_OTHER_MEANING."""
-    package = Path(cli_module.__file__).parent
+    package = Path(mlx_locate.__file__).parent
     declared: dict[str, list[str]] = {}
     for path in sorted(package.rglob("*.py")):
         for names in re.findall(r'add_argument\(\s*((?:"--[\w-]+",\s*)*"--[\w-]+")', path.read_text()):
             for flag in re.findall(r'"(--[\w-]+)"', names):
                 declared.setdefault(flag, []).append(str(path.relative_to(package)))
-    assert declared["--steps"] == ["cli.py"] and declared["--json"] == ["cli.py"]
+    assert declared["--steps"] == ["commands/flags.py"] and declared["--json"] == ["commands/flags.py"]
     twice = {flag: where for flag, where in declared.items() if len(where) > 1 and flag not in SAME_NAME_OTHER_MEANING}
-    assert not twice, f"declare these once in cli.py and compose them: {twice}"
+    assert not twice, f"declare these once in commands/flags.py and compose them: {twice}"
 
 
 def test_both_trainers_take_the_training_flags():
     """`mlx-locate-finetune` and the demo trainer share cli.add_training (each with its defaults); finetune's
     --force is --overwrite's alias."""
-    from mlx_locate import finetune
+    from mlx_locate.commands import finetune
     from mlx_locate.tuner import demo_recipe
     from mlx_locate.tuner.finetune import FinetuneOptions
     from mlx_locate.tuner.trainer import TrainOptions

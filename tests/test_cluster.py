@@ -19,10 +19,11 @@ import ray  # the [cluster] extra (in the test extra): without it these tests fa
 from conftest import approx_tree
 from PIL import Image
 
-from mlx_locate import annotate, batch, cluster
-from mlx_locate import cli as cli_module
-from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.commands import batch, cluster
+from mlx_locate.commands import flags as cli_module
+from mlx_locate.commands import folders as annotate
 from mlx_locate.locate import load
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 pytestmark = pytest.mark.slow  # a local Ray cluster and its actor pools
 
@@ -128,7 +129,7 @@ def test_a_good_run_logs_no_error_and_keeps_the_token_private(folder, single):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"HOME": str(home), "RAY_TMPDIR": ray_dir}
     args = [*RUN, "--images", str(folder), "--out", str(out), "--ray", "local", "--actors", "1", "--no-progress"]
     done = subprocess.run(
-        [sys.executable, "-m", "mlx_locate.batch", *args], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "mlx_locate.commands.batch", *args], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
     errors = [line for line in done.stderr.splitlines() if re.search(r"^\[[^]]* E \d+ \d+\]|\bERROR\b", line)]

@@ -1,4 +1,4 @@
-"""The converter (mlx_locate/convert.py): round trips, presets, the mlx-vlm layout, bad input, the report."""
+"""The converter (mlx_locate/commands/convert.py): round trips, presets, the mlx-vlm layout, bad input, the report."""
 
 import hashlib
 import json
@@ -10,14 +10,15 @@ import pytest
 from conftest import TOKENIZER_DIR, slow_but
 from PIL import Image, ImageDraw
 
-from mlx_locate import checkpoint, load
-from mlx_locate import convert as cv
+from mlx_locate import load
+from mlx_locate.commands import convert as cv
+from mlx_locate.commands.convert import PRESETS, convert, main
 from mlx_locate.compiled import StepRunner
-from mlx_locate.convert import PRESETS, convert, main
 from mlx_locate.preprocess import preprocess
 from mlx_locate.prompts import prompt_ids, task_text
-from mlx_locate.random_checkpoint import make_random_checkpoint
 from mlx_locate.tokenizer import Tokenizer
+from mlx_locate.weights import checkpoint
+from mlx_locate.weights.random_checkpoint import make_random_checkpoint
 
 MODES = ("slow", "fast", "hybrid")
 _real_from_folder = Tokenizer.from_folder.__func__

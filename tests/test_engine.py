@@ -25,13 +25,13 @@ from mlx_locate import runtime as runtime_module
 from mlx_locate import tiles as tiles_module
 from mlx_locate import vision_ahead as vision_ahead_module
 from mlx_locate.cache import kv_bucket
-from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.decide import Mode
 from mlx_locate.engine import EventKind, Schedule
 from mlx_locate.request import Request, RequestError, decode_options, parse_mode
 from mlx_locate.row_decoder import DecodeOptions, RowDecoder
 from mlx_locate.sampling import Sampling
 from mlx_locate.tiles import Tile
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 SCHEDULES = {"mixed-dense": Schedule(mixed=True, dense=True), "split-gathered": Schedule(mixed=False, dense=False)}
 MODES = ("slow", "fast", "hybrid")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_locate import RequestError, load, metrics
-from mlx_locate.evaluate import main
+from mlx_locate.commands.evaluate import main
 from mlx_locate.evaluation import formats, predict, score, synthetic
 from mlx_locate.parse import LocatedObject
 from mlx_locate.synthetic.scenes import make_sample
@@ -326,7 +326,7 @@ def test_predictions_are_scored_without_a_model(run, bench, tmp_path, monkeypatc
     out, _ = run
     import mlx_locate.locate
 
-    monkeypatch.setattr(mlx_locate.cli, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(mlx_locate.commands.flags, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     # The COCO answers get the COCO path; the JSONL's detection answers on the same images do not.
     files = [str(out / f"synthetic_coco_{m}.jsonl") for m in MODES] + [str(out / "synthetic_hybrid.jsonl")]
     code, printed = run_main(["--predictions", *files, "--data", str(bench / DATA[1]), "--out", str(tmp_path)])

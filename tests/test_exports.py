@@ -14,7 +14,7 @@ import supervision as sv
 import test_batch
 from pycocotools.coco import COCO
 
-from mlx_locate import exports
+from mlx_locate.commands import exports
 from mlx_locate.locate import load
 from mlx_locate.synthetic.scenes import make_scene
 

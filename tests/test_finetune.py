@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_locate import lora
-from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.locate import load
-from mlx_locate.lora import (
+from mlx_locate.tuner.datasets import Record, Turn, encode_record, read_data, split
+from mlx_locate.weights import lora
+from mlx_locate.weights.checkpoint import DEMO_DIR
+from mlx_locate.weights.lora import (
     ADAPTER_FILE,
     CONFIG_FILE,
     AdapterSpec,
@@ -27,7 +28,6 @@ from mlx_locate.lora import (
     add_lora,
     save_adapter,
 )
-from mlx_locate.tuner.datasets import Record, Turn, encode_record, read_data, split
 
 IMAGE = DEMO_DIR / "example.png"
 
@@ -85,7 +85,7 @@ def test_fused_lora_projections_equal_their_parts():
 
 
 def _demo_network(dtype="float32"):
-    from mlx_locate.loader import read_checkpoint
+    from mlx_locate.weights.loader import read_checkpoint
 
     return read_checkpoint("demo", dtype)
 
@@ -109,7 +109,7 @@ def _random_adapter(tmp_path, spec: AdapterSpec, seed: int = 0, strength: float 
 
 def _peft_copy(ours, dest):
     """Our adapter rewritten the way PEFT saves NVIDIA's (`language_model` wrapped by get_peft_model)."""
-    from mlx_locate.lora import read_adapter
+    from mlx_locate.weights.lora import read_adapter
 
     adapter = read_adapter(ours)
     dest.mkdir()
@@ -350,7 +350,7 @@ def test_finetune_teaches_a_new_shape(tuned):
 def assert_loaded_and_fused_give_training_time_tokens(base, adapter, requests, tmp_path):
     """The network as trained (LoRA beside the weights), `load(adapter_path=)` (merged) and the checkpoint that
     `mlx-locate-convert --adapter --fuse` writes produce the same tokens; the base files never change."""
-    from mlx_locate.convert import main as convert_main
+    from mlx_locate.commands.convert import main as convert_main
     from mlx_locate.locate import LocateModel
 
     base_hash = hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest()
@@ -438,10 +438,10 @@ def test_quantized_base_trains_and_keeps_lora_beside_it(novel_data, tmp_path):
     """A mixed_4_8+vision8 base: LoRA trains through the quantized layers (the connector dequantized to train),
     the quantized weights stay as they were, and loading keeps the pairs beside them, q|k|v and gate|up fused,
     with the training-time tokens."""
-    from mlx_locate.convert import convert
-    from mlx_locate.loader import read_checkpoint
+    from mlx_locate.commands.convert import convert
     from mlx_locate.locate import LocateModel
     from mlx_locate.request import Request
+    from mlx_locate.weights.loader import read_checkpoint
 
     q = convert("demo", tmp_path / "q", dtype="float32", quantize="mixed_4_8+vision8")
     base = read_checkpoint(q)
@@ -494,7 +494,7 @@ def test_gradient_checkpointing_gives_the_same_step(novel_data, compiled):
 def cli(novel_files, tmp_path):
     """(main, argv, small): `mlx-locate-finetune` on the first samples of each file, written beside it (image
     paths are relative to the data file)."""
-    from mlx_locate.finetune import main
+    from mlx_locate.commands.finetune import main
 
     data = []
     for path, n in zip(novel_files, (4, 2), strict=True):
@@ -565,8 +565,8 @@ def test_nvidia_lora_checkpoint_loads_merged(tmp_path):
     config.json: `load` and `mlx-locate-convert` merge it, giving the tokens of the same pairs as an adapter."""
     import shutil
 
-    from mlx_locate.convert import convert
-    from mlx_locate.lora import read_adapter
+    from mlx_locate.commands.convert import convert
+    from mlx_locate.weights.lora import read_adapter
 
     spec = AdapterSpec(LoRASpec(rank=4, alpha=8, dropout=0.0, keys=lora.DECODER_KEYS[:4]), trainable=())
     _, folder = _random_adapter(tmp_path, spec, strength=0.3)
@@ -633,12 +633,12 @@ def _detect(image, categories, answer):
 def test_known_categories_of_the_demo_and_the_release():
     """The demo's config.json names its shapes (as `tuner.demo_recipe` writes it); NVIDIA's release architecture gets
     COCO's 80; a malformed entry is an error naming the field."""
-    from mlx_locate.cards import COCO_CATEGORIES, CONFIG_KEY, KnownCategories, known_categories
-    from mlx_locate.checkpoint import RELEASE_CONFIG
     from mlx_locate.config import ModelConfig
-    from mlx_locate.random_checkpoint import PRESETS
     from mlx_locate.synthetic.scenes import DETECT_CATEGORY_COUNTS, SHAPES
     from mlx_locate.tuner.demo_recipe import build_tokenizer, demo_config, model_sizes
+    from mlx_locate.weights.cards import COCO_CATEGORIES, CONFIG_KEY, KnownCategories, known_categories
+    from mlx_locate.weights.checkpoint import RELEASE_CONFIG
+    from mlx_locate.weights.random_checkpoint import PRESETS
 
     raw = json.loads((DEMO_DIR / "config.json").read_text())
     assert known_categories(raw) == KnownCategories(SHAPES, max(DETECT_CATEGORY_COUNTS)) == _demo_network().known
@@ -651,8 +651,8 @@ def test_known_categories_of_the_demo_and_the_release():
 
 
 def test_kept_categories_and_their_prompts_never_ask_new_words():
-    from mlx_locate.cards import KnownCategories
     from mlx_locate.tuner import replay as rp
+    from mlx_locate.weights.cards import KnownCategories
 
     a, b = IMAGE.with_name("a.png"), IMAGE.with_name("b.png")
     records = [
@@ -739,14 +739,14 @@ def test_replay_is_on_by_default_and_batches_hold_the_base_answers(tmp_path, mon
     """Default options: before training the base labels the training images for its known shapes, and the
     batches hold those answers, encoded like the data (the base asked again gives the same boxes and Nones); no
     replay prompt asks for the new word; the held-out report has the kept categories' F1, also on the console."""
-    from mlx_locate.finetune import build_parser
-    from mlx_locate.finetune import options as cli_options
-    from mlx_locate.loader import read_checkpoint
+    from mlx_locate.commands.finetune import build_parser
+    from mlx_locate.commands.finetune import options as cli_options
     from mlx_locate.prompts import parse_task_text, task_text
     from mlx_locate.synthetic.scenes import SHAPES, write_word_only_data
     from mlx_locate.tokenizer import Tokenizer
     from mlx_locate.tuner import finetune as ft
     from mlx_locate.tuner.replay import share_on
+    from mlx_locate.weights.loader import read_checkpoint
 
     assert cli_options(build_parser().parse_args(["--data", "x", "--out", "y"])).replay == ft.FinetuneOptions.replay
     assert ft.FinetuneOptions.replay >= 0.2

@@ -13,10 +13,10 @@ import pytest
 from conftest import GOLDEN, golden_case, golden_cases, slow_but
 
 import mlx_locate
-from mlx_locate import cpu
 from mlx_locate.compiled import StepRunner
+from mlx_locate.network import cpu
+from mlx_locate.network.projector import merge_2x2
 from mlx_locate.preprocess import preprocess
-from mlx_locate.projector import merge_2x2
 
 CHECKPOINTS = ("tiny_random", "tiny_peaky")
 CASES = golden_cases()

@@ -264,7 +264,7 @@ class CorruptLabels:
 @pytest.fixture(scope="module")
 def corrupt(golden_dir, tok):
     model = mlx_locate.load(golden_dir("tiny_peaky"), dtype="float32")
-    CorruptLabels(tok).wrap(model)
+    CorruptLabels(tok).wrap(model.runtime)
     return model
 
 
@@ -325,10 +325,10 @@ def test_holding_labels_compiles_nothing_new_after_warm_up(corrupt):
     ask = partial(corrupt.locate, IMAGE, categories=NAMES, joint=True, max_tokens=96)
     for mode in ("slow", "fast", "hybrid"):
         ask(mode=mode)
-    before = corrupt.compilations
+    before = corrupt.runtime.compilations
     for mode in ("slow", "fast", "hybrid"):
         ask(mode=mode)
-    assert corrupt.compilations == before
+    assert corrupt.runtime.compilations == before
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,10 @@ from conftest import GOLDEN, TOKENIZER_DIR
 from mlx.utils import tree_flatten
 
 from mlx_locate.config import ModelConfig
-from mlx_locate.loader import build_model
 from mlx_locate.locate import load
 from mlx_locate.runtime import Runtime
 from mlx_locate.tokenizer import Tokenizer
+from mlx_locate.weights.loader import build_model
 
 SOURCE = GOLDEN / "checkpoints" / "tiny_random"
 HEAD = "language_model.lm_head.weight"
@@ -282,10 +282,10 @@ def test_load_end_to_end(golden_dir):
 def test_one_way_in_gives_inference_and_training_the_same_record():
     """`read_checkpoint` is what `load` and fine-tuning start from: the demo's patch limit, positions, path and
     known categories (its five shapes); `LocateModel` over the record answers as `load` does."""
-    from mlx_locate.cards import known_categories
-    from mlx_locate.checkpoint import DEMO_DIR
-    from mlx_locate.loader import read_checkpoint
     from mlx_locate.locate import LocateModel
+    from mlx_locate.weights.cards import known_categories
+    from mlx_locate.weights.checkpoint import DEMO_DIR
+    from mlx_locate.weights.loader import read_checkpoint
 
     checkpoint = read_checkpoint("demo")
     raw = json.loads((DEMO_DIR / "config.json").read_text())
@@ -311,8 +311,8 @@ def test_the_public_model_shows_the_api_and_holds_the_engines_side():
 def test_the_runtime_fuses_a_view_and_leaves_the_checkpoints_network_as_it_was():
     """A model over a checkpoint someone keeps (fine-tuning trains it) works on a view: the checkpoint's
     projections stay unfused, its head as stored and its modules in training mode."""
-    from mlx_locate.loader import read_checkpoint
     from mlx_locate.locate import LocateModel
+    from mlx_locate.weights.loader import read_checkpoint
 
     checkpoint = read_checkpoint("demo")
     network = checkpoint.network
@@ -330,8 +330,8 @@ def test_load_gives_the_network_over_so_its_peak_holds_one_copy_of_the_projectio
     """`load` hands its checkpoint over (`take_over`): the unfused projections are freed as the fused ones load, so
     the load's peak stays below the weights plus the decoder's projections, which a view of a kept network holds
     twice."""
-    from mlx_locate.loader import read_checkpoint
     from mlx_locate.locate import LocateModel
+    from mlx_locate.weights.loader import read_checkpoint
 
     projections = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
     decoder = read_checkpoint("demo").network.language_model.model.parameters()

@@ -14,10 +14,11 @@ from mlx.utils import tree_flatten
 from PIL import Image
 
 import mlx_locate
-from mlx_locate import memory, runtime, vision
+from mlx_locate import memory, runtime
 from mlx_locate.cache import kv_bucket
-from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.network import vision
 from mlx_locate.request import Request
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 IMAGE = DEMO_DIR / "example.png"
 

@@ -16,11 +16,19 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_locate import attention, cpu
 from mlx_locate.cache import Where
 from mlx_locate.config import TextConfig, VisionConfig
-from mlx_locate.cpu import InputMajorEmbedding, PanelEmbedding, cpu_head, openblas_core, store_input_major, transposed
-from mlx_locate.language import (
+from mlx_locate.masks import BLOCK, step_mask, step_positions, training_mask
+from mlx_locate.network import attention, cpu
+from mlx_locate.network.cpu import (
+    InputMajorEmbedding,
+    PanelEmbedding,
+    cpu_head,
+    openblas_core,
+    store_input_major,
+    transposed,
+)
+from mlx_locate.network.language import (
     Attention,
     DecoderLayer,
     LanguageModel,
@@ -31,9 +39,8 @@ from mlx_locate.language import (
     qkv_tables,
     rope_tables,
 )
-from mlx_locate.masks import BLOCK, step_mask, step_positions, training_mask
-from mlx_locate.projector import make_connector, merge_2x2, run_connector
-from mlx_locate.vision import Block, PosEmb, VisionTower, apply_rope2d, bicubic_matrix, gelu_tanh, rope2d_tables
+from mlx_locate.network.projector import make_connector, merge_2x2, run_connector
+from mlx_locate.network.vision import Block, PosEmb, VisionTower, apply_rope2d, bicubic_matrix, gelu_tanh, rope2d_tables
 
 ATOL = 1e-5
 

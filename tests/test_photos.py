@@ -12,8 +12,9 @@ import pytest
 from PIL import Image, ImageDraw
 
 import mlx_locate
-from mlx_locate import batch, generate
-from mlx_locate import cli as cli_module
+from mlx_locate.commands import batch
+from mlx_locate.commands import flags as cli_module
+from mlx_locate.commands import locate as generate
 from mlx_locate.preprocess import UNDO_ORIENTATION, load_image, photo_notes, target_size
 from mlx_locate.request import RequestError
 from mlx_locate.synthetic.scenes import COLORS, Obj, draw_object

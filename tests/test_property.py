@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import mlx_locate
-from mlx_locate import cli as cli_module
-from mlx_locate import generate
+from mlx_locate.commands import flags as cli_module
+from mlx_locate.commands import locate as generate
 from mlx_locate.locate import load
 from mlx_locate.preprocess import FORMATS, SIGNATURES, load_image, preprocess
 from mlx_locate.prompts import TASKS

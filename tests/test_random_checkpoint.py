@@ -5,8 +5,8 @@ import pytest
 from conftest import GOLDEN
 from safetensors import safe_open
 
-from mlx_locate import checkpoint, random_checkpoint
-from mlx_locate.random_checkpoint import PRESETS, make_random_checkpoint, tensor_specs
+from mlx_locate.weights import checkpoint, random_checkpoint
+from mlx_locate.weights.random_checkpoint import PRESETS, make_random_checkpoint, tensor_specs
 
 
 def _shapes(path) -> dict[str, tuple[str, tuple[int, ...]]]:

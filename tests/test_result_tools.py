@@ -11,11 +11,11 @@ import pytest
 from PIL import Image
 
 import mlx_locate
-from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.draw import draw_objects
 from mlx_locate.parse import LocatedObject
 from mlx_locate.preprocess import load_image
 from mlx_locate.request import Request, Result
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 IMAGE = DEMO_DIR / "example.png"
 

@@ -19,19 +19,19 @@ from PIL import Image
 
 from mlx_locate import cache as cache_module
 from mlx_locate import compiled as compiled_module
-from mlx_locate import cpu
 from mlx_locate import engine as engine_module
 from mlx_locate import runtime as runtime_module
 from mlx_locate.cache import KV_BUCKET, SlotCache, kv_bucket
-from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.compiled import PREFILL_BUCKET, PREFILL_MIN, CompiledSteps, Phase, StepRunner, padded_rows
 from mlx_locate.config import ModelConfig
 from mlx_locate.engine import Schedule
-from mlx_locate.loader import build_model
 from mlx_locate.locate import load
 from mlx_locate.masks import BLOCK, step_mask
-from mlx_locate.random_checkpoint import make_random_checkpoint
+from mlx_locate.network import cpu
 from mlx_locate.request import Request
+from mlx_locate.weights.checkpoint import DEMO_DIR
+from mlx_locate.weights.loader import build_model
+from mlx_locate.weights.random_checkpoint import make_random_checkpoint
 
 ATOL = 1e-5
 

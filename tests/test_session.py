@@ -7,7 +7,7 @@ from conftest import GOLDEN
 from PIL import Image
 
 import mlx_locate
-from mlx_locate.checkpoint import DEMO_DIR
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 IMAGE = GOLDEN / "images" / "shapes_448x448.png"
 QUERIES = ["red box", "green circle", "the blue square"]

@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 from PIL import Image, ImageDraw
 
-from mlx_locate import Request, RequestError, generate
-from mlx_locate import cli as cli_module
+from mlx_locate import Request, RequestError
+from mlx_locate.commands import flags as cli_module
+from mlx_locate.commands import locate as generate
 from mlx_locate.locate import load
 from mlx_locate.metrics import greedy_match, iou
 from mlx_locate.parse import LocatedObject

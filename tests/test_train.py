@@ -6,7 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_locate.checkpoint import DEMO_DIR
 from mlx_locate.compiled import StepRunner
 from mlx_locate.evaluation.predict import RunOptions, evaluate
 from mlx_locate.evaluation.synthetic import synthetic_benchmarks
@@ -25,6 +24,7 @@ from mlx_locate.tuner.demo_recipe import (
     save_checkpoint,
 )
 from mlx_locate.tuner.trainer import GridTables, Trainer, TrainOptions, collate, cut_blocks, forward_hidden
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from test_engine import MODES, check_golden, golden_request
 import mlx_locate
 from mlx_locate import tune
 from mlx_locate.compiled import PREFILL_ROWS, Phase
-from mlx_locate.language import AttentionPath
+from mlx_locate.network.language import AttentionPath
 
 ROOT = Path(__file__).resolve().parents[1]
 COUNT = "import mlx_locate, mlx_locate.tune as t; mlx_locate.load('demo'); print(t.measurements)"

@@ -13,8 +13,8 @@ import pytest
 from conftest import approx_tree
 from PIL import Image
 
-from mlx_locate import cli as cli_module
-from mlx_locate import video
+from mlx_locate.commands import flags as cli_module
+from mlx_locate.commands import video
 from mlx_locate.draw import draw_objects
 from mlx_locate.locate import load
 from mlx_locate.metrics import iou

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mlx_locate.checkpoint import DEMO_IMAGE
+from mlx_locate.weights.checkpoint import DEMO_IMAGE
 
 pytestmark = pytest.mark.slow
 

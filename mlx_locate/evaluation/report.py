@@ -12,11 +12,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import metrics
-from ..decide import Mode
+from ..decide import MODE_NAMES
 from .formats import extra
 from .score import Row
 
-MODES = tuple(m.value for m in Mode)
+MODES = MODE_NAMES
 REPORT_FILES = ("report.json", "report.md", "f1_vs_iou.png")
 COLUMNS = (  # header, Row attribute, format
     ("F1@0.5", "f1_50", ".3f"),

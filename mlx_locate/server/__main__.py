@@ -17,9 +17,9 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .. import cli
-from ..checkpoint import resolve
+from ..commands import flags
 from ..locate import load
+from ..weights.checkpoint import resolve
 from .protocol import DEFAULT_MAX_PIXELS, Settings
 
 DEFAULT_HOST = "127.0.0.1"
@@ -28,21 +28,21 @@ DEFAULT_PORT = 8080
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     """Flags shared with `mlx-locate-mcp`: what to load and what one request may cost."""
-    cli.add_model(p)
-    cli.add_max_pixels(p, DEFAULT_MAX_PIXELS)
+    flags.add_model(p)
+    flags.add_max_pixels(p, DEFAULT_MAX_PIXELS)
     p.add_argument(
         "--max-queue",
-        type=cli.positive_int,
+        type=flags.positive_int,
         default=Settings.max_queue,
         help="requests waiting or decoding at once; more are refused (HTTP 503) (default: %(default)s)",
     )
     p.add_argument(
         "--timeout",
-        type=cli.positive_float,
+        type=flags.positive_float,
         default=Settings.timeout_s,
         help="seconds one request may take, queueing included (HTTP 504) (default: %(default)s)",
     )
-    cli.add_rows(p)
+    flags.add_rows(p)
     p.add_argument(
         "--no-warmup", action="store_true", help="say ready as soon as the model loads (first requests compile)"
     )
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-image-mb",
-        type=cli.positive_float,
+        type=flags.positive_float,
         default=Settings.max_image_mb,
         help="megabytes of images the server holds, compressed while they wait and decoded once their turn comes; "
         "more are refused (HTTP 503) (default: %(default)s)",
@@ -118,7 +118,7 @@ def model_loader(args: argparse.Namespace):
     folder = resolve(args.model)
     if args.adapter is not None and not Path(args.adapter).is_dir():
         raise FileNotFoundError(f"adapter folder {args.adapter!r} does not exist")
-    cli.apply_memory_limit(args)
+    flags.apply_memory_limit(args)
     return lambda: load(folder, dtype=args.dtype, adapter_path=args.adapter)
 
 

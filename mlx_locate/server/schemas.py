@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from ..decide import Mode
 from ..admission import MAX_SEED
+from ..decide import MODE_NAMES
 from ..preprocess import ORIENTATIONS
 from ..prompts import TASKS
 from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, MIN_IMAGE_TOKENS, Request
@@ -50,7 +50,7 @@ Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Int = whole()
 
 # One type per decoding option.
-ModeName = Literal[tuple(m.value for m in Mode)]
+ModeName = Literal[MODE_NAMES]
 TaskName = Literal[TASKS]
 MaxTokens = whole(ge=1, le=MAX_TOKENS)
 Temperature = real(ge=0, le=MAX_TEMPERATURE)

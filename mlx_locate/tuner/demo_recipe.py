@@ -23,20 +23,20 @@ from mlx.utils import tree_flatten
 from tokenizers import AddedToken, models, trainers
 from tokenizers import Tokenizer as _Tokenizer
 
-from .. import cli
-from ..cards import CONFIG_KEY, KnownCategories
-from ..checkpoint import DEMO_DIR, DTYPES, read_weights
+from ..commands import flags
 from ..config import ModelConfig
-from ..loader import sanitize
 from ..masks import BLOCK
-from ..model import LocateAnything
+from ..network.model import LocateAnything
 from ..preprocess import PATCH_SIZE
 from ..preprocess import patchify as cut_patches
 from ..prompts import prompt_ids, task_text
-from ..random_checkpoint import Preset
 from ..synthetic.scenes import COLORS, DETECT_CATEGORY_COUNTS, SHAPES, Sample, make_sample
 from ..tokenizer import Tokenizer, qwen2_byte_level
 from ..tokens import TokenIds
+from ..weights.cards import CONFIG_KEY, KnownCategories
+from ..weights.checkpoint import DEMO_DIR, DTYPES, read_weights
+from ..weights.loader import sanitize
+from ..weights.random_checkpoint import Preset
 from .trainer import (
     STAT_COLUMNS,
     Encoded,
@@ -432,7 +432,7 @@ def train(args: argparse.Namespace) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mlx_locate.tuner.demo_recipe", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint folder to write (original HF layout)")
-    cli.add_training(
+    flags.add_training(
         p,
         steps=1000,
         batch_size=32,

@@ -29,14 +29,15 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..decide import MODE_NAMES
 from ..evaluation.score import located_f1
-from ..loader import Checkpoint
 from ..locate import LocateModel
-from ..lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
+from ..network.projector import merge_2x2
+from ..network.vision import rope2d_tables
 from ..preprocess import preprocess
-from ..projector import merge_2x2
 from ..request import Request, RequestError, Result
-from ..vision import rope2d_tables
+from ..weights.loader import Checkpoint
+from ..weights.lora import ADAPTER_FILE, AdapterSpec, LoRASpec, add_lora, save_adapter
 from . import replay as rp
 from .datasets import Example, Record, encode_record, norm_label, record_labels, truth_of
 from .trainer import (
@@ -52,7 +53,6 @@ from .trainer import (
     learning_rate,
 )
 
-MODES = ("slow", "fast", "hybrid")
 ROW_BUCKET = 64  # merged image rows (and patches / 4) are padded to a multiple of this: few compiled shapes
 CHECKPOINTS = "checkpoints"
 KEEP_CHECKPOINTS = 3  # as NVIDIA's save_total_limit
@@ -74,7 +74,7 @@ class FinetuneOptions:
     log_every: int = 10
     eval_every: int = 100  # also at step 0 and at the end; 0: only then
     eval_samples: int = 64  # held-out samples scored for F1 (the loss uses all of them)
-    eval_modes: tuple[str, ...] = MODES
+    eval_modes: tuple[str, ...] = MODE_NAMES
     eval_max_tokens: int = 256
     save_every: int | None = None  # checkpoints; None: at every evaluation
     replay: float = 0.3  # share of each batch answered by the base on kept categories (0: off)
@@ -550,8 +550,8 @@ def finetune(
     if draw:
         require_matplotlib()
     for mode in options.eval_modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        if mode not in MODE_NAMES:
+            raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODE_NAMES)}")
     if not 0 <= options.replay < 1:
         raise ValueError(f"replay must be a share of the batch in [0, 1), got {options.replay}")
     mx.random.seed(options.seed)

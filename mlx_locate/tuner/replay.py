@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from .. import jsonl
-from ..cards import RELEASE_PER_PROMPT, KnownCategories
 from ..locate import LocateModel
 from ..prompts import parse_task_text, task_text
 from ..request import Request, RequestError, Result
 from ..tokenizer import Tokenizer
 from ..tokens import TokenIds
+from ..weights.cards import RELEASE_PER_PROMPT, KnownCategories
 from .datasets import Record, Turn, norm_label, record_labels, truth_of
 
 LABEL_MODE = "slow"  # the base's most careful answers

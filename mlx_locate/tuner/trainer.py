@@ -1,5 +1,5 @@
 """The training library both trainers share (the demo's from scratch, `demo_recipe.py`, and LoRA fine-tuning,
-`finetune.py`): docs/training.md §1-§4.
+`commands/finetune.py`): docs/training.md §1-§4.
 
 Every sample is ONE sequence `[x_0 .. x_{L-1}] ++ [block 0] ++ ... ++ [block K-1]` (the NTP stream, then 6 rows per
 block: the clean anchor copy and 5 `<text_mask>`), under the docs/training.md §2.2 mask; one float32 cross-entropy
@@ -21,15 +21,15 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-from ..checkpoint import DTYPES
-from ..language import DecoderLayer
 from ..masks import BLOCK
-from ..model import LocateAnything
+from ..network.language import DecoderLayer
+from ..network.model import LocateAnything
+from ..network.projector import run_connector
+from ..network.vision import bicubic_matrix, rope2d_tables
 from ..preprocess import NORMALISED, PATCH_SIZE
-from ..projector import run_connector
 from ..synthetic.scenes import SIDES
 from ..tokens import TokenIds
-from ..vision import bicubic_matrix, rope2d_tables
+from ..weights.checkpoint import DTYPES
 
 LENGTH_BUCKET = 64
 IGNORE = -1

@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from .annotate import Annotated, AnnotateSettings, annotate
-from .locate import load
+from ..locate import load
+from .folders import Annotated, AnnotateSettings, annotate
 
 RETRIES = 3  # restarts of a dead actor, and reruns of a batch whose actor died; a crash that repeats stops the run
 EXTRA = 'pip install "mlx-locate[cluster]"'

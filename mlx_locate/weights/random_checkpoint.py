@@ -4,7 +4,7 @@ For tests and benchmarks: the folder looks like a download of `nvidia/LocateAnyt
 release's fields and token ids, bf16 safetensors with the release's tensor names and layouts, including the stored
 head copy, and the tokenizer/processor files), only the sizes are a preset's and the weights are random.
 
-    python -m mlx_locate.random_checkpoint --preset tiny --out /tmp/tiny [--seed 0] [--dtype bfloat16] [--force]
+    python -m mlx_locate.weights.random_checkpoint --preset tiny --out /tmp/tiny [--seed 0] [--dtype bfloat16] [--force]
 
 Initialisation follows tests/data/golden/README.md: N(0, 0.02) for every tensor, norm weights 1 + N(0, 0.02),
 and the language model's linear weights N(0, `layer_std`) (0.5 in the small presets, so that hidden states depend
@@ -40,7 +40,7 @@ TOKENIZER_FILES = (
     "vocab.json",
 )
 OPTIONAL_TOKENIZER_FILES = ("tokenizer.json",)
-DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden" / "tokenizer"
+DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "golden" / "tokenizer"
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,7 @@ def make_random_checkpoint(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_locate.random_checkpoint",
+        prog="python -m mlx_locate.weights.random_checkpoint",
         description="Write a random LocateAnything checkpoint in the original Hugging Face layout.",
     )
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")

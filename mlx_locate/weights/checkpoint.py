@@ -16,11 +16,11 @@ DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
 
 DEMO_NAME = "demo"
-DEMO_DIR = Path(__file__).parent / "demo"
+DEMO_DIR = Path(__file__).parents[1] / "demo"
 DEMO_IMAGE = DEMO_DIR / "example.png"  # the demo's example scene, wherever the package is installed
 # config.json of NVIDIA's release (as the golden checkpoints have it): random checkpoints take its fields, and a
 # checkpoint of its architecture its model card's categories (`cards.is_release`)
-RELEASE_CONFIG: dict = json.loads((Path(__file__).parent / "release_config.json").read_text())
+RELEASE_CONFIG: dict = json.loads((Path(__file__).parents[1] / "release_config.json").read_text())
 
 
 def resolve(path_or_id: str | Path) -> Path:

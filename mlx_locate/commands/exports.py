@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import quote
 from xml.sax.saxutils import quoteattr
 
-from .parse import PIXEL_DECIMALS, json_pixels
+from ..parse import PIXEL_DECIMALS, json_pixels
 
 FLAGS = {  # export -> its flag
     "coco": "--coco",

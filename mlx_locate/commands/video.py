@@ -4,7 +4,7 @@
 Frames are sampled by time (for each multiple of 1 / fps, the first decoded frame at or after it, less half a
 frame for timestamp rounding), decoded to RGB by
 PyAV (the `[video]` extra) and sent through one batched engine, a bounded window of frames in flight.
-`python -m mlx_locate.video` runs the same `main`.
+`python -m mlx_locate.commands.video` runs the same `main`.
 
 - `--out`: JSONL. The first line describes the run (`video`, `size`, `fps`, the questions, and `complete`: false
   until every sampled frame of the video has its line, then rewritten in place to true); then one line per
@@ -45,15 +45,16 @@ from typing import NamedTuple
 from PIL import Image
 from tqdm import tqdm
 
-from . import cli, jsonl
-from .annotate import Jsonl, OutputError
-from .draw import draw_objects
-from .engine import EventKind
-from .locate import LocateModel
-from .metrics import iou
-from .parse import LocatedObject
-from .prompts import CATEGORY_SEPARATOR, task_text
-from .request import DEFAULT_TASK, Request, RequestError, Result
+from .. import jsonl
+from ..draw import draw_objects
+from ..engine import EventKind
+from ..locate import LocateModel
+from ..metrics import iou
+from ..parse import LocatedObject
+from ..prompts import CATEGORY_SEPARATOR, task_text
+from ..request import DEFAULT_TASK, Request, RequestError, Result
+from . import flags
+from .folders import Jsonl, OutputError
 
 DEFAULT_FPS = 2.0
 TRACK_IOU = 0.3  # a detection continues a track when it overlaps the track's predicted box this much
@@ -551,36 +552,36 @@ def build_parser() -> argparse.ArgumentParser:
         description="Locate and track objects in a video with LocateAnything on MLX: JSONL per frame, MOT tracks, "
         "an annotated clip.",
     )
-    cli.add_model(p)
+    flags.add_model(p)
     p.add_argument("--video", required=True, help="video file (anything FFmpeg reads: MP4, MKV, WebM, MOV, ...)")
-    cli.add_questions(p, several_prompts=False)
-    cli.add_categories(p)
+    flags.add_questions(p, several_prompts=False)
+    flags.add_categories(p)
     p.add_argument(
-        "--fps", type=cli.positive_float, default=DEFAULT_FPS, help="frames per second to sample (default: 2)"
+        "--fps", type=flags.positive_float, default=DEFAULT_FPS, help="frames per second to sample (default: 2)"
     )
-    cli.add_rows(p)
+    flags.add_rows(p)
     p.add_argument("--out", required=True, help="JSONL, one line per sampled frame; an existing file is resumed")
     p.add_argument("--annotated", metavar="PATH", help="write the sampled frames with boxes and track ids drawn")
     p.add_argument("--mot", metavar="PATH", help="write the tracks in MOT Challenge format")
-    cli.add_overwrite(p, "existing --annotated and --mot files")
-    cli.add_progress(p)
-    cli.add_decoding(p)
-    cli.add_sampling(p)
-    cli.add_tiling(p, "frame")
-    cli.add_image_options(p)
+    flags.add_overwrite(p, "existing --annotated and --mot files")
+    flags.add_progress(p)
+    flags.add_decoding(p)
+    flags.add_sampling(p)
+    flags.add_tiling(p, "frame")
+    flags.add_image_options(p)
     return p
 
 
 def settings_of(args: argparse.Namespace) -> VideoSettings:
     """The run's settings; `ValueError` for a bad query, sampling or tiling value (before the model loads)."""
     task = args.task or DEFAULT_TASK
-    categories = cli.categories_of(args)
+    categories = flags.categories_of(args)
     queries = (CATEGORY_SEPARATOR.join(categories),) if categories is not None else tuple(args.query or [None])
     if args.prompt is None:
         for query in queries:
             task_text(task, query)
-    decoding = cli.request_options(args)
-    tiling = cli.tiling_of(args) or {"tiles": None, "tile_overlap": Request.tile_overlap, "tile_whole": True}
+    decoding = flags.request_options(args)
+    tiling = flags.tiling_of(args) or {"tiles": None, "tile_overlap": Request.tile_overlap, "tile_whole": True}
     return VideoSettings(
         task=task,
         queries=queries if args.prompt is None else (None,),
@@ -596,9 +597,9 @@ def settings_of(args: argparse.Namespace) -> VideoSettings:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    cli.check_questions(parser, args)
-    cli.check_decoding(parser, args)
-    cli.check_tiling_flags(parser, args)
+    flags.check_questions(parser, args)
+    flags.check_decoding(parser, args)
+    flags.check_tiling_flags(parser, args)
     annotated = None
     try:
         settings = settings_of(args)
@@ -614,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = min(rate, Fraction(info.rate))
         if args.annotated:
             annotated = AnnotatedVideo(args.annotated, rate)
-        model = cli.load_model(args)
+        model = flags.load_model(args)
         written, problem = run(model, args, settings, info, out, header, done, has_header, annotated)
         annotated = None
     except (FileNotFoundError, FileExistsError, ValueError, OutputError) as e:

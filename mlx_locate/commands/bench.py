@@ -28,12 +28,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 from PIL import Image
 
-from . import cli
-from .attention import backend
-from .compiled import PREFILL_ROWS, StepRunner
-from .locate import LocateModel
-from .request import Request
-from .synthetic.scenes import make_scene
+from ..compiled import PREFILL_ROWS, StepRunner
+from ..locate import LocateModel
+from ..network.attention import backend
+from ..request import Request
+from ..synthetic.scenes import make_scene
+from . import flags
 
 OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
 PHOTO = (4032, 3024)  # a 12 MP phone photo
@@ -101,7 +101,7 @@ def step_ms(model: LocateModel, context: int, iters: int) -> dict:
 
 def one_shot(model_flags: list[str], image: Path, max_tokens: int) -> dict:
     """The one-shot command in a new process: seconds from its start to its exit, and its phases."""
-    cmd = [sys.executable, "-m", "mlx_locate.generate", *model_flags, "--image", str(image)]
+    cmd = [sys.executable, "-m", "mlx_locate.commands.locate", *model_flags, "--image", str(image)]
     cmd += ["--query", QUERY, "--json", "--max-tokens", str(max_tokens)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -166,14 +166,14 @@ def write_images(work: Path, n: int) -> list[Path]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-locate-bench", description="Measure this machine with a model.")
-    cli.add_model(p, adapter=False)
+    flags.add_model(p, adapter=False)
     p.add_argument("--quick", action="store_true", help="fewer runs, a smaller folder and bandwidth test")
-    p.add_argument("--ops-per-buffer", type=cli.positive_int, nargs="+", metavar="N",
+    p.add_argument("--ops-per-buffer", type=flags.positive_int, nargs="+", metavar="N",
                    help=f"also run the steps under each {OPS_ENV} value, each in its own process")  # fmt: skip
     p.add_argument("--steps-only", action="store_true", help=argparse.SUPPRESS)  # the --ops-per-buffer children
     p.add_argument("--macs-rows", nargs="+", type=Path, metavar="JSON", help=argparse.SUPPRESS)  # maintainers:
     # print the benchmarks/README "Macs" table's rows of these files, measure nothing
-    cli.add_json(p, "write the results here (default: mlx-locate-bench.json)", path=True)
+    flags.add_json(p, "write the results here (default: mlx-locate-bench.json)", path=True)
     return p
 
 
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(macs_row(json.loads(f.read_text()), f.name) for f in args.macs_rows))
         return 0
     out = Path(args.json or "mlx-locate-bench.json")
-    model = cli.load_model(args)
+    model = flags.load_model(args)
     if args.steps_only:
         out.write_text(json.dumps(steps_report(model, args.quick)))
         return 0
@@ -223,7 +223,15 @@ def run(args: argparse.Namespace) -> int:
         report["ops_per_buffer"] = {}
         for n in args.ops_per_buffer or []:
             child = work / f"ops_{n}.json"
-            cmd = [sys.executable, "-m", "mlx_locate.bench", *model_flags(args), "--steps-only", "--json", str(child)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "mlx_locate.commands.bench",
+                *model_flags(args),
+                "--steps-only",
+                "--json",
+                str(child),
+            ]
             cmd += ["--quick"] if args.quick else []
             subprocess.run(cmd, check=True, env={**os.environ, OPS_ENV: str(n)})
             report["ops_per_buffer"][str(n)] = json.loads(child.read_text())

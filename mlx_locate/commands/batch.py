@@ -1,6 +1,6 @@
 """Folders of images: `mlx-locate-batch --images DIR_OR_GLOB_OR_LIST --query Q [--query ...] --out results.jsonl`.
 
-`python -m mlx_locate.batch` runs the same `main`. Every (image x question) is a `Request` to one batched
+`python -m mlx_locate.commands.batch` runs the same `main`. Every (image x question) is a `Request` to one batched
 `Engine`; a bounded window of images is in flight, so memory does not grow with the folder. A question is a
 `--query` under `--task`, or a raw `--prompt`. Output formats:
 
@@ -13,7 +13,7 @@
   only a failure of the model or of the output stops it (exit 2; every line written stays). Rerunning with
   the same `--out` resumes by image path: images already in the file are skipped; a last line cut short by
   an interruption is dropped and its image done again. Delete an error line to retry that image.
-- Exports (`exports.py`), written once the run is done from the whole JSONL, so a resumed run and `--merge`
+- Exports (`commands/exports.py`), written once the run is done from the whole JSONL, so a resumed run and `--merge`
   write them complete: `--coco F` a COCO dataset (images, categories in the order asked, annotations with
   scores), `--coco-results F` COCO detection results in the same ids, `--yolo DIR` a YOLO dataset, `--voc
   DIR` Pascal VOC XML, `--labelstudio F` Label Studio tasks with predictions (its labelling config printed).
@@ -25,7 +25,7 @@
 
 Many machines: `--shard I/N` runs the I-th of N disjoint parts (a stable hash of each path), `--merge OUT
 PART...` joins the parts' JSONL files, and `--ray [ADDRESS]` spreads the images over a Ray cluster
-(`cluster.py`). Exports a run wrote are listed in `OUT.exports.json` and rewritten by its reruns; `--overwrite`
+(`commands/cluster.py`). Exports a run wrote are listed in `OUT.exports.json` and rewritten by its reruns; `--overwrite`
 lets exports and `--draw` replace other existing files; a JSONL is never overwritten.
 """
 
@@ -42,8 +42,13 @@ from pathlib import Path
 from PIL import Image
 from tqdm import tqdm
 
-from . import cli, exports, jsonl
-from .annotate import (
+from .. import jsonl
+from ..draw import draw_objects
+from ..parse import LocatedObject
+from ..prompts import CATEGORY_SEPARATOR, task_text
+from ..request import DEFAULT_TASK
+from . import exports, flags
+from .folders import (
     LEAN_DROPPED,
     Annotated,
     AnnotateSettings,
@@ -57,10 +62,6 @@ from .annotate import (
     scan_output,
     write_sorted,
 )
-from .draw import draw_objects
-from .parse import LocatedObject
-from .prompts import CATEGORY_SEPARATOR, task_text
-from .request import DEFAULT_TASK
 
 DEFAULT_IMAGES_PER_TASK = 16
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".heic", ".heif", ".avif")
@@ -72,21 +73,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run LocateAnything questions over a folder of images; resumable JSONL, COCO results, drawings; "
         "shards, merging and Ray clusters for many machines.",
     )
-    cli.add_model(p)
+    flags.add_model(p)
     p.add_argument(
         "--images",
         help=f"a folder (its files ending in {', '.join(IMAGE_SUFFIXES)}), a glob pattern ('**' recurses) or a "
         '.jsonl list of paths (one JSON string or {"image": PATH} per line; relative to the list\'s folder)',
     )
-    cli.add_questions(p)
-    cli.add_categories(p)
-    cli.add_max_pixels(p)
-    cli.add_image_options(p)
-    cli.add_rows(p)
-    cli.add_progress(p)
-    cli.add_decoding(p)
-    cli.add_sampling(p)
-    cli.add_tiling(p)
+    flags.add_questions(p)
+    flags.add_categories(p)
+    flags.add_max_pixels(p)
+    flags.add_image_options(p)
+    flags.add_rows(p)
+    flags.add_progress(p)
+    flags.add_decoding(p)
+    flags.add_sampling(p)
+    flags.add_tiling(p)
     p.add_argument("--out", help="JSONL results, one line per image; an existing file is resumed")
     p.add_argument("--full", action="store_true", help=f"keep {' and '.join(LEAN_DROPPED)} in the JSONL")
     p.add_argument("--coco", metavar="PATH", help="also write a COCO dataset (instances JSON with scores)")
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--voc", metavar="DIR", help="also write one Pascal VOC XML per image into DIR")
     p.add_argument("--labelstudio", metavar="PATH", help="also write Label Studio tasks with predictions")
     p.add_argument("--draw", metavar="DIR", help="save each image with its objects drawn as DIR/<name>.png")
-    cli.add_overwrite(p, "existing export files this run did not write and --draw drawings")
+    flags.add_overwrite(p, "existing export files this run did not write and --draw drawings")
 
     m = p.add_argument_group("many machines")
     m.add_argument("--shard", type=shard_spec, metavar="I/N", help="run only part I of N (1-based; a hash of the path)")
@@ -115,11 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the one `ray start` made on this machine, else a local one",
     )
     m.add_argument(
-        "--actors", type=cli.positive_int, help="Ray: model copies (default: one per 'mlx' resource, GPU or node)"
+        "--actors", type=flags.positive_int, help="Ray: model copies (default: one per 'mlx' resource, GPU or node)"
     )
     m.add_argument(
         "--images-per-task",
-        type=cli.positive_int,
+        type=flags.positive_int,
         default=DEFAULT_IMAGES_PER_TASK,
         help="Ray: images sent to a worker at once; a dead worker's task is redone elsewhere (default: %(default)s)",
     )
@@ -159,9 +160,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         return
     if args.images is None or args.out is None:
         parser.error("--images and --out are required (or --merge OUT PART...)")
-    cli.check_questions(parser, args)
-    cli.check_decoding(parser, args)
-    cli.check_tiling_flags(parser, args)
+    flags.check_questions(parser, args)
+    flags.check_decoding(parser, args)
+    flags.check_tiling_flags(parser, args)
     if args.overwrite and not (export_targets(args) or args.draw):
         parser.error("--overwrite only applies to exports and --draw")
     if args.ray is None and args.actors is not None:
@@ -174,7 +175,7 @@ def settings_of(args: argparse.Namespace) -> AnnotateSettings:
         questions = tuple(Question(None, None, prompt) for prompt in args.prompt)
     else:
         task = args.task or DEFAULT_TASK
-        categories = cli.categories_of(args)
+        categories = flags.categories_of(args)
         queries = [CATEGORY_SEPARATOR.join(categories)] if categories is not None else args.query or [None]
         questions = tuple(Question(task, query) for query in queries)
     for q in questions:
@@ -182,7 +183,7 @@ def settings_of(args: argparse.Namespace) -> AnnotateSettings:
             task_text(q.task, q.query)
     return AnnotateSettings(
         questions=questions,
-        options={**cli.request_options(args), **cli.tiling_of(args)},
+        options={**flags.request_options(args), **flags.tiling_of(args)},
         max_pixels=args.max_pixels,
         full=args.full,
         max_rows=args.max_rows,
@@ -338,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         model = {"path_or_hub_id": args.model, "dtype": args.dtype, "adapter_path": args.adapter}
         lines = cluster.ray_lines(args.ray or None, pending, model, settings, args.actors, args.images_per_task)
     else:
-        lines = annotate(cli.load_model(args), pending, settings)
+        lines = annotate(flags.load_model(args), pending, settings)
 
     if args.draw and done:
         in_part = set(part)

@@ -14,8 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..config import VisionConfig
 from .attention import SCORE_BUDGET, image_attention
-from .config import VisionConfig
 
 
 @partial(mx.compile, shapeless=True)

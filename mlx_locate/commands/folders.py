@@ -18,12 +18,12 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from . import jsonl
-from .engine import EventKind
-from .locate import LocateModel
-from .preprocess import load_image
-from .prompts import CATEGORY_SEPARATOR
-from .request import DEFAULT_TASK, Request, Result
+from .. import jsonl
+from ..engine import EventKind
+from ..locate import LocateModel
+from ..preprocess import load_image
+from ..prompts import CATEGORY_SEPARATOR
+from ..request import DEFAULT_TASK, Request, Result
 
 LEAN_DROPPED = ("prompt_ids", "token_probs")  # per-token fields left out of the JSONL unless --full
 QUESTION_KEYS = ("task", "query", "prompt")  # what a result entry says about its question

@@ -15,11 +15,12 @@ import sys
 
 from tqdm import tqdm
 
-from . import cli
-from .loader import read_checkpoint
-from .lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
-from .tuner.datasets import norm_label, read_data, split
-from .tuner.finetune import MODES, FinetuneOptions, finetune, fmt
+from ..decide import MODE_NAMES
+from ..tuner.datasets import norm_label, read_data, split
+from ..tuner.finetune import FinetuneOptions, finetune, fmt
+from ..weights.loader import read_checkpoint
+from ..weights.lora import DECODER_KEYS, VISION_KEYS, AdapterSpec, LoRASpec
+from . import flags
 
 DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_DROPOUT = 64, 128.0, 0.05  # NVIDIA's LoRA script
 DEFAULT_HELD_OUT = 0.1
@@ -28,16 +29,16 @@ DEFAULT_REPLAY = FinetuneOptions.replay
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-locate-finetune", description=__doc__.split("\n\n")[0])
-    cli.add_model(p, adapter=False)
+    flags.add_model(p, adapter=False)
     p.add_argument("--data", required=True, help="training data: SFT .jsonl, recipe .json or COCO instances .json")
-    cli.add_images_root(p, "--data's and --val-data's")
+    flags.add_images_root(p, "--data's and --val-data's")
     p.add_argument("--out", required=True, help="output folder: adapter, checkpoints, log.jsonl, training.png")
     p.add_argument("--val-data", help="held-out data (default: a --val-fraction of --data's images)")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_HELD_OUT, help="held-out share (default: 0.1)")
     p.add_argument("--categories-per-prompt", type=int, default=10, help="COCO: categories per detection prompt")
 
     t = p.add_argument_group("training")
-    cli.add_training(
+    flags.add_training(
         t,
         steps=FinetuneOptions.steps,
         batch_size=FinetuneOptions.batch_size,
@@ -81,13 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("held-out evaluation, checkpoints")
     e.add_argument("--eval-every", type=int, default=100, help="score the held-out split every N steps (0: start, end)")
     e.add_argument("--eval-samples", type=int, default=64, help="held-out samples decoded for F1")
-    e.add_argument("--eval-modes", nargs="+", choices=MODES, default=list(MODES))
+    e.add_argument("--eval-modes", nargs="+", choices=MODE_NAMES, default=list(MODE_NAMES))
     e.add_argument("--eval-max-tokens", type=int, default=256)
     e.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    cli.add_overwrite(e, "a non-empty --out")
+    flags.add_overwrite(e, "a non-empty --out")
     e.add_argument("--no-plot", action="store_true", help="do not draw training.png (needs matplotlib)")
-    cli.add_progress(e)
-    cli.add_json(e, "print the summary as JSON")
+    flags.add_progress(e)
+    flags.add_json(e, "print the summary as JSON")
     return p
 
 

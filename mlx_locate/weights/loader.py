@@ -14,13 +14,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..config import ModelConfig
+from ..network.model import LocateAnything
+from ..preprocess import IN_TOKEN_LIMIT
+from ..tokenizer import Tokenizer
 from .cards import KnownCategories, known_categories
 from .checkpoint import DTYPES, read_json, read_weights, resolve
-from .config import ModelConfig
 from .lora import Adapter, apply_adapter, peft_name, read_adapter
-from .model import LocateAnything
-from .preprocess import IN_TOKEN_LIMIT
-from .tokenizer import Tokenizer
 
 CPU_DTYPE = "float32"  # what a checkpoint computes in on the CPU backend unless told otherwise (`read_checkpoint`)
 

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .categories import category_names
-from .checkpoint import DEMO_IMAGE, DTYPES
-from .decide import Guards, Mode
-from .locate import load
-from .preprocess import DEFAULT_MAX_PIXELS, ORIENTATIONS
-from .prompts import RENDERINGS, TASKS
-from .request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, Request
-from .sampling import Sampling
-from .tiles import check_tiling, parse_tiles
+from ..categories import category_names
+from ..decide import MODE_NAMES, Guards
+from ..locate import load
+from ..preprocess import DEFAULT_MAX_PIXELS, ORIENTATIONS
+from ..prompts import RENDERINGS, TASKS
+from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, Request
+from ..sampling import Sampling
+from ..tiles import check_tiling, parse_tiles
+from ..weights.checkpoint import DEMO_IMAGE, DTYPES
 
 DEFAULT_MODEL = "demo"  # the bundled demo model (synthetic shapes); pass a folder or hub id for real images
 DEMO_IMAGE_NAME = "demo:example"  # the bundled example image (checkpoint.DEMO_IMAGE), from any folder
@@ -216,7 +216,7 @@ def add_decoding(p: argparse.ArgumentParser, max_tokens: int = DEFAULT_MAX_TOKEN
     d = p.add_argument_group("decoding")
     d.add_argument(
         "--mode",
-        choices=[m.value for m in Mode],
+        choices=MODE_NAMES,
         default=DEFAULT_MODE,
         help="slow: token by token; fast: boxes in parallel; hybrid: parallel, token by token on doubt "
         "(default: %(default)s)",

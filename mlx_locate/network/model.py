@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import ModelConfig
+from ..config import ModelConfig
+from ..tokens import TokenIds
 from .language import LanguageModel
 from .projector import make_connector, merge_2x2, run_connector
-from .tokens import TokenIds
 from .vision import VisionTower
 
 

@@ -24,8 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..network.language import FUSED, fuse_linears
 from .checkpoint import check_safetensors
-from .language import FUSED, fuse_linears
 
 ADAPTER_FILE = "adapters.safetensors"
 CONFIG_FILE = "adapter_config.json"

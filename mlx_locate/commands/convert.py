@@ -1,6 +1,6 @@
 """Convert a LocateAnything checkpoint (original Hugging Face or mlx-vlm layout) into an MLX checkpoint folder.
 
-    python -m mlx_locate.convert --hf-path nvidia/LocateAnything-3B --mlx-path LocateAnything-3B-q8 \
+    python -m mlx_locate.commands.convert --hf-path nvidia/LocateAnything-3B --mlx-path LocateAnything-3B-q8 \
         [--dtype bfloat16] [--quantize q8] [--report] [--force]
 
 The output folder holds our tensor names (docs/model.md §4: the HF names, the patch conv as a Linear (C, 3*p*p), no
@@ -36,21 +36,30 @@ from mlx.utils import tree_flatten
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from . import cli
-from .checkpoint import DTYPES, plan_shards, read_json, read_weights, resolve, shard_names, weight_files, write_index
-from .compiled import StepRunner
-from .config import ModelConfig
-from .decide import Mode
-from .loader import assemble_model, rename, sanitize, split_peft_checkpoint
-from .locate import LocateModel, load
-from .lora import apply_adapter, read_adapter
-from .metrics import iou
-from .model import LocateAnything
-from .parse import LocatedObject, parse_tokens
-from .preprocess import preprocess, to_rgb
-from .prompts import prompt_ids, task_text
-from .row_decoder import DecodeOptions, decode
-from .tokenizer import Tokenizer
+from ..compiled import StepRunner
+from ..config import ModelConfig
+from ..decide import Mode
+from ..locate import LocateModel, load
+from ..metrics import iou
+from ..network.model import LocateAnything
+from ..parse import LocatedObject, parse_tokens
+from ..preprocess import preprocess, to_rgb
+from ..prompts import prompt_ids, task_text
+from ..row_decoder import DecodeOptions, decode
+from ..tokenizer import Tokenizer
+from ..weights.checkpoint import (
+    DTYPES,
+    plan_shards,
+    read_json,
+    read_weights,
+    resolve,
+    shard_names,
+    weight_files,
+    write_index,
+)
+from ..weights.loader import assemble_model, rename, sanitize, split_peft_checkpoint
+from ..weights.lora import apply_adapter, read_adapter
+from . import flags
 
 DEFAULT_DTYPE = "bfloat16"
 # Copied as they are when the source has them; tokenizer.json is written, not copied.
@@ -257,7 +266,7 @@ base_model: {source}
 ---
 # LocateAnything for MLX ({quantize or dtype})
 
-Converted with `python -m mlx_locate.convert` on {info["date"]}.
+Converted with `python -m mlx_locate.commands.convert` on {info["date"]}.
 
 - source: `{source}` ({info["source_bytes"] / 1e9:.3f} GB on disk)
 - dtype: {dtype}
@@ -422,7 +431,7 @@ def convert(
 
 # --- report ---------------------------------------------------------------------------------------------------
 
-REPORT_IMAGES_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "golden" / "images"
+REPORT_IMAGES_DIR = Path(__file__).resolve().parents[2] / "tests" / "data" / "golden" / "images"
 REPORT_PROMPTS = (("detect", "red box"), ("refer", "the blue square"), ("point", "the yellow circle"))
 REPORT_MAX_TOKENS = 64
 
@@ -610,14 +619,14 @@ def format_report(r: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     presets = "\n".join(f"  {name:22} {p.description}" for name, p in PRESETS.items())
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_locate.convert",
+        prog="python -m mlx_locate.commands.convert",
         description="Convert a LocateAnything checkpoint (Hugging Face or mlx-vlm layout) to an MLX checkpoint.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"quantization presets:\n{presets}",
     )
     parser.add_argument("--hf-path", required=True, help="source folder or Hugging Face hub id")
     parser.add_argument("--mlx-path", required=True, type=Path, help="destination folder")
-    cli.add_dtype(parser, DEFAULT_DTYPE, "float dtype of the output (default: %(default)s)")
+    flags.add_dtype(parser, DEFAULT_DTYPE, "float dtype of the output (default: %(default)s)")
     parser.add_argument(
         "-q",
         "--quantize",
@@ -627,10 +636,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantization preset (see below)",
     )
     parser.add_argument("--report", action="store_true", help="compare the result with the source; writes report.json")
-    cli.add_overwrite(parser, "an existing --mlx-path")
+    flags.add_overwrite(parser, "an existing --mlx-path")
     parser.add_argument("--adapter", help="LoRA adapter folder (mlx-locate-finetune's or PEFT's); needs --fuse")
     parser.add_argument("--fuse", action="store_true", help="merge --adapter into the written weights")
-    cli.add_progress(parser)
+    flags.add_progress(parser)
     return parser
 
 

@@ -6,7 +6,7 @@
     mlx-locate-eval --predictions runs/demo/synthetic_fast.jsonl   # score an answer file; no model is loaded
     mlx-locate-eval --compare runs/bf16/report.json runs/q4/report.json
 
-`python -m mlx_locate.evaluate` runs the same `main`. Data: benchmark files (`--data`, repeatable; formats in
+`python -m mlx_locate.commands.evaluate` runs the same `main`. Data: benchmark files (`--data`, repeatable; formats in
 `evaluation.formats`, images under `--images`, by default the data file's folder) and the synthetic scenes
 (`--synthetic N`, `evaluation.synthetic`). The model answers each sample (`evaluation.predict`) in every `--modes`
 mode, into `OUT/<data>_<mode>.jsonl`; a rerun continues those files. The report (`evaluation.score`,
@@ -20,12 +20,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import cli
-from .evaluation.formats import FORMATS, load_benchmark, read_json
-from .evaluation.predict import DEFAULT_MAX_TOKENS, SAMPLINGS, RunOptions, check_answer_files, evaluate
-from .evaluation.report import MODES, build_report, check_report_free, compare_reports, report_text, write_report
-from .evaluation.score import score_answers
-from .evaluation.synthetic import export_benchmark, synthetic_benchmarks
+from ..evaluation.formats import FORMATS, load_benchmark, read_json
+from ..evaluation.predict import DEFAULT_MAX_TOKENS, SAMPLINGS, RunOptions, check_answer_files, evaluate
+from ..evaluation.report import MODES, build_report, check_report_free, compare_reports, report_text, write_report
+from ..evaluation.score import score_answers
+from ..evaluation.synthetic import export_benchmark, synthetic_benchmarks
+from . import flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,34 +37,34 @@ def build_parser() -> argparse.ArgumentParser:
     what = p.add_argument_group("what to do (one of --data/--synthetic, --predictions, --compare, --export)")
     what.add_argument("--data", action="extend", nargs="+", metavar="PATH", help="benchmarks to run the model on")
     what.add_argument(
-        "--synthetic", type=cli.positive_int, metavar="N", help="run the model on N held-out synthetic scenes"
+        "--synthetic", type=flags.positive_int, metavar="N", help="run the model on N held-out synthetic scenes"
     )
     what.add_argument("--predictions", action="extend", nargs="+", metavar="FILE", help="answer JSONL files to score")
     what.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two report.json files: print the differences")
     what.add_argument("--export", metavar="DIR", help="write the synthetic benchmark in every input format")
-    cli.add_images_root(p, "the benchmarks'")
+    flags.add_images_root(p, "the benchmarks'")
     p.add_argument("--format", choices=FORMATS, default="auto", help="input format of --data (default: by content)")
-    cli.add_model(p)
+    flags.add_model(p)
     p.add_argument("--modes", nargs="+", choices=MODES, default=["hybrid"], help="decoding modes (default: hybrid)")
-    cli.add_max_tokens(p, DEFAULT_MAX_TOKENS)
+    flags.add_max_tokens(p, DEFAULT_MAX_TOKENS)
     p.add_argument("--sampling", choices=list(SAMPLINGS), default="greedy", help="(default: %(default)s)")
-    cli.add_rendering(p)
-    cli.add_image_options(p)
-    cli.add_rows(p)
+    flags.add_rendering(p)
+    flags.add_image_options(p)
+    flags.add_rows(p)
     p.add_argument(
         "--split-categories",
         action="store_true",
         help="decode a detection sample's categories one per row (default: one joint prompt, the paper's protocol)",
     )
     p.add_argument("--gui-task", choices=("point", "gui"), default="point", help="GUI prompt: a point or a box")
-    p.add_argument("--limit", type=cli.positive_int, help="only the first N samples of each benchmark")
+    p.add_argument("--limit", type=flags.positive_int, help="only the first N samples of each benchmark")
     p.add_argument("--out", help="folder for answer files and report.json, report.md, f1_vs_iou.png")
-    cli.add_overwrite(p, "existing report (or exported) files")
-    p.add_argument("--n", type=cli.positive_int, default=100, help="--export: scenes (default: %(default)s)")
+    flags.add_overwrite(p, "existing report (or exported) files")
+    p.add_argument("--n", type=flags.positive_int, default=100, help="--export: scenes (default: %(default)s)")
     p.add_argument(
-        "--seed", type=cli.seed_int, default=0, help="--synthetic, --export: seed of the held-out stream (default: 0)"
+        "--seed", type=flags.seed_int, default=0, help="--synthetic, --export: seed of the held-out stream (default: 0)"
     )
-    cli.add_progress(p)
+    flags.add_progress(p)
     return p
 
 
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         rows, sources = score_answers([Path(p) for p in args.predictions], coco)
     else:
         check_answer_files(out, benches, args.modes)  # an answer file of another benchmark fails before loading
-        model = cli.load_model(args)
+        model = flags.load_model(args)
         options = RunOptions(
             max_tokens=args.max_tokens,
             sampling=SAMPLINGS[args.sampling],
