@@ -805,8 +805,9 @@ def test_data_of_a_new_word_only_keeps_the_known_words(tmp_path):
     asked for each, answered from the scene)."""
     import dataclasses
 
+    from mlx_locate.decide import MODE_NAMES
     from mlx_locate.synthetic.scenes import DISTRACTORS, write_word_only_data
-    from mlx_locate.tuner.finetune import DEMO_OPTIONS, DEMO_SPEC, MODES, WORD_ONLY, WORD_ONLY_HELD_OUT, finetune
+    from mlx_locate.tuner.finetune import DEMO_OPTIONS, DEMO_SPEC, WORD_ONLY, WORD_ONLY_HELD_OUT, finetune
 
     folder = write_word_only_data(tmp_path / "data", WORD_ONLY, DISTRACTORS, held_out=WORD_ONLY_HELD_OUT)
     train, held = read_data(folder / "train.jsonl"), read_data(folder / "eval.jsonl")
@@ -815,7 +816,7 @@ def test_data_of_a_new_word_only_keeps_the_known_words(tmp_path):
     result = finetune(_demo_network(), train, held, tmp_path / "out", DEMO_SPEC, options, progress=False, draw=False,
                       say=lambda *_: None)  # fmt: skip
     assert result.kept_truth == "the held-out data" and result.replay_samples > 0
-    for mode in MODES:
+    for mode in MODE_NAMES:
         assert result.before["f1"][mode]["f1@0.5"] <= 0.1, (mode, result.before["f1"][mode])
         assert result.after["f1"][mode]["f1@0.5"] >= 0.8, (mode, result.after["f1"][mode])
         for word in DISTRACTORS:
