@@ -16,7 +16,8 @@ to the image and merges the duplicates that tiles share:
   touching an inner seam of its tile is a piece: it joins any overlapping box of another tile that lies inside
   that tile and reaches past its own (the model often draws a piece wider than what it sees). So does a box
   that an uncut box of another tile reaching its tile's seam overlaps by `PIECE_IOS` of the smaller box (the
-  piece drawn shifted away from the seam). A group keeps the box of a view that saw the whole object (not cut
+  piece drawn shifted away from the seam). A box that agrees with several groups joins one whose kept box no
+  seam cut before another piece. A group keeps the box of a view that saw the whole object (not cut
   by a seam, no uncut box of another tile reaching past its tile), a tile before the whole image, then one past
   whose tile no other tile saw an edge of the object, the box the others agree with most, the most confident;
   and the group's best confidence. A tile box covering the whole tile is a piece of something larger than the
@@ -25,7 +26,8 @@ to the image and merges the duplicates that tiles share:
   edges (it saw the object whole, at full scale, away from the crop's edge). An object is dropped when at least
   as many tiles held it and found nothing of its label overlapping it as views found it: what one tile drew and
   the tile beside it, seeing the same pixels, did not. An object only the whole image found, no larger than a
-  tile, is dropped too when a tile found another object of its label there (the whole image's box is coarse).
+  tile, is dropped: the whole image is there for objects larger than a tile; the tiles saw this one's pixels at
+  full scale, and its box, drawn at a fraction of their resolution, is coarse.
 """
 
 from __future__ import annotations
@@ -338,11 +340,12 @@ def best_view(members: list[Candidate]) -> Candidate:
 
 
 def merge_objects(candidates: list[Candidate]) -> list[Group]:
-    """Greedy merging (SAHI's greedy NMM, across views and within one): candidates in `rank` order each join
-    the group whose kept object agrees most (`agreement`), or start one."""
+    """Greedy merging (SAHI's greedy NMM, across views and within one): candidates in `rank` order each join,
+    of the groups whose kept object agrees (`agreement`), one whose kept box no seam cut before one whose kept box
+    is a piece too, then the one that agrees most; or start one."""
     groups: list[Group] = []
     for c in sorted(candidates, key=rank):
-        scored = [(s, i) for i, g in enumerate(groups) if (s := agreement(g.best, c)) is not None]
+        scored = [((not g.best.cut, s), i) for i, g in enumerate(groups) if (s := agreement(g.best, c)) is not None]
         if not scored:
             groups.append(Group([c], c))
             continue
@@ -376,15 +379,15 @@ def extent(o: LocatedObject, tile: Tile) -> tuple[float, ...]:
 def outvoted(group: Group, seen: list[Candidate], views: list[Tile], size: tuple[int, int]) -> bool:
     """Tiles, which see the image at full scale, outvote the group: at least as many tiles held its object
     (`holds`) and found nothing of its label there (nothing in `seen`, every object of every view, overlaps it)
-    as views found it. An object only the whole image found and no larger than a tile is outvoted by one such
-    tile, or by a tile that found something else of its label there (the tile's box stands)."""
+    as views found it. An object only the whole image found and no larger than a tile is outvoted by the tiles,
+    which saw its pixels at full scale."""
     o = group.best.object
     where = extent(o, group.best.tile)
     found = {m.view for m in group.members}
     near = {c.view for c in seen if c.object.label == o.label and intersection(extent(c.object, c.tile), where) > 0}
     tile = next(t for t in views if not t.whole)  # the tiles share one size
     fits = where[2] - where[0] <= tile.box[2] - tile.box[0] and where[3] - where[1] <= tile.box[3] - tile.box[1]
-    if fits and all(views[v].whole for v in found) and near - found:
+    if fits and all(views[v].whole for v in found):
         return True
     missed = [v for v, t in enumerate(views) if not t.whole and v not in found | near and holds(t, where, size)]
     return len(missed) >= len(found)

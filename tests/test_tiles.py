@@ -270,12 +270,19 @@ def test_a_group_of_pieces_keeps_the_box_whose_tile_saw_past_the_others():
 
 def test_whole_image_objects():
     # Larger than any tile: kept. Inside a tile that found nothing there: dropped. Agreeing with a tile: one.
-    big = obj("a", (100, 20, 300, 180), 0.5)
+    big = obj("a", (60, 20, 310, 180), 0.5)
     lonely = obj("a", (20, 20, 60, 60), 0.5)
     shared = obj("a", (300, 100, 340, 140), 0.99)
     out = merged(TWO, [[], [obj("a", (141, 101, 181, 141), 0.6)]], whole=[big, lonely, shared])
-    assert sorted(o.box for o in out.objects) == [(100, 20, 300, 180), (301, 101, 341, 141)]
+    assert sorted(o.box for o in out.objects) == [(60, 20, 310, 180), (301, 101, 341, 141)]
     assert max(o.confidence for o in out.objects) == 0.99
+
+
+def test_an_object_only_the_whole_image_found_stands_only_when_larger_than_a_tile():
+    # Across the seam strip, held by neither tile, no larger than a tile: dropped though no tile found anything
+    # there. Wider than a tile (240 px): kept.
+    assert merged(TWO, [[], []], whole=[obj("a", (150, 60, 250, 120))]).objects == []
+    assert [o.box for o in merged(TWO, [[], []], whole=[obj("a", (30, 40, 370, 160))]).objects] == [(30, 40, 370, 160)]
 
 
 def test_tiles_that_held_an_object_and_found_nothing_outvote_it():
@@ -295,6 +302,18 @@ def test_tiles_that_held_an_object_and_found_nothing_outvote_it():
     for finders, count in (((0, 3), 0), ((0, 1, 3), 1)):
         views = [[obj("a", at[i])] if i in finders else [] for i in range(4)]
         assert len(merged(quad, views, size=(400, 400)).objects) == count, finders
+
+
+def test_a_piece_joins_the_object_seen_whole_before_another_piece():
+    # Tile 1 (from x 160) holds an object at x 200..262; tile 0 cuts it at 240 and draws a piece (222..239 x
+    # 40..70) sharing 0.33 of itself with tile 1's box and 0.67 with another piece tile 0 drew at its seam above
+    # it (30..60), more confident. The piece joins the box seen whole (and lends it its confidence); the other
+    # piece, which tile 1 held and saw nothing of, is outvoted.
+    views = [
+        [obj("a", (222, 30, 239, 60), 0.95), obj("a", (222, 40, 239, 70), 0.8)],
+        [obj("a", (40, 60, 102, 100), 0.5)],
+    ]
+    assert [(o.box, o.confidence) for o in merged(TWO, views).objects] == [((200, 60, 262, 100), 0.8)]
 
 
 def test_adjacent_objects_at_a_seam_stay_apart():
