@@ -57,7 +57,15 @@ sys.path.insert(0, str(ROOT))
 from mlx_locate import Request  # noqa: E402
 from mlx_locate.locate import load  # noqa: E402
 from mlx_locate.metrics import greedy_match, iou  # noqa: E402
-from mlx_locate.tiles import auto_grid, holds, merge_results, split_request, tile_boxes, to_image  # noqa: E402
+from mlx_locate.tiles import (  # noqa: E402
+    auto_grid,
+    holds,
+    merge_results,
+    parse_tiles,
+    split_request,
+    tile_boxes,
+    to_image,
+)
 
 SHAPES = ("square", "circle", "triangle", "diamond", "star")
 SIDE = (25, 60)  # object sides in pixels
@@ -216,7 +224,7 @@ def decode(model, jobs: list[tuple[Drawn, str]], args) -> list[tuple]:
     """Each (scene, query) as a tiled request: its views and their results, decoded through one engine."""
     parents, children = [], []
     for scene, query in jobs:
-        parent = Request(scene.image, query, tiles="auto", tile_overlap=args.overlap, max_tokens=args.max_tokens)
+        parent = Request(scene.image, query, tiles=args.tiles, tile_overlap=args.overlap, max_tokens=args.max_tokens)
         views = split_request(parent, scene.image, model.in_token_limit, model.patch_size)
         parents.append((parent, [replace(v, image=None) for v in views]))  # kept without their crops
         children += views
@@ -233,7 +241,7 @@ def views(model, jobs: list[tuple[Drawn, str]], part: str, args) -> list[tuple]:
     (and written there)."""
     if not jobs:
         return []
-    key = (args.model, part, len(jobs), args.seed, args.max_tokens, args.overlap)
+    key = (args.model, part, len(jobs), args.seed, args.max_tokens, args.overlap, args.tiles)
     path = Path(f"{args.views}-{part}.pkl") if args.views else None
     if path is not None and path.exists():
         cached = pickle.loads(path.read_bytes())
@@ -377,7 +385,7 @@ def table(report: dict) -> str:
         f"Dense: {d['scenes']} scenes of {DENSE_SIZE[0]} x {DENSE_SIZE[1]} px, {d['requests']} requests "
         f"(square in every other scene, the other shapes in turn), {d['views']} views, {d['objects']} objects asked; "
         f"seams: {s['placements']} placements; large: {g['scenes']} scenes, {g['objects']} objects asked; "
-        f"overlap {report['overlap']}",
+        f"tiles {report['tiles']}, overlap {report['overlap']}",
         f"The model's own: {own['false']} of the {own['held']} boxes tiles held match no object, "
         f"{own['held by no other tile']} of them held by no other tile "
         f"(precision at most {own['precision bound']:.3f})",
@@ -411,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--overlap", type=float, default=Request(None, "").tile_overlap, help="tile_overlap (default: the Request's)"
     )
+    p.add_argument(
+        "--tiles",
+        type=parse_tiles,
+        default="auto",
+        help="auto or ROWSxCOLS (default: auto); seam placements follow the auto grid, so give --seams 0 with a grid",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, help="engine rows (default: the engine's)")
     p.add_argument(
@@ -440,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "max_tokens": args.max_tokens,
         "overlap": args.overlap,
+        "tiles": args.tiles,
         "decode_s": decode_s,
         "dense": {
             "scenes": args.dense,
