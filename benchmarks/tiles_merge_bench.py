@@ -1,28 +1,34 @@
 """How the tiles' merge does on scenes drawn here, independently of `mlx_locate.synthetic`: precision, recall and
 objects across a seam given once, for `merge_results` and for SAHI's greedy merge on the same decoded views.
 
-    python benchmarks/tiles_merge_bench.py [--dense 30] [--seams 24] [--seed 0] [--views /tmp/views] \
-        [--note "..."] [--json benchmarks/results/tiles_merge_cpu.json]
+    python benchmarks/tiles_merge_bench.py [--dense 30] [--seams 24] [--large 10] [--seed 0] [--overlap 0.2] \
+        [--views /tmp/views] [--note "..."] [--json benchmarks/results/tiles_merge_cpu.json]
 
 Scenes (drawn by this file, not by the project's generators; deterministic in `--seed`):
-- dense: 1200 x 900 pixels, 30-45 shapes (square, circle, triangle, diamond, star) of 25-45 px, triangles,
+- dense: 1200 x 900 pixels, 30-45 shapes (square, circle, triangle, diamond, star) of 25-60 px, triangles,
   diamonds and stars 0.8-1.25 as wide as high, at random places 3-10 px apart (no grid), in random saturated
   colours on a lightly shaded, noisy background; one shape asked of each: "square" of every other scene (even
   seeds), circle, triangle, diamond and star in turn of the others;
 - seam placements: an image of random size (600-1300 x 450-1000 px) whose tiles are those `split_request`
-  chooses (`tiles="auto"`, the model's budget), one shape of 25-45 px (a square for an even seed, the other
+  chooses (`tiles="auto"`, the model's budget), one shape of 25-60 px (a square for an even seed, the other
   shapes in turn for odd ones) across an inner tile edge (cut at 15-85 %), a quarter of them across a vertical
   and a horizontal edge at once (a tile corner), among 10-20 other shapes kept 10 px away; its shape asked.
-  Once: exactly one box overlaps it, with IoU >= 0.5.
+  Once: exactly one box overlaps it, with IoU >= 0.5;
+- large: 1200 x 900 pixels, 3-6 shapes of 110-220 px (about a tile: the whole image sees them at 20-40 px), 20 px
+  apart, the first one's shape asked: what the whole image is in the request for.
 
 Each request's views (`tiles.split_request`, the whole image first) are decoded together through one engine
-(`locate_many`); `--views PREFIX` keeps them in PREFIX-dense.pkl and PREFIX-seams.pkl, so another merge (another
-checkout running this file) can be replayed on the same views. Then:
+(`locate_many`); `--views PREFIX` keeps them in PREFIX-dense.pkl, PREFIX-seams.pkl and PREFIX-large.pkl, so
+another merge (another checkout running this file) can be replayed on the same views. Then:
 - "merge_results": the project's merge (`tiles.merge_results`, what `tiles="auto"` returns);
 - "SAHI greedy NMM": SAHI's default postprocess for sliced prediction (GREEDYNMM, IOS >= 0.5, per label): the
   most confident box takes every box of its label whose intersection is at least half of the smaller box, and
   grows to their union;
 - "whole image": the first view alone, what the request without tiles answers.
+The model's own false boxes (dense scenes): each tile's view is its crop decoded as a plain image; a box of the
+asked shape that the tile holds (`tiles.holds`: clear of its inner edges) and that matches no object is the
+model's error on that crop, whatever the merge. Where no other tile holds it, no tile can outvote it: those bound
+a merge's precision from above (matched / (matched + those)).
 Boxes are matched to the truth greedily at IoU 0.5. A false box is called a duplicate (it overlaps a found
 object by IoU >= 0.5 or lies inside it), a piece (lies mostly inside a true object of the label), another shape
 (mostly inside an object of another label) or nothing.
@@ -51,10 +57,20 @@ sys.path.insert(0, str(ROOT))
 from mlx_locate import Request  # noqa: E402
 from mlx_locate.locate import load  # noqa: E402
 from mlx_locate.metrics import greedy_match, iou  # noqa: E402
-from mlx_locate.tiles import auto_grid, merge_results, split_request, tile_boxes  # noqa: E402
+from mlx_locate.tiles import (  # noqa: E402
+    auto_grid,
+    holds,
+    merge_results,
+    parse_tiles,
+    split_request,
+    tile_boxes,
+    to_image,
+)
 
 SHAPES = ("square", "circle", "triangle", "diamond", "star")
-SIDE = (25, 45)  # object sides in pixels
+SIDE = (25, 60)  # object sides in pixels
+LARGE_SIDE = (110, 220)  # object sides in a large scene
+LARGE_COUNT = (3, 6)
 DENSE_SIZE = (1200, 900)
 DENSE_COUNT = (30, 45)
 SEAM_SIZES = ((600, 1300), (450, 1000))  # width and height ranges of a seam scene
@@ -126,9 +142,11 @@ def paint(image: Image.Image, things: list[Thing], rng: np.random.Generator) -> 
     return image
 
 
-def thing_box(rng: np.random.Generator, shape: str, x: int, y: int) -> tuple[int, int, int, int]:
-    side = int(rng.integers(SIDE[0], SIDE[1] + 1))
-    width = side if shape in ("square", "circle") else max(SIDE[0], min(SIDE[1], round(side * rng.uniform(0.8, 1.25))))
+def thing_box(rng: np.random.Generator, shape: str, x: int, y: int, sides=SIDE) -> tuple[int, int, int, int]:
+    side = int(rng.integers(sides[0], sides[1] + 1))
+    if shape in ("square", "circle"):
+        return x, y, x + side, y + side
+    width = max(sides[0], min(sides[1], round(side * rng.uniform(0.8, 1.25))))
     return x, y, x + width, y + side
 
 
@@ -136,14 +154,14 @@ def apart(a: tuple[int, ...], b: tuple[int, ...], gap: int) -> bool:
     return a[2] + gap <= b[0] or b[2] + gap <= a[0] or a[3] + gap <= b[1] or b[3] + gap <= a[1]
 
 
-def scatter(rng, size, things: list[Thing], n: int, gap: int, keep_off: tuple = (), keep_gap: int = 0) -> None:
-    """Add up to `n` shapes at random places, `gap` px from each other and `keep_gap` from the boxes `keep_off`."""
+def scatter(rng, size, things: list[Thing], n: int, gap: int, keep_off=(), keep_gap=0, sides=SIDE) -> None:
+    """Add up to `n` shapes of `sides` at random places, `gap` px from each other and `keep_gap` from the boxes
+    `keep_off`."""
     for _ in range(n):
         for _attempt in range(200):
             shape = str(rng.choice(SHAPES))
-            box = thing_box(
-                rng, shape, int(rng.integers(0, size[0] - SIDE[1])), int(rng.integers(0, size[1] - SIDE[1]))
-            )
+            x, y = int(rng.integers(0, size[0] - sides[1])), int(rng.integers(0, size[1] - sides[1]))
+            box = thing_box(rng, shape, x, y, sides)
             if all(apart(box, t.box, gap) for t in things) and all(apart(box, k, keep_gap) for k in keep_off):
                 things.append(Thing(shape, box))
                 break
@@ -158,6 +176,13 @@ def dense(seed: int) -> Drawn:
     rng = np.random.default_rng([41, 5, seed])
     things: list[Thing] = []
     scatter(rng, DENSE_SIZE, things, int(rng.integers(DENSE_COUNT[0], DENSE_COUNT[1] + 1)), int(rng.integers(3, 11)))
+    return Drawn(paint(background(rng, DENSE_SIZE), things, rng), tuple(things))
+
+
+def large(seed: int) -> Drawn:
+    rng = np.random.default_rng([41, 7, seed])
+    things: list[Thing] = []
+    scatter(rng, DENSE_SIZE, things, int(rng.integers(LARGE_COUNT[0], LARGE_COUNT[1] + 1)), 20, sides=LARGE_SIDE)
     return Drawn(paint(background(rng, DENSE_SIZE), things, rng), tuple(things))
 
 
@@ -195,15 +220,15 @@ def seam(seed: int, in_token_limit: int, patch: int, overlap: float) -> Drawn:
 # --- Decoding and merging ----------------------------------------------------------------------------------
 
 
-def decode(model, jobs: list[tuple[Drawn, str]], max_tokens: int, batch_size: int | None) -> list[tuple]:
+def decode(model, jobs: list[tuple[Drawn, str]], args) -> list[tuple]:
     """Each (scene, query) as a tiled request: its views and their results, decoded through one engine."""
     parents, children = [], []
     for scene, query in jobs:
-        parent = Request(scene.image, query, tiles="auto", max_tokens=max_tokens)
+        parent = Request(scene.image, query, tiles=args.tiles, tile_overlap=args.overlap, max_tokens=args.max_tokens)
         views = split_request(parent, scene.image, model.runtime.in_token_limit, model.runtime.patch_size)
         parents.append((parent, [replace(v, image=None) for v in views]))  # kept without their crops
         children += views
-    results = model.locate_many(children, max_rows=batch_size)
+    results = model.locate_many(children, max_rows=args.batch_size)
     out, at = [], 0
     for parent, views in parents:
         out.append((parent, views, results[at : at + len(views)]))
@@ -216,14 +241,14 @@ def views(model, jobs: list[tuple[Drawn, str]], part: str, args) -> list[tuple]:
     (and written there)."""
     if not jobs:
         return []
-    key = (args.model, part, len(jobs), args.seed, args.max_tokens)
+    key = (args.model, part, len(jobs), args.seed, args.max_tokens, args.overlap, args.tiles)
     path = Path(f"{args.views}-{part}.pkl") if args.views else None
     if path is not None and path.exists():
         cached = pickle.loads(path.read_bytes())
         if cached["key"] != key:
             raise SystemExit(f"{path} holds views of other scenes: {cached['key']} != {key}")
         return cached["decoded"]
-    decoded = decode(model, jobs, args.max_tokens, args.batch_size)
+    decoded = decode(model, jobs, args)
     if path is not None:
         path.write_bytes(pickle.dumps({"key": key, "decoded": decoded}))
     return decoded
@@ -302,6 +327,30 @@ def scored(decoded: list[tuple], jobs: list[tuple[Drawn, str]], method) -> dict:
     return {"matched": tp, "predicted": pred, "objects": gt, "recall": recall, "precision": precision, "false": kinds}
 
 
+def own_errors(decoded: list[tuple], jobs: list[tuple[Drawn, str]], matched: int) -> dict:
+    """The model's own false boxes: boxes of the asked shape a tile holds and no object matches, those of them no
+    other tile holds, and the precision a merge that dropped every other false box would reach."""
+    held = false = alone = 0
+    for (_, views, results), (scene, query) in zip(decoded, jobs, strict=True):
+        truth = [t.box for t in scene.things if t.shape == query]
+        tiles = [v.tag for v in views if not v.tag.whole]
+        for view, result in zip(views, results, strict=True):
+            for o in result.objects:
+                box = to_image(o, view.tag, scene.image.size).box
+                if view.tag.whole or box is None or o.label != query or not holds(view.tag, box, scene.image.size):
+                    continue
+                held += 1
+                if not any(iou(box, t) >= MATCH for t in truth):
+                    false += 1
+                    alone += sum(holds(t, box, scene.image.size) for t in tiles) == 1
+    return {
+        "held": held,
+        "false": false,
+        "held by no other tile": alone,
+        "precision bound": matched / (matched + alone),
+    }
+
+
 def seam_counts(decoded: list[tuple], scenes: list[Drawn], method) -> dict:
     """Placements whose object comes back once, more than once, or not at all (no box of IoU >= 0.5); of the
     missed, those no view drew at IoU >= 0.5 (no merge can give them), and the same by shape."""
@@ -330,18 +379,23 @@ def seam_counts(decoded: list[tuple], scenes: list[Drawn], method) -> dict:
 
 
 def table(report: dict) -> str:
-    d, s = report["dense"], report["seams"]
+    d, s, g = report["dense"], report["seams"], report["large"]
+    own = d["own errors"]
     rows = [
         f"Dense: {d['scenes']} scenes of {DENSE_SIZE[0]} x {DENSE_SIZE[1]} px, {d['requests']} requests "
         f"(square in every other scene, the other shapes in turn), {d['views']} views, {d['objects']} objects asked; "
-        f"seams: {s['placements']} placements",
+        f"seams: {s['placements']} placements; large: {g['scenes']} scenes, {g['objects']} objects asked; "
+        f"tiles {report['tiles']}, overlap {report['overlap']}",
+        f"The model's own: {own['false']} of the {own['held']} boxes tiles held match no object, "
+        f"{own['held by no other tile']} of them held by no other tile "
+        f"(precision at most {own['precision bound']:.3f})",
         "",
         "| merge | recall | precision | false: duplicate / piece / another shape / nothing | seam object once | "
-        "seam squares once |",
-        "|---|---|---|---|---|---|",
+        "seam squares once | large: recall / precision |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in METHODS:
-        m, c = d["methods"][name], s["methods"][name]
+        m, c, big = d["methods"][name], s["methods"][name], g["methods"][name]
         squares = c["by shape"].get("square", {})
         f = m["false"]
         rows.append(
@@ -349,7 +403,8 @@ def table(report: dict) -> str:
             f"({m['matched']}/{m['predicted']}) | {f['duplicate']} / {f['piece']} / {f['another shape']} / "
             f"{f['nothing']} | {c['once']} of {s['placements']} ({c['more']} more, {c['missed']} missed, "
             f"{c['no view drew it']} of them drawn by no view) | "
-            f"{squares.get('once', 0)} of {squares.get('placements', 0)} |"
+            f"{squares.get('once', 0)} of {squares.get('placements', 0)} | "
+            f"{big['recall']:.3f} ({big['matched']}/{big['objects']}) / {big['precision']:.3f} |"
         )
     return "\n".join(rows)
 
@@ -359,28 +414,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="demo")
     p.add_argument("--dense", type=int, default=30, help="dense scenes (default: 30)")
     p.add_argument("--seams", type=int, default=24, help="seam placements (default: 24)")
+    p.add_argument("--large", type=int, default=10, help="large-shape scenes (default: 10)")
     p.add_argument("--seed", type=int, default=0, help="first scene seed (default: 0)")
+    p.add_argument(
+        "--overlap", type=float, default=Request(None, "").tile_overlap, help="tile_overlap (default: the Request's)"
+    )
+    p.add_argument(
+        "--tiles",
+        type=parse_tiles,
+        default="auto",
+        help="auto or ROWSxCOLS (default: auto); seam placements follow the auto grid, so give --seams 0 with a grid",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, help="engine rows (default: the engine's)")
     p.add_argument(
         "--views",
-        help="PREFIX of files of decoded views (PREFIX-dense.pkl, PREFIX-seams.pkl): read when "
+        help="PREFIX of files of decoded views (PREFIX-dense.pkl, -seams.pkl, -large.pkl): read when "
         "they exist (the same scenes), else written",
     )
     p.add_argument("--note", default="", help="the machine's state, stored with the figures")
     p.add_argument("--json", help="output JSON (default: none)")
     args = p.parse_args(argv)
     model = load(args.model)
-    seeds = range(args.seed, args.seed + max(args.dense, args.seams))
+    seeds = range(args.seed, args.seed + max(args.dense, args.seams, args.large))
     dense_jobs = [(dense(s), asked(s)) for s in seeds[: args.dense]]
-    seam_scenes = [
-        seam(s, model.runtime.in_token_limit, model.runtime.patch_size, Request(None, "").tile_overlap)
-        for s in seeds[: args.seams]
-    ]
+    limit, patch = model.runtime.in_token_limit, model.runtime.patch_size
+    seam_scenes = [seam(s, limit, patch, args.overlap) for s in seeds[: args.seams]]
+    large_jobs = [(scene, scene.things[0].shape) for scene in map(large, seeds[: args.large])]
     seam_jobs = [(scene, scene.things[scene.target].shape) for scene in seam_scenes]
     t0 = time.perf_counter()
     dense_decoded = views(model, dense_jobs, "dense", args)
     seam_decoded = views(model, seam_jobs, "seams", args)
+    large_decoded = views(model, large_jobs, "large", args)
     decode_s = time.perf_counter() - t0
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -389,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()} {platform.processor()} {platform.system()}",
         "note": args.note,
         "max_tokens": args.max_tokens,
+        "overlap": args.overlap,
+        "tiles": args.tiles,
         "decode_s": decode_s,
         "dense": {
             "scenes": args.dense,
@@ -397,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
             "objects": sum(1 for s, q in dense_jobs for t in s.things if t.shape == q),
             "methods": {name: scored(dense_decoded, dense_jobs, m) for name, m in METHODS.items()},
         },
+        "large": {
+            "scenes": args.large,
+            "objects": sum(1 for s, q in large_jobs for t in s.things if t.shape == q),
+            "methods": {name: scored(large_decoded, large_jobs, m) for name, m in METHODS.items()},
+        },
         "seams": {
             "placements": args.seams,
             "sizes": [list(s.image.size) for s in seam_scenes],
@@ -404,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             "methods": {name: seam_counts(seam_decoded, seam_scenes, m) for name, m in METHODS.items()},
         },
     }
+    matched = report["dense"]["methods"]["merge_results"]["matched"]
+    report["dense"]["own errors"] = own_errors(dense_decoded, dense_jobs, matched)
     text = table(report)
     print(text)
     if args.json:
