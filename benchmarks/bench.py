@@ -36,10 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mlx_locate  # noqa: E402
-from mlx_locate.commands.bench import measure_bandwidth, timed_ms  # noqa: E402
+from mlx_locate.commands.bench import measure_bandwidth, step_ms, timed_ms  # noqa: E402
 from mlx_locate.commands.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.commands.convert import quantization_plan  # noqa: E402
-from mlx_locate.compiled import Phase, StepRunner  # noqa: E402
+from mlx_locate.compiled import Phase  # noqa: E402
 from mlx_locate.config import ModelConfig  # noqa: E402
 from mlx_locate.engine import Schedule  # noqa: E402
 from mlx_locate.locate import LocateModel  # noqa: E402
@@ -104,27 +104,6 @@ def in_memory_model(preset: str, dtype: str, quantize: str | None = None) -> Loc
 def weight_bytes(model: LocateModel, decoder_only: bool = True) -> int:
     tree = model.runtime.network.language_model.parameters() if decoder_only else model.runtime.network.parameters()
     return sum(v.nbytes for _, v in tree_flatten(tree))
-
-
-def step_costs(model: LocateModel, context: int, iters: int) -> dict:
-    """ms per AR step (1 row) and per block step (12 rows) at a given cached length, one eval per step."""
-    runtime = model.runtime
-    runner = StepRunner(runtime.steps, runtime.new_cache())
-    d = runtime.network.config.text.hidden_size
-    dtype = runtime.network.language_model.model.norm.weight.dtype
-    mx.eval(runner.prefill(mx.zeros((1, context, d), dtype)))
-    out = {}
-    for name, ids, block in (("ar_ms", [1], False), ("block_ms", [1] * 6 + [2] * 6, True)):
-        base = runner.offset
-        for _ in range(3):  # warm-up (compile)
-            mx.eval(runner.step(ids, block))
-            runner.offset = base
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            mx.eval(runner.step(ids, block))
-            runner.offset = base
-        out[name] = 1e3 * (time.perf_counter() - t0) / iters
-    return out
 
 
 def batch_step_costs(model: LocateModel, context: int, batches: list[int], iters: int) -> dict:
@@ -592,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {out}")
         return 0
     for context in args.contexts:
-        report["steps"][context] = step_costs(model, context, args.iters)
+        report["steps"][context] = step_ms(model, context, args.iters)
     for name, path in images.items():
         ours, peer = {}, {}
         for mode in args.modes:  # each mode's two sides back to back, so a slow spell of the machine hits both

@@ -10,7 +10,7 @@
   among circles and squares, only the crosses labelled; the walk-through's settings, with replay (the default share)
   and without (`replay=0`). Held-out F1@0.5 per mode before and after, of the new word (48 scenes) and of the kept
   words (each held-out scene asked for circles and for squares, answered from the scene): the slow test's run.
-- inference: decode step costs (`bench.step_costs`: AR and block step at 512 cached tokens) of the 3B shapes
+- inference: decode step costs (`mlx-locate-bench`'s `step_ms`: AR and block step at 512 cached tokens) of the 3B shapes
   without an adapter and with a rank-64 one on every projection: merged into the bf16 weights (what `load`
   does for a float base: the same cost by construction), and beside q8 / mixed_4_8 weights, fused
   (`FusedLoRALinear`, what `load` does) and unfused (`LoRALinear` per projection, for comparison).
@@ -43,7 +43,6 @@ from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))  # bench.step_costs
 
 from mlx_locate.commands.convert import PRESETS as QUANT_PRESETS  # noqa: E402
 from mlx_locate.commands.convert import quantization_plan  # noqa: E402
@@ -246,7 +245,7 @@ def random_adapter(network: nn.Module, rank: int = 64, alpha: float = 128.0) -> 
 
 
 def run_inference(preset: str, dtype: str, iters: int) -> list[dict]:
-    from bench import step_costs
+    from mlx_locate.commands.bench import step_ms
 
     rows = []
     for quantize in (None, "q8", "mixed_4_8"):
@@ -265,7 +264,7 @@ def run_inference(preset: str, dtype: str, iters: int) -> list[dict]:
                 network.update_modules(tree_unflatten(updates))
             model = LocateModel(base, take_over=True)
             row = {"preset": preset, "dtype": dtype, "quantize": quantize or "none", "adapter": variant}
-            row.update(step_costs(model, 512, iters))
+            row.update(step_ms(model, 512, iters))
             rows.append(row)
             print(json.dumps(row))
             del model, network, base
