@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..admission import MAX_SEED
 from ..categories import category_names
 from ..decide import MODE_NAMES, Guards
 from ..locate import load
@@ -64,22 +65,23 @@ def positive_float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def seed_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**64:
+    value = _integer(text)
+    if not 0 <= value <= MAX_SEED:  # the engine's bound (`admission.check_request`)
         raise argparse.ArgumentTypeError(f"must be between 0 and 2**64 - 1, got {value}")
     return value
 
