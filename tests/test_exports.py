@@ -1,5 +1,6 @@
 """`mlx-locate-batch` exports read back by the tools' own libraries (pycocotools, supervision): every box and label
-of the JSONL, within 1.5 px; reruns that regenerate their own exports; other files protected; name clashes."""
+of the JSONL, within 1.5 px; reruns that regenerate their own exports; other files protected; name clashes; photos
+(HEIC, AVIF, EXIF orientation) in YOLO's images."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 import supervision as sv
 import test_batch
+import test_photos
+from PIL import Image
 from pycocotools.coco import COCO
 
 from mlx_locate.commands import exports
@@ -255,3 +258,78 @@ def test_flat_names_keep_every_image(tmp_path):
     names = exports.flat_names(exports.dataset(lines, {p: 1 for p in paths}, [], tmp_path))
     assert list(names.values()) == ["a.png", "one__x.png", "two__x_png.png", "two__x_jpg.jpg", "b.png", "sub__b.jpg"]
     assert len({Path(n).stem for n in names.values()}) == len(paths)  # YOLO labels go by stem
+
+
+# --- Photos in the YOLO export: formats its readers skip, orientation they apply ---
+
+PHOTO_RUN = ["--query", "square", "--mode", "slow"]
+
+
+def yolo_read_back(yolo: Path) -> dict[str, tuple[tuple[int, int], list[list[float]]]]:
+    """Each image of a YOLO export as supervision reads it: its name -> ((W, H) as loaded, boxes)."""
+    dataset = sv.DetectionDataset.from_yolo(str(yolo / "images"), str(yolo / "labels"), str(yolo / "data.yaml"))
+    return {Path(path).name: (image.shape[1::-1], sorted(d.xyxy.tolist())) for path, image, d in dataset}
+
+
+def assert_read_back(yolo: Path, out: Path, names: dict[str, str]) -> None:
+    """The export holds `names` (exported name -> image file name), each read at its JSONL size with its boxes."""
+    got = yolo_read_back(yolo)
+    want = {
+        Path(line["image"]).name: (tuple(line["size"]), sorted(o["box"] for r in line["results"] for o in r["objects"]))
+        for line in test_batch.lines_of(out)
+    }
+    assert sorted(got) == sorted(names)
+    for name, image in names.items():
+        size, boxes = want[image]
+        assert got[name][0] == size and boxes, (name, got[name], want[image])  # boxes found: the frame is tested
+        np.testing.assert_allclose(got[name][1], boxes, atol=TOLERANCE, err_msg=name)
+
+
+def assert_copy_of(path: Path, pixels: Image.Image) -> None:
+    """`path` is a JPEG of `pixels` (within JPEG's loss), without an orientation tag."""
+    assert not path.is_symlink()
+    with Image.open(path) as copy:
+        assert copy.format == "JPEG" and copy.size == pixels.size and 0x0112 not in copy.getexif()
+        assert np.abs(np.asarray(copy, dtype=np.int16) - np.asarray(pixels, dtype=np.int16)).mean() < 3
+
+
+def test_yolo_takes_heic_and_avif_as_jpeg_copies_in_the_displayed_frame(run, tmp_path):
+    """HEIC (rotated, as an iPhone stores it) and AVIF, which YOLO readers skip, are exported as JPEGs of the
+    pixels the model saw; a PNG stays a link. supervision reads all three at the JSONL's sizes, with its boxes."""
+    folder, out, yolo = tmp_path / "photos", tmp_path / "results.jsonl", tmp_path / "yolo"
+    folder.mkdir()
+    shown = test_photos.scene()
+    test_photos.save_heic(shown, 6, folder / "phone.heic")
+    shown.save(folder / "phone.png")  # beside phone.heic: the copy must not take its name
+    shown.save(folder / "web.avif", "AVIF", quality=95)
+    args = ["--images", str(folder), "--out", str(out), "--yolo", str(yolo)]
+    code, err = run(*args, questions=PHOTO_RUN)
+    assert code == 0, err
+    assert_read_back(yolo, out, {"phone_heic.jpg": "phone.heic", "phone_png.png": "phone.png", "web.jpg": "web.avif"})
+    assert (yolo / "images" / "phone_png.png").is_symlink()
+    for name in ("phone_heic.jpg", "web.jpg"):
+        assert_copy_of(yolo / "images" / name, shown)
+    written = exports.read_manifest(exports.manifest_path(out))
+    assert {exports.key(p) for p in (yolo / "images").iterdir()} <= written
+    assert run(*args, questions=PHOTO_RUN)[0] == 0  # the rerun rewrites its own copies
+
+
+def test_yolo_in_the_stored_frame_drops_the_orientation_readers_would_apply(run, tmp_path):
+    """`--orientation stored`: a JPEG tagged with EXIF orientation 6, which YOLO readers would turn, is exported
+    as a JPEG of its stored pixels without the tag, as is a HEIC whose rotation libheif applies; a PNG without a
+    tag stays a link."""
+    folder, out, yolo = tmp_path / "photos", tmp_path / "results.jsonl", tmp_path / "yolo"
+    folder.mkdir()
+    stored = test_photos.scene()
+    turned = stored.transpose(Image.Transpose.ROTATE_270)  # as a viewer shows `stored` under tag 6
+    (folder / "turned.jpg").write_bytes(test_photos.tagged(turned, 6))
+    test_photos.save_heic(turned, 6, folder / "phone.heic")
+    stored.save(folder / "upright.png")
+    args = ["--images", str(folder), "--out", str(out), "--yolo", str(yolo), "--orientation", "stored"]
+    code, err = run(*args, questions=PHOTO_RUN)
+    assert code == 0, err
+    assert {tuple(line["size"]) for line in test_batch.lines_of(out)} == {stored.size}
+    assert_read_back(yolo, out, {"turned.jpg": "turned.jpg", "phone.jpg": "phone.heic", "upright.png": "upright.png"})
+    assert (yolo / "images" / "upright.png").is_symlink()
+    for name in ("turned.jpg", "phone.jpg"):
+        assert_copy_of(yolo / "images" / name, stored)

@@ -41,14 +41,18 @@ def demo():
     return mlx_locate.load("demo")
 
 
-@pytest.fixture(scope="module")
-def shown() -> Image.Image:
+def scene() -> Image.Image:
     """The scene as a viewer shows it."""
     image = Image.new("RGB", SIZE, (232, 230, 226))
     draw = ImageDraw.Draw(image)
     for o in SQUARES:
         draw_object(draw, o, COLORS[o.color])
     return image
+
+
+@pytest.fixture(scope="module")
+def shown() -> Image.Image:
+    return scene()
 
 
 def tagged(image: Image.Image, orientation: int) -> bytes:
@@ -113,12 +117,18 @@ def png_bytes(image: Image.Image, **params) -> bytes:
 # --- HEIC and AVIF ---
 
 
+def save_heic(image: Image.Image, orientation: int, path) -> None:
+    """`image` saved as an iPhone saves it: HEIC of the stored pixels, EXIF `orientation` written (by pillow-heif)
+    as HEIF's own rotation."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    image.transpose(UNDO_ORIENTATION[orientation]).save(path, "HEIF", quality=95, exif=exif.tobytes())
+
+
 def test_iphone_style_heic_with_orientation_6(demo, shown, tmp_path):
     """pillow-heif writes EXIF orientation 6 as HEIF's own rotation, as an iPhone does; libheif undoes it."""
     path = tmp_path / "IMG_0001.HEIC"
-    exif = Image.Exif()
-    exif[0x0112] = 6
-    shown.transpose(UNDO_ORIENTATION[6]).save(path, "HEIF", quality=95, exif=exif.tobytes())
+    save_heic(shown, 6, path)
     result = demo.locate(path, "square", mode="slow")
     assert result.image_size == SIZE and all_found(result)
     stored = demo.locate(path, "square", mode="slow", orientation="stored")

@@ -3,9 +3,10 @@ results, a YOLO dataset, Pascal VOC XML and Label Studio tasks.
 
 The formats are pure functions of the JSONL's answered lines (`Dataset`) that return file contents;
 `write_export` writes them (each file under a temporary name, then renamed; YOLO's images as links, copies
-where links fail). What a run wrote is recorded in a manifest beside its JSONL (`manifest_path`), so the
-rerun that resumes it regenerates its own exports, while `check_targets` keeps anything else at those paths
-from being overwritten unless asked. Categories are the questions, in the order asked.
+where links fail, or the pixels the model saw where YOLO readers would read the file otherwise: `AsSeen`). What
+a run wrote is recorded in a manifest beside its JSONL (`manifest_path`), so the rerun that resumes it
+regenerates its own exports, while `check_targets` keeps anything else at those paths from being overwritten
+unless asked. Categories are the questions, in the order asked.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from pathlib import Path
 from urllib.parse import quote
 from xml.sax.saxutils import quoteattr
 
+from PIL import Image
+
 from ..parse import PIXEL_DECIMALS, json_pixels
+from ..preprocess import load_image, open_header, photo_notes, to_rgb
 
 FLAGS = {  # export -> its flag
     "coco": "--coco",
@@ -33,13 +37,18 @@ FLAGS = {  # export -> its flag
 FOLDERS = ("yolo", "voc")  # exports that are a folder of files; the others are one file
 POINTLESS = ("coco", "coco_results", "yolo", "voc")  # formats without points: theirs are left out
 LABEL_STUDIO_IMAGES = "/data/local-files/?d="  # Label Studio's URL of a file under its local-files root
+# The image suffixes both YOLO readers take (supervision's `from_yolo` lists them, ultralytics' IMG_FORMATS holds
+# them; dng left out, as what a reader decodes of a raw file is its own choice). They skip any other image, so
+# HEIC, AVIF and GIF images are exported as JPEG.
+YOLO_SUFFIXES = (".bmp", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp")
+JPEG_QUALITY = 95
 
 
 @dataclass(frozen=True)
 class Dataset:
     """The answered images of a JSONL, in its order, with their COCO ids and the category names."""
 
-    lines: list[dict]  # {"image": PATH, "size": [W, H], "results": [{"objects": [...]}, ...]}
+    lines: list[dict]  # {"image": PATH, "size": [W, H], "orientation": FRAME, "results": [{"objects": [...]}, ...]}
     ids: dict[str, int]  # image path -> COCO image id
     groups: list[list[str]]  # each question's category names (several for a detect question of several)
     root: Path  # the images' folder: file names are relative to it
@@ -66,9 +75,15 @@ class Dataset:
 
 
 def dataset(lines: Iterable[dict], ids: dict[str, int], groups: list[list[str]], root: Path) -> Dataset:
-    """The answered lines of `lines` that have an id, kept to what the exports read."""
+    """The answered lines of `lines` that have an id, kept to what the exports read (the frame of their boxes:
+    "exif" in a JSONL written before lines had one)."""
     kept = [
-        {"image": line["image"], "size": line["size"], "results": [{"objects": r["objects"]} for r in line["results"]]}
+        {
+            "image": line["image"],
+            "size": line["size"],
+            "orientation": next((r["orientation"] for r in line["results"] if "orientation" in r), "exif"),
+            "results": [{"objects": r["objects"]} for r in line["results"]],
+        }
         for line in lines
         if "results" in line and line["image"] in ids
     ]
@@ -140,14 +155,33 @@ def flat_names(ds: Dataset) -> dict[str, str]:
     return chosen
 
 
-def yolo_files(ds: Dataset, folder: Path) -> dict[str, str | Path]:
-    """A YOLO dataset: images/<name> (a `Path`: link to the image), labels/<stem>.txt with `class cx cy w h`
-    normalised to the image, and data.yaml (the same images for train and val)."""
-    files: dict[str, str | Path] = {}
+@dataclass(frozen=True)
+class AsSeen:
+    """A YOLO image as the model saw it (`load_image` in the JSONL's frame), written when the export is."""
+
+    source: Path
+    orientation: str  # the frame of the JSONL line: "exif" or "stored"
+    max_pixels: int  # its size in the JSONL: the run read it at that size
+
+
+def yolo_files(ds: Dataset, folder: Path) -> dict[str, str | Path | AsSeen]:
+    """A YOLO dataset: images/<name> (a `Path`: link to the image; `AsSeen`: the image as the model saw it, as
+    <stem>.jpg for a format YOLO readers skip), labels/<stem>.txt with `class cx cy w h` normalised to the image,
+    and data.yaml (the same images for train and val)."""
+    files: dict[str, str | Path | AsSeen] = {}
     by_image = {line["image"]: line for line in ds.lines}
     for image, name in flat_names(ds).items():
-        files[f"images/{name}"] = Path(image)
         width, height = by_image[image]["size"]
+        seen = AsSeen(Path(image), by_image[image]["orientation"], width * height)
+        if Path(name).suffix.lower() not in YOLO_SUFFIXES:
+            files[f"images/{Path(name).stem}.jpg"] = seen  # stems are unique: no other image takes the name
+        elif seen.orientation == "stored":
+            # YOLO readers turn an image by its EXIF orientation (cv2.imread, and Pillow's exif_transpose in
+            # ultralytics and supervision), so they show the "exif" frame: a file of a line in the stored frame
+            # that carries the tag is written without it (`place_as_seen`).
+            files[f"images/{name}"] = seen
+        else:
+            files[f"images/{name}"] = Path(image)
         rows = []
         for category, obj in ds.objects(by_image[image]):
             if "box" in obj:
@@ -233,7 +267,7 @@ def labelstudio_config(categories: list[str]) -> str:
     )
 
 
-def export_files(kind: str, ds: Dataset, target: Path) -> dict[str, str | Path]:
+def export_files(kind: str, ds: Dataset, target: Path) -> dict[str, str | Path | AsSeen]:
     """The files of export `kind` at `target`: names relative to a folder export, "" for a file export."""
     if kind == "yolo":
         return yolo_files(ds, target)
@@ -331,6 +365,26 @@ def place_image(source: Path, path: Path) -> None:
     os.replace(staged, path)
 
 
+def place_as_seen(image: AsSeen, path: Path) -> None:
+    """`path` becomes `image` as the model saw it, in the format its suffix names and without metadata (no
+    orientation tag, sRGB); a link (`place_image`) where `path` keeps the file's suffix and the file has no
+    orientation tag, so readers see those pixels in it."""
+    if path.suffix == image.source.suffix:
+        with image.source.open("rb") as fp:
+            tag = photo_notes(open_header(fp, str(image.source), image.max_pixels)).exif_orientation
+        if tag == 1:
+            place_image(image.source, path)
+            return
+    pixels = to_rgb(load_image(image.source, image.max_pixels, image.orientation)).copy()
+    pixels.info.clear()  # a copy of the pixels alone: neither the file's EXIF nor its colour profile goes along
+    staged = path.with_name(path.name + ".partial")
+    try:
+        pixels.save(staged, Image.registered_extensions()[path.suffix.lower()], quality=JPEG_QUALITY)
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
 def write_export(kind: str, ds: Dataset, target: Path) -> list[str]:
     """Write export `kind` of `ds` at `target`; the absolute paths written."""
     written = []
@@ -339,6 +393,8 @@ def write_export(kind: str, ds: Dataset, target: Path) -> list[str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, Path):
             place_image(content, path)
+        elif isinstance(content, AsSeen):
+            place_as_seen(content, path)
         else:
             replace_text(path, content)
         written.append(key(path))
