@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench import folder_images, in_memory_model, make_image  # noqa: E402
 
 import mlx_locate  # noqa: E402
+from mlx_locate.cache import kv_bucket  # noqa: E402
 from mlx_locate.commands.flags import add_memory_limit, apply_memory_limit  # noqa: E402
 from mlx_locate.compiled import PREFILL_ROWS  # noqa: E402
 from mlx_locate.request import Request  # noqa: E402
@@ -69,7 +70,7 @@ def plan_of(model, grid: tuple[int, int], prefix_len: int) -> dict:
         "tower_blocks_per_eval": per_eval,
         "tower_piece_gb": patches * budget.patch_bytes * per_eval / GB,
         "prefill_rows_per_call": rows,
-        "prefill_call_gb": (rows * (budget.prefill_row_bytes + prefix_len * budget.prefill_key_bytes) + copies) / GB,
+        "prefill_call_gb": (rows * budget.prefill_row_cost(kv_bucket(prefix_len)) + copies) / GB,
         "prefill_calls": -(-prefix_len // rows),
     }
 
@@ -150,7 +151,7 @@ def prefill_probe(model, calls: list[str]) -> dict:
         peak, seconds = peak_of(
             lambda x=x, K=K, cache=cache: mx.eval(list(runtime.prefill(cache, [(0, x, K)]).values()))
         )
-        planned = R * (budget.prefill_row_bytes + (K + R) * budget.prefill_key_bytes)
+        planned = R * budget.prefill_row_cost(kv_bucket(K + R))
         planned += cache_copies_bytes(cache, K + R, runtime.budget)
         out[call] = {"peak_gb": (peak - held) / GB, "planned_gb": planned / GB, "seconds": seconds}
         print("prefill", call, out[call], flush=True)

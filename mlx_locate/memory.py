@@ -5,9 +5,9 @@
   only part of the machine's memory).
 - `Budget.measure(network)`: that limit less what the loaded weights hold, split into working memory for the
   transient work of the vision tower and the prefills (`working_bytes`) and the rest for the KV cache of the
-  rows and the prompt prefixes kept ahead of them. What one patch costs a tower block and what one row costs a
-  prefill are measured once, on small inputs (what a device holds while it runs a product, a quantized one above
-  all, and when it releases it, is the backend's own).
+  rows and the prompt prefixes kept ahead of them. What one patch costs a tower block and what one row, and one
+  key it attends to, cost a prefill are measured once, on small inputs (what a device holds while it runs a
+  product, a quantized one above all, and when it releases it, is the backend's own).
 
 Going over a budget never fails: the engine admits fewer rows, and the tower and the prefills run in smaller
 pieces.
@@ -15,13 +15,16 @@ pieces.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .cache import kv_bucket
-from .network.attention import SCORE_BUDGET, SCORE_BYTES, Path, attention_path, backend
+from .masks import step_mask
+from .network.attention import SCORE_BUDGET
+from .network.language import additive_mask, attend
 from .network.model import LocateAnything
 
 # Bytes of transient work at once (a few tower blocks, one prefill call) where half the free memory holds them: on
@@ -34,6 +37,10 @@ RESERVE = 256 << 20  # left free of any budget: MLX's own buffers, the host's ar
 MIN_WORKING = 64 << 20
 PROBE_PATCHES = 256  # the input the tower's per-patch cost is measured on
 PROBE_ROWS = 128  # and the prefill's per-row cost
+PROBE_KEYS = 1024  # keys its per-key cost is measured over
+# A prefill call of many rows, compiled, holds a little more per row than the probes measure on few, uncompiled:
+# the plan leaves this margin (tests/test_memory.py: a compiled call of three times the probe's rows).
+PROBE_MARGIN = 1.125
 # Prefill rows per call at most on the CPU: there a larger call buys no speed and its intermediates leave the
 # caches (benchmarks/README.md, "CPU"); on a GPU each call costs a dispatch of the whole decoder, so calls take as
 # many rows as the working memory holds.
@@ -99,13 +106,28 @@ def prefill_bytes_per_row(network: LocateAnything) -> int:
 
 
 def prefill_bytes_per_key(network: LocateAnything) -> int:
-    """What one prefill row's attention holds per key where the decoder's attention falls back (every score of
-    a call at once); 0 where a fused kernel takes it."""
+    """What one prefill row holds per key it attends to, measured on a call's mask (`masks.step_mask`, made
+    additive) and one layer's attention, for `PROBE_ROWS` rows at `PROBE_ROWS` keys and at `PROBE_KEYS` more:
+    every score where the backend's attention falls back, little more than the mask where a fused kernel takes
+    it. A call attends to its cache's capacity (`cache.kv_bucket` of its keys)."""
     t = network.config.text
     dtype = network.language_model.model.norm.weight.dtype
-    if attention_path(backend(), dtype, t.head_dim, PROBE_PATCHES)[0] is not Path.CHUNKED:
-        return 0
-    return t.num_attention_heads * SCORE_BYTES
+    rows = mx.array([PROBE_ROWS], mx.int32)
+
+    def held(keys: int) -> int:
+        q = mx.zeros((1, t.num_attention_heads, PROBE_ROWS, t.head_dim), dtype)
+        k = mx.zeros((1, t.num_key_value_heads, keys, t.head_dim), dtype)
+        first = mx.array([keys - PROBE_ROWS], mx.int32)
+        mx.eval(q, k, first, rows)
+
+        def call():
+            mask = step_mask(first, rows, PROBE_ROWS, keys, mx.zeros((1,), mx.bool_))
+            return attend(q, k, k, t.head_dim**-0.5, additive_mask(mask, dtype))
+
+        return peak_bytes(call)
+
+    grown = held(PROBE_ROWS + PROBE_KEYS) - held(PROBE_ROWS)
+    return max(0, -(-grown // (PROBE_ROWS * PROBE_KEYS)))
 
 
 def measure_probes(network: LocateAnything) -> dict[str, int]:
@@ -170,11 +192,15 @@ class Budget:
         batch = -(-images // -(-images // batch))  # calls of even size: 8 + 8 rather than 13 + 3
         return batch, max(1, min(blocks, room // (batch * per_image_block)))
 
+    def prefill_row_cost(self, keys: int) -> int:
+        """Bytes the plan gives one prefill row attending to `keys` tokens: the probes' costs and `PROBE_MARGIN`."""
+        return math.ceil(PROBE_MARGIN * (self.prefill_row_bytes + keys * self.prefill_key_bytes))
+
     def prefill_rows(self, bucket: int, keys: int, held: int = 0) -> int:
         """Rows one prefill call may take (sequences x padded rows) attending to at most `keys` cached tokens,
         beside `held` bytes the call holds whatever its rows: what the rest of the working memory holds, at most
         `prefill_cap`, in whole `bucket`s."""
-        rows = max(0, self.working - held) // (self.prefill_row_bytes + keys * self.prefill_key_bytes)
+        rows = max(0, self.working - held) // self.prefill_row_cost(keys)
         if self.prefill_cap is not None:
             rows = min(rows, self.prefill_cap)
         return max(bucket, rows // bucket * bucket)

@@ -37,7 +37,7 @@ from .runtime import Runtime
 
 TUNE_ENV = "MLX_LOCATE_TUNE"  # "0": measure nothing, read and write no cache
 CACHE_ENV = "MLX_LOCATE_CACHE_DIR"
-FORMAT = 1  # the cache file's layout; a file of another format is measured again
+FORMAT = 2  # the cache file's layout and its probes' meaning; a file of another format is measured again
 PROBE_CONTEXT = 256  # cached tokens per row in the step probes
 REPEATS = 3  # timed runs per probe (the fastest counts), after one untimed
 PREFILL_CHUNKS = (512, 1024, PREFILL_ROWS)  # prefill chunk candidates, on a GPU

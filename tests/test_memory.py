@@ -17,6 +17,7 @@ import mlx_locate
 from mlx_locate import memory, runtime
 from mlx_locate.cache import kv_bucket
 from mlx_locate.network import vision
+from mlx_locate.network.language import additive_mask, attend
 from mlx_locate.request import Request
 from mlx_locate.weights.checkpoint import DEMO_DIR
 
@@ -50,7 +51,24 @@ def test_budget_shares_the_limit_after_the_weights(demo):
     t = demo.runtime.network.config.text
     assert b.slot_bytes == t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * 4  # float32 on the CPU
     assert b.patch_bytes > 0 and b.prefill_row_bytes > 0
-    assert b.prefill_key_bytes == t.num_attention_heads * 12  # the CPU's attention holds its scores
+    # The CPU's attention falls back: a key costs a row every head's float32 score, and its float32 mask entry.
+    assert t.num_attention_heads * 4 <= b.prefill_key_bytes <= t.num_attention_heads * 4 + 8
+
+
+@pytest.mark.parametrize(("rows", "keys"), [(128, 3000), (512, 2048)])
+def test_the_per_key_cost_measured_on_a_small_attention_bounds_a_larger_one(demo, rows, keys):
+    """What one layer's attention holds grows with rows x keys as the per-key cost measured at load says (on
+    128 rows and 1,024 keys), within 10 %: the budget may plan a call over a long prompt from it."""
+    t = demo.runtime.network.config.text
+    dtype = demo.runtime.network.language_model.model.norm.weight.dtype
+    q = mx.zeros((1, t.num_attention_heads, rows, t.head_dim), dtype)
+    k = mx.zeros((1, t.num_key_value_heads, keys, t.head_dim), dtype)
+    mask = mx.ones((rows, keys), mx.bool_)
+    mx.eval(q, k, mask)
+    held = memory.peak_bytes(lambda: attend(q, k, k, 0.125, additive_mask(mask, dtype)))
+    out = rows * t.num_attention_heads * t.head_dim * dtype.size  # the attention's output
+    planned = rows * keys * demo.runtime.budget.prefill_key_bytes
+    assert 0.9 * planned <= held - out <= 1.1 * planned
 
 
 def test_working_memory_by_device_and_free_memory():
@@ -121,7 +139,7 @@ def test_a_prefill_call_holds_no_more_than_its_rows_measured_cost(demo):
     mx.eval(list(demo.runtime.prefill(cache, [(0, x, 0)]).values()), cache.kv)
     held = mx.get_peak_memory() - base
     # The call's K|V land in new buffers that replace the cache's (the KV budget's, not the working memory's).
-    assert 0 < held <= rows * (b.prefill_row_bytes + rows * b.prefill_key_bytes) + cache.nbytes
+    assert 0 < held <= rows * b.prefill_row_cost(kv_bucket(rows)) + cache.nbytes
 
 
 def test_a_cpu_prefill_call_takes_at_most_the_cpu_cap(demo):
@@ -142,8 +160,9 @@ def test_a_prefill_call_leaves_room_for_the_copies_of_its_cache(demo, monkeypatc
     b = demo.runtime.budget
     cache = demo.runtime.new_cache(slots=4)
     copies = runtime.cache_copies_bytes(cache, 128, b)
-    assert copies == runtime.CACHE_COPIES * 5 * 256 * b.slot_bytes  # 4 rows and the scratch row, 256 slots each
-    rows_bytes = 4 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes)
+    # 4 rows and the scratch row, 256 slots each, and one row's copies more
+    assert copies == (runtime.CACHE_COPIES * 5 + runtime.ROW_COPIES) * 256 * b.slot_bytes
+    rows_bytes = 4 * 128 * b.prefill_row_cost(kv_bucket(128))
     monkeypatch.setattr(demo.runtime, "budget", dataclasses.replace(b, working=rows_bytes + copies, prefill_cap=None))
     calls = forward_shapes(demo, monkeypatch)
     demo.runtime.prefill(cache, [(i, mx.zeros((128, d), dtype), 0) for i in range(4)])
@@ -157,17 +176,17 @@ def test_a_prefill_call_leaves_room_for_the_copies_of_its_cache(demo, monkeypatc
 def test_a_photos_prompt_prefix_fits_the_working_memory_of_a_16_gb_limit():
     """Within a 16 GB limit (a 24 GB Mac's GPU share) beside the 3B's bf16 weights, at the unit costs the H200
     measured: the working memory stays the 2 GiB base, and a 12 MP photo's prompt prefix (6,510 image tokens)
-    goes in prefill calls whose rows and cache copies fit it (without the copies: 1,280 rows, 2.84 GB)."""
+    goes in prefill calls whose rows and cache copies fit it (384 rows; without the copies, 1,024 rows would)."""
     weights, slot_bytes = 7_037_296_688, 36 * 2 * 2 * 128 * 2  # 36 layers of K|V, 2 heads of 128, bf16
     free = 16 * 10**9 - weights - memory.RESERVE
     working = memory.working_bytes(free, "gpu")
     assert working == 2 << 30
-    b = memory.Budget(16 * 10**9, weights, working, free - working, 77249, 1643152, 0, slot_bytes, None)
-    keys = 6510 + 64  # the image's tokens and the prompt's words before them
-    copies = runtime.CACHE_COPIES * kv_bucket(keys) * slot_bytes
+    b = memory.Budget(16 * 10**9, weights, working, free - working, 77249, 1643152, 8, slot_bytes, None)
+    keys = kv_bucket(6510 + 64)  # the image's tokens and the prompt's words before them: the cache's capacity
+    copies = (runtime.CACHE_COPIES + runtime.ROW_COPIES) * keys * slot_bytes  # a cache of one row
     rows = b.prefill_rows(128, keys, copies)
-    assert rows == 768 and rows * b.prefill_row_bytes + copies <= working
-    assert b.prefill_rows(128, keys) * b.prefill_row_bytes + copies > working
+    assert rows == 384 and rows * b.prefill_row_cost(keys) + copies <= working
+    assert b.prefill_rows(128, keys) == 1024 and 1024 * b.prefill_row_cost(keys) + copies > working
 
 
 def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):
@@ -177,7 +196,7 @@ def test_prefill_in_calls_the_working_memory_holds(golden_dir, monkeypatch):
     request = Request(GOLDEN / "images" / "shapes_640x480.png", "red box", mode="slow", max_tokens=12)
     whole = model.locate_many([request])[0]
     b = model.runtime.budget
-    per_row = b.prefill_row_bytes + len(whole.prompt_ids) * b.prefill_key_bytes
+    per_row = b.prefill_row_cost(kv_bucket(len(whole.prompt_ids)))
     monkeypatch.setattr(model.runtime, "budget", dataclasses.replace(b, working=128 * per_row))
     assert model.runtime.prefill_rows(len(whole.prompt_ids)) == 128
     calls = forward_shapes(model, monkeypatch)
@@ -216,7 +235,7 @@ def test_prefill_calls_take_a_power_of_two_of_sequences(demo, monkeypatch):
     dtype = demo.runtime.network.language_model.model.norm.weight.dtype
     b = demo.runtime.budget
     cache = demo.runtime.new_cache(slots=4)
-    working = 3 * 128 * (b.prefill_row_bytes + 128 * b.prefill_key_bytes) + runtime.cache_copies_bytes(cache, 128, b)
+    working = 3 * 128 * b.prefill_row_cost(kv_bucket(128)) + runtime.cache_copies_bytes(cache, 128, b)
     monkeypatch.setattr(demo.runtime, "budget", dataclasses.replace(b, working=working, prefill_cap=None))
     assert demo.runtime.prefill_rows(128, cache) == 3 * 128
     calls = forward_shapes(demo, monkeypatch)
