@@ -500,16 +500,14 @@ def merge_stats(children: list[Request], results: list[Result], kept: list[int],
     return stats
 
 
-def merge_results(request: Request, image: Image.Image, children: list[Request], results: list[Result]) -> Result:
-    """One `Result` for a tiled request, in the pixels of `image`: the views' objects mapped back and merged
-    (module docstring), labels answered None by some view and found by none, the answer text rebuilt from
-    the merged objects, and stats summed over the views (per view under `stats["tiles"]`)."""
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
-    size = image.size
+def merged_groups(
+    children: list[Request], results: list[Result], size: tuple[int, int]
+) -> tuple[list[Group], list[Candidate], list[int]]:
+    """The views' objects in the pixels of an image of `size`, merged (`merge_objects`) and voted on
+    (`outvoted`): the groups kept, every object of every view (boxes covering their tile too) and how many
+    boxes covering their tile each view dropped."""
     candidates: list[Candidate] = []
-    seen: list[Candidate] = []  # every object of every view, boxes covering a tile too
+    seen: list[Candidate] = []
     dropped = [0] * len(children)
     for view, (child, result) in enumerate(zip(children, results, strict=True)):
         tile: Tile = child.tag
@@ -522,9 +520,19 @@ def merge_results(request: Request, image: Image.Image, children: list[Request],
                 dropped[view] += 1
                 continue
             candidates.append(seen[-1])
-    groups = merge_objects(candidates)
     views = [c.tag for c in children]
-    groups = [g for g in groups if not outvoted(g, seen, views, size)]
+    return [g for g in merge_objects(candidates) if not outvoted(g, seen, views, size)], seen, dropped
+
+
+def merge_results(request: Request, image: Image.Image, children: list[Request], results: list[Result]) -> Result:
+    """One `Result` for a tiled request, in the pixels of `image`: the views' objects mapped back and merged
+    (module docstring), labels answered None by some view and found by none, the answer text rebuilt from
+    the merged objects, and stats summed over the views (per view under `stats["tiles"]`)."""
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    size = image.size
+    groups, _, dropped = merged_groups(children, results, size)
     if request.task in SINGLE_TASKS and groups:
         groups = [max(groups, key=lambda g: confidence(g) or 0.0)]
     kept = [0] * len(children)
