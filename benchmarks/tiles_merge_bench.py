@@ -33,7 +33,7 @@ from above the precision of a merge that decides by geometry alone (matched / (m
 the shape) or false (of the kinds below, a duplicate being a second box of its view on one object), for tiles
 (held or not, held by no other tile) and the whole image, and the objects `tiles.merged_groups` keeps, by how many
 views found them; the quantiles of each, of the confidence and of it over the median confidence of the request's
-boxes of the shape, every view's (what a floor relative to the request would compare).
+boxes of the shape, every view's (what `tiles.unconfirmed` compares with `LONE_CONFIDENCE`).
 Boxes are matched to the truth greedily at IoU 0.5. A false box is called a duplicate (it overlaps a found
 object by IoU >= 0.5 or lies inside it), a piece (lies mostly inside a true object of the label), another shape
 (mostly inside an object of another label) or nothing.
@@ -418,7 +418,7 @@ def scene_records(views: list, results: list, scene: Drawn, query: str, where: d
     truth = [tuple(map(float, t.box)) for t in scene.things if t.shape == query]
     others = [tuple(map(float, t.box)) for t in scene.things if t.shape != query]
     tiles = [v.tag for v in views if not v.tag.whole]
-    reference = median(  # every view's objects of the label
+    reference = median(  # what `tiles.unconfirmed` compares with: every view's objects of the label
         [o.confidence for r in results for o in r.objects if o.label == query and o.confidence is not None]
     )
     records = []
