@@ -2,7 +2,7 @@
 objects across a seam given once, for `merge_results` and for SAHI's greedy merge on the same decoded views.
 
     python benchmarks/tiles_merge_bench.py [--dense 30] [--seams 24] [--large 10] [--seed 0] [--overlap 0.2] \
-        [--views /tmp/views] [--note "..."] [--json benchmarks/results/tiles_merge_cpu.json]
+        [--views /tmp/views] [--confidences] [--note "..."] [--json benchmarks/results/tiles_merge_cpu.json]
 
 Scenes (drawn by this file, not by the project's generators; deterministic in `--seed`):
 - dense: 1200 x 900 pixels, 30-45 shapes (square, circle, triangle, diamond, star) of 25-60 px, triangles,
@@ -28,7 +28,12 @@ another merge (another checkout running this file) can be replayed on the same v
 The model's own false boxes (dense scenes): each tile's view is its crop decoded as a plain image; a box of the
 asked shape that the tile holds (`tiles.holds`: clear of its inner edges) and that matches no object is the
 model's error on that crop, whatever the merge. Where no other tile holds it, no tile can outvote it: those bound
-a merge's precision from above (matched / (matched + those)).
+from above the precision of a merge that decides by geometry alone (matched / (matched + those)).
+`--confidences`: each view's boxes of the asked shape with their confidence, true (IoU >= 0.5 with an object of
+the shape) or false (of the kinds below, a duplicate being a second box of its view on one object), for tiles
+(held or not, held by no other tile) and the whole image, and the objects `tiles.merged_groups` keeps, by how many
+views found them; the quantiles of each, of the confidence and of it over the median confidence of the request's
+boxes of the shape, every view's (what `tiles.unconfirmed` compares with `LONE_CONFIDENCE`).
 Boxes are matched to the truth greedily at IoU 0.5. A false box is called a duplicate (it overlaps a found
 object by IoU >= 0.5 or lies inside it), a piece (lies mostly inside a true object of the label), another shape
 (mostly inside an object of another label) or nothing.
@@ -61,7 +66,9 @@ from mlx_locate.tiles import (  # noqa: E402
     auto_grid,
     holds,
     merge_results,
+    merged_groups,
     parse_tiles,
+    seams,
     split_request,
     tile_boxes,
     to_image,
@@ -378,6 +385,144 @@ def seam_counts(decoded: list[tuple], scenes: list[Drawn], method) -> dict:
     return counts
 
 
+# --- Confidences -------------------------------------------------------------------------------------------
+
+QUANTILES = (0.0, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+
+
+def matched_pairs(boxes: list, truth: list) -> dict[int, int]:
+    """Greedy matching at IoU `MATCH`, highest first: box index -> truth index."""
+    pairs = sorted(((iou(p, g), i, j) for i, p in enumerate(boxes) for j, g in enumerate(truth)), reverse=True)
+    out: dict[int, int] = {}
+    for value, i, j in pairs:
+        if value >= MATCH and i not in out and j not in out.values():
+            out[i] = j
+    return out
+
+
+def median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def confidence_records(decoded: list[tuple], jobs: list[tuple[Drawn, str]], part: str) -> list[dict]:
+    """One record per box of the asked shape, of every view ("tile" or "whole") and of the groups the merge
+    keeps ("merged"): its confidence, over the median of the request's boxes ("relative"), and what it is."""
+    records = []
+    for index, ((_, views, results), (scene, query)) in enumerate(zip(decoded, jobs, strict=True)):
+        records += scene_records(views, results, scene, query, {"part": part, "scene": index})
+    return records
+
+
+def scene_records(views: list, results: list, scene: Drawn, query: str, where: dict) -> list[dict]:
+    size = scene.image.size
+    truth = [tuple(map(float, t.box)) for t in scene.things if t.shape == query]
+    others = [tuple(map(float, t.box)) for t in scene.things if t.shape != query]
+    tiles = [v.tag for v in views if not v.tag.whole]
+    reference = median(  # what `tiles.unconfirmed` compares with: every view's objects of the label
+        [o.confidence for r in results for o in r.objects if o.label == query and o.confidence is not None]
+    )
+    records = []
+
+    def record(boxes: list, confidences: list, source: str, more: list[dict]) -> None:
+        """`boxes` of one view (or the merge's): true when the greedy matching gives them an object, else of a
+        false kind, a duplicate when another of `boxes` took its object."""
+        pairs = matched_pairs(boxes, truth)
+        for i, (box, conf) in enumerate(zip(boxes, confidences, strict=True)):
+            found = [truth[j] for k, j in pairs.items() if k != i]
+            what = "true" if i in pairs else false_kind(box, truth, found, others)
+            relative = None if conf is None or not reference else conf / reference
+            records.append(where | {"source": source, "confidence": conf, "relative": relative, "what": what} | more[i])
+
+    for view, result in zip(views, results, strict=True):
+        objects = [to_image(o, view.tag, size) for o in result.objects if o.label == query and o.box is not None]
+        boxes, confidences = [o.box for o in objects], [o.confidence for o in objects]
+        if view.tag.whole:
+            record(boxes, confidences, "whole", [{} for _ in boxes])
+            continue
+        more = []
+        for box in boxes:
+            on, covers = seams(box, view.tag, size)
+            held = holds(view.tag, box, size)
+            alone = held and sum(holds(t, box, size) for t in tiles) == 1
+            more.append({"held": held, "alone": alone, "cut": any(on), "covers": covers})
+        record(boxes, confidences, "tile", more)
+    groups, _, _ = merged_groups(views, results, size)
+    groups = [g for g in groups if g.best.object.label == query and g.best.object.box is not None]
+    confidences = []
+    for g in groups:
+        values = [m.object.confidence for m in g.members if m.object.confidence is not None]
+        confidences.append(max(values) if values else None)
+    more = [{"views": len({m.view for m in g.members}), "whole": any(m.tile.whole for m in g.members)} for g in groups]
+    record([g.best.object.box for g in groups], confidences, "merged", more)
+    return records
+
+
+def quantiles(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"n": 0}
+    return {"n": len(values)} | {f"q{round(q * 100)}": round(float(np.quantile(values, q)), 3) for q in QUANTILES}
+
+
+CONFIDENCE_SETS = {
+    "tile boxes, true": lambda r: r["source"] == "tile" and r["what"] == "true",
+    "tile boxes, false": lambda r: r["source"] == "tile" and r["what"] != "true",
+    "tile boxes held, true": lambda r: r["source"] == "tile" and r["held"] and r["what"] == "true",
+    "tile boxes held, false (the model's own)": lambda r: r["source"] == "tile" and r["held"] and r["what"] != "true",
+    "... held by no other tile": lambda r: r["source"] == "tile" and r["alone"] and r["what"] != "true",
+    "tile boxes not held (near an inner edge), true": lambda r: (
+        r["source"] == "tile" and not r["held"] and r["what"] == "true"
+    ),
+    "tile boxes not held, false": lambda r: r["source"] == "tile" and not r["held"] and r["what"] != "true",
+    **{
+        f"tile boxes, false: {kind}": (lambda k: lambda r: r["source"] == "tile" and r["what"] == k)(kind)
+        for kind in ("duplicate", "piece", "another shape", "nothing")
+    },
+    "whole image, true": lambda r: r["source"] == "whole" and r["what"] == "true",
+    "whole image, false": lambda r: r["source"] == "whole" and r["what"] != "true",
+    "merged, one view, true": lambda r: r["source"] == "merged" and r["views"] == 1 and r["what"] == "true",
+    "merged, one view, false": lambda r: r["source"] == "merged" and r["views"] == 1 and r["what"] != "true",
+    "merged, several views, true": lambda r: r["source"] == "merged" and r["views"] > 1 and r["what"] == "true",
+    "merged, several views, false": lambda r: r["source"] == "merged" and r["views"] > 1 and r["what"] != "true",
+}
+
+
+def confidence_report(records: list[dict]) -> dict:
+    """Quantiles of the confidence and of the relative confidence, per part and set of boxes."""
+    out = {}
+    for part in ("dense", "seams", "large"):
+        mine = [r for r in records if r["part"] == part]
+        out[part] = {
+            name: {
+                "confidence": quantiles([r["confidence"] for r in mine if test(r)]),
+                "relative": quantiles([r["relative"] for r in mine if test(r)]),
+            }
+            for name, test in CONFIDENCE_SETS.items()
+        }
+        out[part]["no confidence"] = sum(r["confidence"] is None for r in mine)
+    return out
+
+
+def confidence_table(report: dict) -> str:
+    rows = []
+    for part, sets in report.items():
+        rows += [
+            "",
+            f"Confidences, {part} (q0 / q5 / q10 / q25 / q50 / q75 / q90 / q100; relative: over the median of the "
+            f"request's boxes, every view's; {sets['no confidence']} boxes without a confidence)",
+            "",
+            "| boxes | n | confidence | relative |",
+            "|---|---|---|---|",
+        ]
+        for name in CONFIDENCE_SETS:
+            c, r = sets[name]["confidence"], sets[name]["relative"]
+            if not c["n"]:
+                continue
+            spell = lambda q: " / ".join(f"{q[f'q{round(x * 100)}']:.2f}" for x in QUANTILES)  # noqa: E731
+            rows.append(f"| {name} | {c['n']} | {spell(c)} | {spell(r) if r['n'] else ''} |")
+    return "\n".join(rows)
+
+
 def table(report: dict) -> str:
     d, s, g = report["dense"], report["seams"], report["large"]
     own = d["own errors"]
@@ -432,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
         help="PREFIX of files of decoded views (PREFIX-dense.pkl, -seams.pkl, -large.pkl): read when "
         "they exist (the same scenes), else written",
     )
+    p.add_argument(
+        "--confidences",
+        action="store_true",
+        help="also the confidences of the views' boxes and of the merged objects, true vs false (quantiles)",
+    )
     p.add_argument("--note", default="", help="the machine's state, stored with the figures")
     p.add_argument("--json", help="output JSON (default: none)")
     args = p.parse_args(argv)
@@ -479,6 +629,14 @@ def main(argv: list[str] | None = None) -> int:
     matched = report["dense"]["methods"]["merge_results"]["matched"]
     report["dense"]["own errors"] = own_errors(dense_decoded, dense_jobs, matched)
     text = table(report)
+    if args.confidences:
+        records = (
+            confidence_records(dense_decoded, dense_jobs, "dense")
+            + confidence_records(seam_decoded, seam_jobs, "seams")
+            + confidence_records(large_decoded, large_jobs, "large")
+        )
+        report["confidences"] = confidence_report(records)
+        text += "\n" + confidence_table(report["confidences"])
     print(text)
     if args.json:
         out = Path(args.json)

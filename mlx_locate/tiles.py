@@ -10,7 +10,7 @@ every object back to the image and merges the duplicates that tiles share:
   never smaller than in the image; ties go to the squarest tiles. An image that already fits (or a 1 x 1
   grid) needs no tiles: the request is decoded as it is, the untiled result exactly. `(rows, cols)` gives
   the grid.
-- Merging decides by geometry alone (no confidence threshold drops anything), across views and within one
+- Merging decides by geometry (confidence only where geometry cannot, last point), across views and within one
   (SAHI's greedy merge): per label, an object joins another when their boxes' intersection is at least
   `MERGE_IOS` of the smaller box, or their points lie within `POINT_RADIUS` of a tile's shorter side. A box
   touching an inner seam of its tile is a piece: it joins any overlapping box of another tile that lies inside
@@ -26,11 +26,17 @@ every object back to the image and merges the duplicates that tiles share:
   as many tiles held it and found nothing of its label overlapping it as views found it: what one tile drew and
   the tile beside it, seeing the same pixels, did not. An object only the whole image found, no larger than a
   tile, is dropped too when a tile found another object of its label there (the whole image's box is coarse).
+- An object that one view alone found and no tile outvoted, which geometry can neither confirm nor drop
+  (`unconfirmed`), is kept only when its confidence is at least `LONE_CONFIDENCE` of the median confidence of
+  the request's objects of its label, over every view: relative to how sure the model is on this image, not an
+  absolute number. An object without a confidence (no token probabilities) is kept; single-instance tasks keep
+  their most confident object.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -50,6 +56,7 @@ PIECE_IOS = 0.15  # ... or this much, when one is a piece of the other (`piece_o
 SEAM_MARGIN = 0.02  # a box edge within this fraction of a tile side from an inner seam is cut by it
 SPAN_FRACTION = 0.9  # a tile box this wide and this high (fractions of the tile) is a seam artefact
 HOLD_MARGIN = 0.03  # a tile holds a box lying this fraction of a tile side or more inside its inner edges
+LONE_CONFIDENCE = 0.75  # an object one view alone found needs this fraction of the median confidence of its label
 POINT_RADIUS = 0.05  # points of one label closer than this fraction of a tile's shorter side are one
 SINGLE_TASKS = ("single", "gui")  # one instance asked: the merged answer keeps the most confident object
 SUMMED_STATS = (
@@ -500,16 +507,14 @@ def merge_stats(children: list[Request], results: list[Result], kept: list[int],
     return stats
 
 
-def merge_results(request: Request, image: Image.Image, children: list[Request], results: list[Result]) -> Result:
-    """One `Result` for a tiled request, in the pixels of `image`: the views' objects mapped back and merged
-    (module docstring), labels answered None by some view and found by none, the answer text rebuilt from
-    the merged objects, and stats summed over the views (per view under `stats["tiles"]`)."""
-    for r in results:
-        if isinstance(r, Exception):
-            raise r
-    size = image.size
+def merged_groups(
+    children: list[Request], results: list[Result], size: tuple[int, int]
+) -> tuple[list[Group], list[Candidate], list[int]]:
+    """The views' objects in the pixels of an image of `size`, merged (`merge_objects`) and voted on
+    (`outvoted`): the groups kept, every object of every view (boxes covering their tile too) and how many
+    boxes covering their tile each view dropped."""
     candidates: list[Candidate] = []
-    seen: list[Candidate] = []  # every object of every view, boxes covering a tile too
+    seen: list[Candidate] = []
     dropped = [0] * len(children)
     for view, (child, result) in enumerate(zip(children, results, strict=True)):
         tile: Tile = child.tag
@@ -522,11 +527,35 @@ def merge_results(request: Request, image: Image.Image, children: list[Request],
                 dropped[view] += 1
                 continue
             candidates.append(seen[-1])
-    groups = merge_objects(candidates)
     views = [c.tag for c in children]
-    groups = [g for g in groups if not outvoted(g, seen, views, size)]
+    return [g for g in merge_objects(candidates) if not outvoted(g, seen, views, size)], seen, dropped
+
+
+def unconfirmed(group: Group, seen: list[Candidate]) -> bool:
+    """Only one view found the group's object (no other view confirms it, and none outvoted it) and its
+    confidence is under `LONE_CONFIDENCE` of the median confidence of the request's objects of its label (every
+    object of every view, `seen`). An object or request without confidences is never unconfirmed."""
+    conf = confidence(group)
+    if conf is None or len({m.view for m in group.members}) > 1:
+        return False
+    label = group.best.object.label
+    values = [c.object.confidence for c in seen if c.object.label == label and c.object.confidence is not None]
+    return conf < LONE_CONFIDENCE * statistics.median(values)
+
+
+def merge_results(request: Request, image: Image.Image, children: list[Request], results: list[Result]) -> Result:
+    """One `Result` for a tiled request, in the pixels of `image`: the views' objects mapped back and merged
+    (module docstring), labels answered None by some view and found by none, the answer text rebuilt from
+    the merged objects, and stats summed over the views (per view under `stats["tiles"]`)."""
+    for r in results:
+        if isinstance(r, Exception):
+            raise r
+    size = image.size
+    groups, seen, dropped = merged_groups(children, results, size)
     if request.task in SINGLE_TASKS and groups:
         groups = [max(groups, key=lambda g: confidence(g) or 0.0)]
+    else:
+        groups = [g for g in groups if not unconfirmed(g, seen)]
     kept = [0] * len(children)
     for g in groups:
         kept[g.best.view] += 1

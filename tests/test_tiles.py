@@ -207,7 +207,7 @@ def test_a_piece_defers_only_to_a_box_that_reaches_past_its_tile():
 def test_a_piece_does_not_defer_to_the_whole_image():
     # The whole image's coarse box, wider than a tile, reaches past both tiles; tile 0's box at its seam
     # overlaps its corner, and tile 1 holds that object.
-    big = obj("a", (60, 20, 340, 180), 0.5)
+    big = obj("a", (60, 20, 340, 180), 0.8)  # as sure as the tiles' boxes: only the whole image found it
     out = merged(TWO, [[obj("a", (200, 170, 240, 199))], [obj("a", (40, 170, 90, 199))]], whole=[big])
     assert sorted(o.box for o in out.objects) == [(60, 20, 340, 180), (200, 170, 250, 199)]
 
@@ -322,6 +322,31 @@ def test_points_merge_within_the_radius():
     assert len(out.objects) == 1 and out.objects[0].confidence == 0.9
     out = merged(TWO, [[obj(None, None, 0.8, (200, 100))], [obj(None, None, 0.9, (52, 100))]], task="point")
     assert len(out.objects) == 2
+
+
+def test_an_object_one_view_alone_found_needs_a_confidence_near_its_labels():
+    # Tile 0 alone sees x < 160: geometry can neither confirm nor outvote what it finds there. The box at 0.4
+    # lies under LONE_CONFIDENCE (0.75) of the median of the label's confidences (0.8) and is dropped; the one
+    # at 0.7 is kept. The box in the shared strip at 0.3 is kept: both tiles found it.
+    def views(scale):
+        lone = [obj("a", (20, 20, 60, 60), 0.9 * scale), obj("a", (20, 120, 60, 160), 0.85 * scale)]
+        lone += [obj("a", (90, 20, 130, 60), 0.4 * scale), obj("a", (90, 120, 130, 160), 0.7 * scale)]
+        return [lone + [obj("a", (180, 60, 220, 100), 0.3 * scale)], [obj("a", (20, 60, 60, 100), 0.8 * scale)]]
+
+    kept = [(20, 20, 60, 60), (20, 120, 60, 160), (90, 120, 130, 160), (180, 60, 220, 100)]
+    for scale in (1.0, 0.5):  # relative to the request's own confidences, not a number
+        assert sorted(o.box for o in merged(TWO, views(scale)).objects) == kept, scale
+    assert len(merged(TWO, [[obj("a", (90, 20, 130, 60), 0.4)], []]).objects) == 1  # the label's only object
+    other = merged(
+        TWO, [[obj("a", (20, 20, 60, 60), 0.9), obj("a", (20, 120, 60, 160), 0.9)], [obj("b", (60, 20, 100, 60), 0.4)]]
+    )
+    assert len(other.objects) == 3  # the median is of its own label's objects
+    unknown = [[replace(o, confidence=None) for o in v] for v in views(1.0)]  # no token probabilities: kept
+    assert len(merged(TWO, unknown).objects) == 5
+    mixed = views(1.0)
+    mixed[0][2] = replace(mixed[0][2], confidence=None)
+    assert len(merged(TWO, mixed).objects) == 5
+    assert len(merged(TWO, views(1.0), task="single").objects) == 1
 
 
 def test_single_instance_tasks_keep_one_object():
