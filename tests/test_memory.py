@@ -142,6 +142,17 @@ def test_a_prefill_call_holds_no_more_than_its_rows_measured_cost(demo):
     assert 0 < held <= rows * b.prefill_row_cost(kv_bucket(rows)) + cache.nbytes
 
 
+def test_a_prefill_call_is_planned_for_its_caches_capacity(demo, monkeypatch):
+    """A prompt of 300 tokens is attended to over its cache's 512 slots (`kv_bucket`): where the working memory
+    holds 256 rows at 300 keys but not at 512, a call takes 128."""
+    b = demo.runtime.budget
+    assert b.prefill_key_bytes > 0 and kv_bucket(300) == 512
+    working = 256 * b.prefill_row_cost(512) - 1
+    assert working // b.prefill_row_cost(300) >= 256
+    monkeypatch.setattr(demo.runtime, "budget", dataclasses.replace(b, working=working))
+    assert demo.runtime.prefill_rows(300) == 128
+
+
 def test_a_cpu_prefill_call_takes_at_most_the_cpu_cap(demo):
     """On the CPU more working memory does not make prefill calls larger than `CPU_PREFILL_ROWS`; without the cap
     they would be."""
