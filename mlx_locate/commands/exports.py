@@ -16,7 +16,7 @@ import os
 import shutil
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -345,24 +345,32 @@ def check_targets(targets: dict[str, Path], owned: set[str], overwrite: bool, js
             )
 
 
-def replace_text(path: Path, text: str) -> None:
-    staged = path.with_name(path.name + ".partial")
+def staged(path: Path, write: Callable[[Path], None]) -> None:
+    """`write` the file under a temporary name beside `path`, then rename it to `path` (a failure leaves `path`
+    as it was and no temporary file)."""
+    temporary = path.with_name(path.name + ".partial")
+    temporary.unlink(missing_ok=True)
     try:
-        staged.write_text(text, encoding="utf-8")
-        os.replace(staged, path)
+        write(temporary)
+        os.replace(temporary, path)
     finally:
-        staged.unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
+
+
+def replace_text(path: Path, text: str) -> None:
+    staged(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
 def place_image(source: Path, path: Path) -> None:
     """`path` becomes a link to the image `source`, or a copy where a link cannot be made."""
-    staged = path.with_name(path.name + ".partial")
-    staged.unlink(missing_ok=True)
-    try:
-        os.symlink(source.absolute(), staged)
-    except OSError:
-        shutil.copy2(source, staged)
-    os.replace(staged, path)
+
+    def link(p: Path) -> None:
+        try:
+            os.symlink(source.absolute(), p)
+        except OSError:
+            shutil.copy2(source, p)
+
+    staged(path, link)
 
 
 def place_as_seen(image: AsSeen, path: Path) -> None:
@@ -377,12 +385,8 @@ def place_as_seen(image: AsSeen, path: Path) -> None:
             return
     pixels = to_rgb(load_image(image.source, image.max_pixels, image.orientation)).copy()
     pixels.info.clear()  # a copy of the pixels alone: neither the file's EXIF nor its colour profile goes along
-    staged = path.with_name(path.name + ".partial")
-    try:
-        pixels.save(staged, Image.registered_extensions()[path.suffix.lower()], quality=JPEG_QUALITY)
-        os.replace(staged, path)
-    finally:
-        staged.unlink(missing_ok=True)
+    kind = Image.registered_extensions()[path.suffix.lower()]
+    staged(path, lambda p: pixels.save(p, kind, quality=JPEG_QUALITY))
 
 
 def write_export(kind: str, ds: Dataset, target: Path) -> list[str]:
