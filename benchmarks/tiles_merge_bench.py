@@ -418,7 +418,7 @@ def scene_records(views: list, results: list, scene: Drawn, query: str, where: d
     truth = [tuple(map(float, t.box)) for t in scene.things if t.shape == query]
     others = [tuple(map(float, t.box)) for t in scene.things if t.shape != query]
     tiles = [v.tag for v in views if not v.tag.whole]
-    reference = median(  # what `tiles.unconfirmed` compares with: every view's objects of the label
+    reference = median(  # `tiles.label_medians`: every view's objects of the label
         [o.confidence for r in results for o in r.objects if o.label == query and o.confidence is not None]
     )
     records = []

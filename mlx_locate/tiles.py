@@ -531,16 +531,24 @@ def merged_groups(
     return [g for g in merge_objects(candidates) if not outvoted(g, seen, views, size)], seen, dropped
 
 
-def unconfirmed(group: Group, seen: list[Candidate]) -> bool:
+def label_medians(seen: list[Candidate]) -> dict[str, float]:
+    """The median confidence of the request's objects of each label (every object of every view, `seen`), for
+    the labels that have confidences."""
+    by_label: dict[str, list[float]] = {}
+    for c in seen:
+        if c.object.confidence is not None:
+            by_label.setdefault(c.object.label, []).append(c.object.confidence)
+    return {label: statistics.median(values) for label, values in by_label.items()}
+
+
+def unconfirmed(group: Group, medians: dict[str, float]) -> bool:
     """Only one view found the group's object (no other view confirms it, and none outvoted it) and its
-    confidence is under `LONE_CONFIDENCE` of the median confidence of the request's objects of its label (every
-    object of every view, `seen`). An object or request without confidences is never unconfirmed."""
+    confidence is under `LONE_CONFIDENCE` of its label's median (`label_medians`). An object or request without
+    confidences is never unconfirmed."""
     conf = confidence(group)
     if conf is None or len({m.view for m in group.members}) > 1:
         return False
-    label = group.best.object.label
-    values = [c.object.confidence for c in seen if c.object.label == label and c.object.confidence is not None]
-    return conf < LONE_CONFIDENCE * statistics.median(values)
+    return conf < LONE_CONFIDENCE * medians[group.best.object.label]
 
 
 def merge_results(request: Request, image: Image.Image, children: list[Request], results: list[Result]) -> Result:
@@ -555,7 +563,8 @@ def merge_results(request: Request, image: Image.Image, children: list[Request],
     if request.task in SINGLE_TASKS and groups:
         groups = [max(groups, key=lambda g: confidence(g) or 0.0)]
     else:
-        groups = [g for g in groups if not unconfirmed(g, seen)]
+        medians = label_medians(seen)
+        groups = [g for g in groups if not unconfirmed(g, medians)]
     kept = [0] * len(children)
     for g in groups:
         kept[g.best.view] += 1
