@@ -12,6 +12,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..network.attention import backend
+
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}  # float dtypes, by name
 HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
 
@@ -128,11 +130,17 @@ def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> No
 
 
 def read_weights(folder: Path) -> dict[str, mx.array]:
+    """The checkpoint's tensors, read on a CPU stream (where MLX reads them itself on Metal and the CPU: on its
+    own threads, while the caller goes on); on CUDA, where the GPU's memory is not the CPU's, each then copied
+    to the GPU stream (read there, a tensor blocks the host until it is in; left where it was read, it would
+    migrate page by page at its first use)."""
     weights = {}
     for path in weight_files(folder):
         check_safetensors(path)
         try:
-            weights.update(mx.load(str(path)))
+            weights.update(mx.load(str(path), stream=mx.cpu))
         except RuntimeError as e:  # MLX's reader: unknown dtype, offsets that do not match the shape, ...
             raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    if backend() == "cuda":
+        weights = {k: v if v.dtype == mx.bool_ else mx.multiply(v, 1, stream=mx.gpu) for k, v in weights.items()}
     return weights
