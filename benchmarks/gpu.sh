@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu.sh part .whl/cuda.part00     # x4: the MLX CUDA wheel arrives in parts (the device tool
 #   bash benchmarks/gpu.sh install .whl/cuda.part03 .whl/mlx-0.32.4-*.whl .whl/tqdm-*.whl   # carries 64 MiB a call)
 #   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory | photo | budget | parity
+#   BEFORE=benchmarks/_before PEER=... bash benchmarks/gpu.sh cold   # the one-shot command from a cold process
 #
 # The folder beside mlx-vlm's batch_generate: its 21 wheels (21 MB; benchmarks/peer-gpu-requirements.txt says how
 # to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first (after
@@ -11,6 +12,7 @@
 #   mv .gpu/peer/transformers-*.whl .gpu/                                         # once, here
 #   bash benchmarks/gpu.sh peer-part .gpu/transformers-5.24.0-py3-none-any.whl    # carry that file (13.5 MB)
 #   bash benchmarks/gpu.sh peer .gpu/peer/*.whl                                   # carry .gpu/peer (7.5 MB)
+#   (or `peer-install .gpu/peer/*.whl`: the wheels only, for the `cold` step's PEER=/root/w/peer-python)
 #
 # Every step writes its JSON under $OUT (the device tool brings it back). PRESET (default 3b) and FOLDER (default
 # 64 images) may be set to dry-run a step on a CPU with a small preset; PEER (a python with mlx-vlm 0.7.10, such as
@@ -39,7 +41,7 @@ peer-part)
     mkdir -p $W/peer && cp "$@" $W/peer/
     exit 0
     ;;
-peer)
+peer | peer-install) # peer-install: only the wheels (for `cold`: PEER=/root/w/peer-python)
     if [ -z "${PEER:-}" ]; then # mlx-vlm in its own folder, beside MLX's: our side never imports it
         mkdir -p $W/peer
         [ $# -eq 0 ] || cp "$@" $W/peer/ # a rerun on the same machine brings none
@@ -48,6 +50,7 @@ peer)
         chmod +x $W/peer-python
         PEER=$W/peer-python
     fi
+    [ "$step" = peer ] || exit 0
     ;;
 esac
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
@@ -121,6 +124,18 @@ photo) # one image of 972, 1,989, 3,888 and 6,510 image tokens within 16 GB, eac
     python3 benchmarks/memory_bench.py --preset $PRESET --in-memory --memory-limit 16 --alone \
         --images 1008x756 1424x1068 2016x1512 4032x3024 --prefill-probe 1280x0 1280x2560 1280x5120 768x5888 \
         --json "$OUT/gpu_memory_${PRESET}_limit16_alone.json"
+    ;;
+cold) # the one-shot command from a cold process (the checkpoint on disk in the HF layout, a 640x480 and a 12 MP
+    # JPEG): ours, beside BEFORE (an older checkout, e.g. `git archive` into benchmarks/_before) and PEER's
+    # `python -m mlx_vlm.generate` (after `gpu.sh peer`: $W/peer-python) where set; each side's first run untimed
+    [ -f /root/dt/$PRESET/config.json ] || python3 -m mlx_locate.weights.random_checkpoint --preset $PRESET --out /root/dt/$PRESET
+    python3 -c "import numpy as np; from PIL import Image
+for name, (w, h) in {'small': (640, 480), 'photo': (4032, 3024)}.items():
+    pixels = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(f'/root/dt/{name}.jpg', quality=90)"
+    python3 benchmarks/cold_start.py --model /root/dt/$PRESET --images /root/dt/small.jpg /root/dt/photo.jpg --runs 3 \
+        ${BEFORE:+--before $BEFORE} ${PEER:+--peer $PEER} --note "H200, MLX CUDA $(python3 -c 'import mlx.core as mx; print(mx.__version__)')" \
+        --json "$OUT/gpu_cold_start_$PRESET.json"
     ;;
 budget) # a folder of 64 at 16 rows by working memory (bf16, or QUANT), each phase's peak
     quant=$([ -z "${QUANT:-}" ] || echo "--quantize $QUANT")

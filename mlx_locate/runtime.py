@@ -27,6 +27,7 @@ from .network.language import fuse_projections
 from .preprocess import NORMALISED
 from .prompts import UserText, prompt_ids
 from .request import DEFAULT_MAX_TOKENS, PreparedImage, prepare_image
+from .weights.checkpoint import loading_streams
 from .weights.loader import Checkpoint
 
 HOST_WORKERS = 8  # threads that prepare images and prompts ahead of the engine, at most
@@ -107,7 +108,8 @@ class Runtime:
     def __init__(self, checkpoint: Checkpoint, probes: dict[str, int] | None = None, take_over: bool = False):
         network = checkpoint.network if take_over else network_view(checkpoint.network)
         network.eval()
-        fuse_projections(network.language_model.model.layers)
+        with mx.stream(loading_streams()[1]):  # behind the decoder's load, not on the requests' stream
+            fuse_projections(network.language_model.model.layers)
         if mx.default_device() == mx.cpu:
             store_input_major(network.language_model.model)
         self.network = network

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from functools import cached_property
 from pathlib import Path
 
@@ -100,9 +101,9 @@ class Tokenizer:
         return cls(tok, int(config.get("model_max_length", DEFAULT_MODEL_MAX_LENGTH)))
 
     def warm(self) -> Tokenizer:
-        """Build now what the first prompt would build (the plain pipeline, the added tokens' pattern and
-        vocabulary); returns self."""
-        _ = self._plain, self.added_pattern, self.vocab
+        """Build now what the first prompt would build (the added tokens' pattern and the vocabulary); returns
+        self."""
+        _ = self.added_pattern, self.vocab
         self._tok.encode("warm", add_special_tokens=False)
         return self
 
@@ -113,11 +114,15 @@ class Tokenizer:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"the text is not valid Unicode ({e.reason} at position {e.start})") from None
-        return (self._plain if plain else self._tok).encode(text, add_special_tokens=False).ids
+        # Text that holds no added token (raw or normalized, where a token may be matched) splits on none, so the
+        # full pipeline gives it the plain one's ids; the plain pipeline is built only for text that needs it.
+        if plain and (self.added_tokens_in(text) or self.added_tokens_in(unicodedata.normalize("NFC", text))):
+            return self._plain.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     @cached_property
     def _plain(self) -> _Tokenizer:
-        """The same pipeline without the added tokens."""
+        """The same pipeline without the added tokens (built from the full one's JSON, which takes a while)."""
         spec = json.loads(self._tok.to_str())
         spec["added_tokens"] = []
         return _Tokenizer.from_str(json.dumps(spec))

@@ -353,6 +353,38 @@ def test_load_gives_the_network_over_so_its_peak_holds_one_copy_of_the_projectio
     assert loaded - weights < twice <= viewed - weights
 
 
+def test_a_checkpoint_loads_on_streams_of_its_own_not_the_requests(monkeypatch):
+    """The files are read on the loading CPU stream; the model is built (cast, copied) and its projections fused on
+    the loading device stream (`checkpoint.loading_streams`). Work queued on the requests' default stream would
+    wait behind the decoder's load there, and the tower could not run while the decoder loads."""
+    import mlx_locate.runtime as runtime_module
+    from mlx_locate.weights import checkpoint, loader
+
+    files, device = checkpoint.loading_streams()
+    assert device != mx.default_stream(mx.default_device()) and files != mx.default_stream(mx.cpu)
+    seen: dict[str, set] = {}
+    read = mx.load
+
+    def read_on(path, stream=None):
+        seen.setdefault("read", set()).add(stream == files)
+        return read(path, stream=stream)
+
+    def on_stream(name, f):
+        def run(*args, **kwargs):
+            seen.setdefault(name, set()).add(mx.default_stream(mx.default_device()) == device)
+            return f(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(mx, "load", read_on)
+    monkeypatch.setattr(loader, "assemble_model", on_stream("build", loader.assemble_model))
+    monkeypatch.setattr(runtime_module, "fuse_projections", on_stream("fuse", runtime_module.fuse_projections))
+    model = load("demo")
+    assert seen == {"read": {True}, "build": {True}, "fuse": {True}}
+    assert mx.default_stream(mx.default_device()) != device  # the load leaves the default stream as it was
+    assert model.locate(checkpoint.DEMO_IMAGE, "square", mode="fast", max_tokens=32).objects
+
+
 def test_eos_list_in_config_reads_its_first_id(tmp_path, weights, raw_config):
     """mlx-vlm's converter writes generation_config.json's eos list into config.json."""
     config = {**raw_config, "eos_token_id": [151645, 151643]}

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 from conftest import TOKENIZER_DIR, golden_case, golden_cases
+from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as HFTokenizer
 
-from mlx_locate.tokenizer import DEFAULT_MODEL_MAX_LENGTH, Tokenizer
+from mlx_locate.tokenizer import DEFAULT_MODEL_MAX_LENGTH, Tokenizer, qwen2_byte_level
 
 TEXTS = [
     "",
@@ -66,6 +67,38 @@ def test_added_tokens_are_atomic(tok):
     assert tok.encode("<IMG_CONTEXT>" * 5) == [added["<IMG_CONTEXT>"]] * 5
     # Near misses are plain text.
     assert added["<box>"] not in tok.encode("<box >< box><Box>")
+
+
+def plain_pipeline(folder: Path) -> HFTokenizer:
+    """The Qwen2 pipeline over `folder`'s vocab.json and merges.txt with no added tokens."""
+    bpe = models.BPE.from_file(str(folder / "vocab.json"), str(folder / "merges.txt"), fuse_unk=False)
+    return qwen2_byte_level(HFTokenizer(bpe))
+
+
+def test_plain_text_gets_the_ids_of_a_pipeline_without_added_tokens():
+    """`encode(plain=True)` gives the BPE of the characters, added tokens or not; the second pipeline that needs
+    is built only for text that holds an added token (warming and text without one never build it)."""
+    tok = Tokenizer.from_folder(TOKENIZER_DIR).warm()
+    plain = plain_pipeline(TOKENIZER_DIR)
+    texts = [*TEXTS, *random_texts(200, seed=3), "the <|im_end|> tag", "a<ref>b</ref>", "<12>", "e\u0301<box>"]
+    without = [t for t in texts if not tok.added_tokens_in(t)]
+    assert len(without) > 150
+    assert [tok.encode(t, plain=True) for t in without] == [plain.encode(t).ids for t in without]
+    assert "_plain" not in vars(tok)
+    assert [tok.encode(t, plain=True) for t in texts] == [plain.encode(t).ids for t in texts]
+    assert "_plain" in vars(tok)
+
+
+def test_plain_text_is_checked_for_added_tokens_after_normalizing_too(tmp_path):
+    """An added token matched on the normalized text (tokenizer.json's `normalized: true`) can appear only after
+    NFC: "\u212a" (the Kelvin sign) is "K" in NFC. Plain text still gets the BPE of its characters."""
+    full = plain_pipeline(TOKENIZER_DIR)
+    full.add_tokens([AddedToken("<K>", normalized=True)])
+    full.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_folder(tmp_path)
+    text = "a <\u212a> b"
+    assert len(full.encode(text).ids) < len(plain_pipeline(TOKENIZER_DIR).encode(text).ids)  # the full one splits
+    assert tok.encode(text, plain=True) == plain_pipeline(TOKENIZER_DIR).encode(text).ids
 
 
 def test_decode_round_trip(tok):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -129,18 +130,35 @@ def write_index(folder: Path, weight_map: dict[str, str], total_size: int) -> No
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
+_streams = threading.local()  # MLX streams belong to the thread that made them (a server's worker)
+
+
+def loading_streams() -> tuple[mx.Stream, mx.Stream]:
+    """The calling thread's streams for loading a checkpoint, made on its first call: (files, device). The files
+    are read on a CPU stream (by MLX's own I/O threads, as MLX reads them itself on Metal and the CPU); the
+    weights are copied (CUDA), cast and fused on a stream of the default device. Neither is the default stream,
+    where requests run: work queued on a stream waits behind what was queued before it, so an image's tower
+    would otherwise wait for the whole decoder to load instead of running while it does."""
+    device = mx.default_device()
+    if not hasattr(_streams, "pairs"):
+        _streams.pairs = {}
+    if str(device) not in _streams.pairs:
+        _streams.pairs[str(device)] = (mx.new_stream(mx.cpu), mx.new_stream(device))
+    return _streams.pairs[str(device)]
+
+
 def read_weights(folder: Path) -> dict[str, mx.array]:
-    """The checkpoint's tensors, read on a CPU stream (where MLX reads them itself on Metal and the CPU: on its
-    own threads, while the caller goes on); on CUDA, where the GPU's memory is not the CPU's, each then copied
-    to the GPU stream (read there, a tensor blocks the host until it is in; left where it was read, it would
-    migrate page by page at its first use)."""
+    """The checkpoint's tensors, read on the loading CPU stream (`loading_streams`); on CUDA, where the GPU's
+    memory is not the CPU's, each then copied on the loading device stream (read on a GPU stream, a tensor blocks
+    the host until it is in; left where it was read, it would migrate page by page at its first use)."""
+    files, device = loading_streams()
     weights = {}
     for path in weight_files(folder):
         check_safetensors(path)
         try:
-            weights.update(mx.load(str(path), stream=mx.cpu))
+            weights.update(mx.load(str(path), stream=files))
         except RuntimeError as e:  # MLX's reader: unknown dtype, offsets that do not match the shape, ...
             raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
     if backend() == "cuda":
-        weights = {k: v if v.dtype == mx.bool_ else mx.multiply(v, 1, stream=mx.gpu) for k, v in weights.items()}
+        weights = {k: v if v.dtype == mx.bool_ else mx.multiply(v, 1, stream=device) for k, v in weights.items()}
     return weights

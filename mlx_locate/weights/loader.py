@@ -19,7 +19,7 @@ from ..network.model import LocateAnything
 from ..preprocess import IN_TOKEN_LIMIT
 from ..tokenizer import Tokenizer
 from .cards import KnownCategories, known_categories
-from .checkpoint import DTYPES, read_json, read_weights, resolve
+from .checkpoint import DTYPES, loading_streams, read_json, read_weights, resolve
 from .lora import Adapter, apply_adapter, peft_name, read_adapter
 
 CPU_DTYPE = "float32"  # what a checkpoint computes in on the CPU backend unless told otherwise (`read_checkpoint`)
@@ -198,16 +198,16 @@ def read_checkpoint(
     kernels instead of BLAS, many times slower than float32's, so float32 is the fast path (CPU_DTYPE).
     `adapter_path`: a LoRA adapter folder applied on top (`lora.apply_adapter`); the base's files are only read.
     The tokenizer is built on a thread while the weights load; the decoder's weights may still be loading when
-    this returns (`assemble_model`)."""
+    this returns (`assemble_model`), on the loading streams (`checkpoint.loading_streams`), not the default one."""
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = CPU_DTYPE
     folder = resolve(path_or_hub_id)
     raw = read_json(folder, "config.json")
-    with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-tokenizer") as pool:
+    with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-tokenizer") as pool, mx.stream(loading_streams()[1]):
         tokenizer_job = pool.submit(lambda: Tokenizer.from_folder(folder).warm())
         network = build_model(folder, ModelConfig.from_dict(raw), None, dtype)
         tokenizer = tokenizer_job.result()
-    network.token_ids = tokenizer.token_ids(raw)
-    if adapter_path is not None:
-        apply_adapter(network, read_adapter(adapter_path))
+        network.token_ids = tokenizer.token_ids(raw)
+        if adapter_path is not None:
+            apply_adapter(network, read_adapter(adapter_path))
     return Checkpoint(network, tokenizer, in_token_limit(folder), str(path_or_hub_id), known_categories(raw))
