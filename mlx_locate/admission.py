@@ -313,12 +313,12 @@ class Admission:
             if key not in have:
                 new.setdefault(key, row)
         if new:
-            t0 = time.perf_counter()
+            t0 = model.weights.clock()  # the first image's vision and prefix may wait for the weights (`load_s`)
             features = model.features_for([row.image for row in new.values()], ahead.finish())
-            t1 = time.perf_counter()
+            t1 = model.weights.clock()
             items = [(row.prompt[: row.prefix_len], f) for row, (_, f) in zip(new.values(), features, strict=True)]
             prefixes = model.compute_prefixes(items)
-            t2 = time.perf_counter()
+            t2 = model.weights.clock()
             vision_s, prefix_s = t1 - t0, t2 - t1
             seconds["vision"] += vision_s
             seconds["prefix"] += prefix_s

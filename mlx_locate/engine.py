@@ -439,7 +439,7 @@ def build_result(model: Runtime, row: Row) -> Result:
         "prefix_prefill_s": t["prefix_prefill_s"],
         "prefill_s": prefill_s,
         "decode_s": s.decode_s,
-        "load_s": model.load_s,  # the model's, once per process (`locate.load`)
+        "load_s": model.weights.seconds,  # the model's, once per process (`locate.load`)
         "compile_s": model.compile_s - t["compile_s"],  # step functions compiled while this request ran
         "first_step_s": None if s.first_step_s is None else prefill_s + s.first_step_s,
         "first_box_s": None if s.first_box_s is None else prefill_s + s.first_box_s,

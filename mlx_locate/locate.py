@@ -129,15 +129,15 @@ class Session:
         prompt = runtime.prompt("", self.pre.grid, rendering)
         self.prefix = prompt[: prompt.index(runtime.token_ids.img_end) + 1]
         self.timings = {"preprocess_s": time.perf_counter() - t0}
-        t0 = time.perf_counter()
+        t0 = runtime.weights.clock()  # the first image's vision and prefix may wait for the weights (`load_s`)
         ((cached, features),) = runtime.features_for([self.image])
         self.vision_cached = cached
-        self.timings["vision_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        self.timings["vision_s"] = runtime.weights.clock() - t0
+        t0 = runtime.weights.clock()
         key = (self.image.key, tuple(self.prefix))
         if key not in runtime.prefixes:
             runtime.store_prefix(key, runtime.compute_prefixes([(self.prefix, features)])[0])
-        self.timings["prefix_prefill_s"] = time.perf_counter() - t0
+        self.timings["prefix_prefill_s"] = runtime.weights.clock() - t0
         self.unreported = True  # the first result carries the work above
 
     def locate(self, query: str | list[str] | None = None, **kwargs) -> Result:
@@ -169,9 +169,9 @@ def load(
     are only read. `tune`: measure this device's choices once and cache them (`tune.py`; default: unless
     MLX_LOCATE_TUNE=0).
 
-    The tokenizer is built on a thread while the weights load; the tower's weights are read first and the
-    decoder's load behind them (`loader.assemble_model`), so a caller's image and vision tower run while they
-    do. The runtime's `load_s` is the load's seconds, the wait of the first forward for the decoder included.
+    The tokenizer is built on a thread while the tower's weights load; the decoder's are read behind the first
+    image's tower, which runs while they load (`runtime.DecoderLoad`). `load_s` in a result's stats is the
+    load's seconds, the host's waits for the decoder's weights included.
     """
     t0 = time.perf_counter()
     checkpoint = read_checkpoint(path_or_hub_id, dtype, adapter_path)
@@ -181,5 +181,5 @@ def load(
     model = LocateModel(checkpoint, choices.probes if choices else None, take_over=True)
     if tuning:
         tuned(model.runtime, choices)
-    model.runtime.load_s = time.perf_counter() - t0
+    model.runtime.weights.seconds = time.perf_counter() - t0
     return model

@@ -95,6 +95,41 @@ class TowerJob:
         return features
 
 
+class DecoderLoad:
+    """The decoder's weights, read after the tower's (`loader.assemble_model` leaves them unread), and `seconds`,
+    the host's time spent loading (`locate.load`'s, and the waits here)."""
+
+    def __init__(self, decoder: nn.Module):
+        self.decoder = decoder
+        self.seconds = 0.0
+        self.scheduled = False
+        self.ready = False
+
+    def schedule(self) -> None:
+        """Schedule the reads, once. MLX holds the host while more than a few of its tasks are in flight, so
+        scheduling hundreds of tensors keeps the host until nearly all are read: `Runtime.run_piece` queues the
+        first image's tower before, which runs meanwhile."""
+        if not self.scheduled:
+            self.scheduled = True
+            t0 = time.perf_counter()
+            mx.async_eval(self.decoder.parameters())
+            self.seconds += time.perf_counter() - t0
+
+    def wait(self) -> None:
+        """Wait until the weights are in (the first forward does, before anything is traced)."""
+        if not self.ready:
+            self.schedule()
+            t0 = time.perf_counter()
+            mx.eval(self.decoder.parameters())
+            self.seconds += time.perf_counter() - t0
+            self.ready = True
+
+    def clock(self) -> float:
+        """Seconds, on a clock that stands still while the host waits for the load: a request's phases are timed
+        on it, so the first request's phases do not count the load again."""
+        return time.perf_counter() - self.seconds
+
+
 class Runtime:
     """A checkpoint's network with its tokenizer, compiled step functions, and caches of vision features and prompt
     prefixes by image content.
@@ -121,8 +156,7 @@ class Runtime:
         self.steps = CompiledSteps(network)
         self.budget = Budget.measure(network, probes)  # `probes`: the budget's measurements, kept (`tune.py`)
         self.prefill_chunk: int | None = None  # one sequence's rows per prefill call at most (None: PREFILL_ROWS)
-        self.load_s = 0.0  # seconds the weights took to load, until the first forward had them (`locate.load`)
-        self._weights_ready = False
+        self.weights = DecoderLoad(network.language_model)
         self.row_costs: dict[int, float] = {}  # seconds of a block step by rows, where measured (`measure_rows`)
         self.tower_block_s: dict[tuple[int, int], float] = {}  # seconds of a tower block per image, by grid
         self.device_idle_s = 0.0  # time between a wait for the device and the next one (`sync`)
@@ -260,12 +294,18 @@ class Runtime:
 
     def run_piece(self, job: TowerJob) -> None:
         """The next piece of `job` (its plan's blocks per evaluation), evaluated now; its time per image-block
-        is kept by patch grid (`tower_block_s`), what queuing pieces beside decode steps is sized by."""
+        is kept by patch grid (`tower_block_s`), what queuing pieces beside decode steps is sized by. The first
+        piece is queued before the decoder's weights are scheduled to load (`DecoderLoad`), and runs meanwhile."""
         grid, images, blocks = job.next_piece()
         t0 = time.perf_counter()
-        self.sync(job.advance())
-        cost = (time.perf_counter() - t0) / (images * blocks)
-        self.tower_block_s[grid] = min(cost, self.tower_block_s.get(grid, cost))
+        piece = job.advance()
+        if overlapped := not self.weights.scheduled:
+            mx.async_eval(piece)
+            self.weights.schedule()
+        self.sync(piece)
+        if not overlapped:  # a piece that waited for the load says nothing of the tower's speed
+            cost = (time.perf_counter() - t0) / (images * blocks)
+            self.tower_block_s[grid] = min(cost, self.tower_block_s.get(grid, cost))
 
     def clear_caches(self) -> None:
         """Forget cached vision features and prompt prefixes (the next request of an image computes them again)."""
@@ -296,12 +336,8 @@ class Runtime:
         dense: bool = False,
     ) -> mx.array:
         """One compiled forward (`compiled.CompiledSteps.run`): writes the entries' K|V, returns their logits. The
-        first one waits for the decoder's weights to finish loading, and counts that wait in `load_s`."""
-        if not self._weights_ready:
-            t0 = time.perf_counter()
-            mx.eval(self.network.language_model.parameters())
-            self.load_s += time.perf_counter() - t0
-            self._weights_ready = True
+        first one waits for the decoder's weights to finish loading (`DecoderLoad.wait`)."""
+        self.weights.wait()
         return self.steps.run(phase, cache, inputs, rows, c, q, block, dense)
 
     def prefill(self, cache: SlotCache, items: list[tuple[int, mx.array, int]]) -> dict[int, mx.array]:

@@ -117,14 +117,13 @@ def fuse_linears(parts: list[nn.Module]) -> nn.Module | None:
 
 
 def fuse_projections(layers: list[DecoderLayer]) -> None:
-    """q|k|v and gate|up as one matrix each, layer by layer (each layer's fused matrices are scheduled as its
-    parts load, so memory grows by about one layer's projections). Parts that are not alike (say, quantized with
-    different bits) stay separate."""
+    """q|k|v and gate|up as one matrix each, layer by layer, as a graph (nothing is read or computed here: the
+    parts are freed as each fused matrix is made, when the decoder is evaluated, so memory grows by about one
+    layer's projections). Parts that are not alike (say, quantized with different bits) stay separate."""
     for layer in layers:
         for module in (layer.self_attn, layer.mlp):
             for fused_name, names in FUSED.items():
                 if all(n in module for n in names) and (fused := fuse_linears([module[n] for n in names])):
-                    mx.async_eval(fused.parameters())
                     for n in names:
                         del module[n]
                     module[fused_name] = fused

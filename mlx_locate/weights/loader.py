@@ -142,12 +142,11 @@ def assemble_model(
         weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     check_names_and_shapes(model, weights, where)
     model.load_weights(list(weights.items()), strict=True)
-    # The tower's weights are read now; the decoder's are scheduled to read behind them, while the caller decodes
-    # the image and runs the tower (`locate.load`). A compiled step waits for them before it traces: a lazy weight
-    # captured by several compiled steps would be loaded by each (`compiled.CompiledSteps`).
+    # The tower's weights are read now; the decoder's when first needed: inference schedules them behind the
+    # first image's tower (`runtime.Runtime.load_decoder`). A compiled step waits for them before it traces: a
+    # lazy weight captured by several compiled steps would be loaded by each (`compiled.CompiledSteps`).
     params = model.parameters()
     mx.eval(params["vision_model"], params["mlp1"])
-    mx.async_eval(params["language_model"])
     model.eval()
     return model
 
@@ -197,8 +196,8 @@ def read_checkpoint(
     MLX's CPU backend, where they become float32: there half-precision matmuls and attention run MLX's own
     kernels instead of BLAS, many times slower than float32's, so float32 is the fast path (CPU_DTYPE).
     `adapter_path`: a LoRA adapter folder applied on top (`lora.apply_adapter`); the base's files are only read.
-    The tokenizer is built on a thread while the weights load; the decoder's weights may still be loading when
-    this returns (`assemble_model`), on the loading streams (`checkpoint.loading_streams`), not the default one."""
+    The tokenizer is built on a thread while the tower's weights load; the decoder's are read when first needed
+    (`assemble_model`), on the loading streams (`checkpoint.loading_streams`), not the default one."""
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = CPU_DTYPE
     folder = resolve(path_or_hub_id)
