@@ -108,7 +108,7 @@ class DecoderLoad:
     def schedule(self) -> None:
         """Schedule the reads, once. MLX holds the host while more than a few of its tasks are in flight, so
         scheduling hundreds of tensors keeps the host until nearly all are read: `Runtime.run_piece` queues the
-        first image's tower before, which runs meanwhile."""
+        first image's first tower piece before this, so that it runs meanwhile."""
         if not self.scheduled:
             self.scheduled = True
             t0 = time.perf_counter()

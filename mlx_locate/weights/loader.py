@@ -143,7 +143,7 @@ def assemble_model(
     check_names_and_shapes(model, weights, where)
     model.load_weights(list(weights.items()), strict=True)
     # The tower's weights are read now; the decoder's when first needed: inference schedules them behind the
-    # first image's tower (`runtime.Runtime.load_decoder`). A compiled step waits for them before it traces: a
+    # first image's tower (`runtime.DecoderLoad`). A compiled step waits for them before it traces: a
     # lazy weight captured by several compiled steps would be loaded by each (`compiled.CompiledSteps`).
     params = model.parameters()
     mx.eval(params["vision_model"], params["mlp1"])
