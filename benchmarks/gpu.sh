@@ -3,6 +3,9 @@
 #
 #   bash benchmarks/gpu.sh part .whl/cuda.part00     # x4: the MLX CUDA wheel arrives in parts (the device tool
 #   bash benchmarks/gpu.sh install .whl/cuda.part03 .whl/mlx-0.32.4-*.whl .whl/tqdm-*.whl   # carries 64 MiB a call)
+# A fresh machine compiles MLX's CUDA kernels at their first use (about 4 minutes of device time). `ptx-save` brings
+# MLX's kernel cache back as $OUT/ptx.tgz (4.5 MB); kept here as .gpu/ptx.tgz and carried, `install` unpacks it and
+# the first use takes seconds.
 #   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory | photo | budget | parity
 #   BEFORE=benchmarks/_before PEER=... bash benchmarks/gpu.sh cold   # the one-shot command from a cold process
 #
@@ -36,6 +39,11 @@ install)
     mkdir -p $W && cp "$@" $W/
     cat $W/cuda.part* >$W/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl && rm $W/cuda.part*
     python3 -m pip install -q --no-deps --no-index --no-compile --target $SITE $W/*.whl
+    [ ! -f .gpu/ptx.tgz ] || tar xzf .gpu/ptx.tgz -C / # MLX's kernel cache (/tmp/mlx/VERSION/ptx)
+    ;;
+ptx-save)
+    tar czf "$OUT/ptx.tgz" -C / tmp/mlx
+    exit 0
     ;;
 peer-part)
     mkdir -p $W/peer && cp "$@" $W/peer/
