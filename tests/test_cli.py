@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -264,6 +265,25 @@ def test_module_help():
         "--redecode-labels",
     ):
         assert flag in proc.stdout
+
+
+def test_the_command_ends_without_teardown_and_loses_nothing(tmp_path):
+    """`mlx-locate` ends its process with `os._exit` once it has answered (`commands.locate.command`): what it
+    printed to a pipe (buffered: no PYTHONUNBUFFERED) is flushed first, whole, and its exit code is `main`'s."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "mlx_locate.generate", "--image", *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+
+    answer = command("demo:example", "--query", "square", "--json", "--max-tokens", "24")
+    assert answer.returncode == 0, answer.stderr
+    assert json.loads(answer.stdout)["objects"]
+    drawn = command("demo:example", "--query", "square", "--draw", str(tmp_path / "a.png"))
+    assert drawn.returncode == 0 and "square" in drawn.stdout and f"drawn: {tmp_path / 'a.png'}" in drawn.stderr
+    assert Image.open(tmp_path / "a.png").size == Image.open(mlx_locate.DEMO_IMAGE).size
+    missing = command(str(tmp_path / "none.jpg"), "--query", "square")
+    assert missing.returncode == 2 and missing.stderr.startswith("error:")
 
 
 def test_every_command_with_a_progress_bar_takes_no_progress():

@@ -14,7 +14,9 @@ prints one `error: internal error ...` line and exits with 1. Never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -134,6 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def command() -> None:
+    """`mlx-locate` and `python -m mlx_locate.generate`: `main`, then out of the process once what it wrote is
+    flushed, without the interpreter's teardown (a loaded model's buffers freed one by one, a GPU's context torn
+    down), which the answer no longer waits for. Callers in a process of their own call `main`."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a reader gone (`| head`), a stream closed
+            stream.flush()
+    os._exit(code)
+
+
 def run(args: argparse.Namespace) -> str:
     """The results of `args` as the text or JSON to print."""
     task, queries = task_and_queries(args)
@@ -167,4 +180,4 @@ def run(args: argparse.Namespace) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    command()
