@@ -7,7 +7,7 @@
 # MLX's kernel cache back as $OUT/ptx.tgz (4.5 MB); kept here as .gpu/ptx.tgz and carried, `install` unpacks it and
 # the first use takes seconds.
 #   bash benchmarks/gpu.sh steps | folder | quant | single | server | media | finetune | memory | photo | budget | parity
-#   BEFORE=benchmarks/_before PEER=... bash benchmarks/gpu.sh cold   # the one-shot command from a cold process
+#   BEFORE=.gpu/_before PEER=/root/w/peer-python bash benchmarks/gpu.sh cold   # the one-shot command from a cold process
 #
 # The folder beside mlx-vlm's batch_generate: its 21 wheels (21 MB; benchmarks/peer-gpu-requirements.txt says how
 # to download them into .gpu/peer) do not fit in one call beside the repo, so transformers travels first (after
@@ -134,13 +134,15 @@ photo) # one image of 972, 1,989, 3,888 and 6,510 image tokens within 16 GB, eac
         --json "$OUT/gpu_memory_${PRESET}_limit16_alone.json"
     ;;
 cold) # the one-shot command from a cold process (the checkpoint on disk in the HF layout, a 640x480 and a 12 MP
-    # JPEG): ours, beside BEFORE (an older checkout, e.g. `git archive` into benchmarks/_before) and PEER's
-    # `python -m mlx_vlm.generate` (after `gpu.sh peer`: $W/peer-python) where set; each side's first run untimed
+    # JPEG, smooth as a photo: noise at 1/32 of the size, upsampled): ours, beside BEFORE (an older checkout, e.g.
+    # `git archive` into .gpu/_before) and PEER's `python -m mlx_vlm.generate` (after `gpu.sh peer-install`:
+    # $W/peer-python) where set; each side's first run untimed
+    mkdir -p /root/dt
     [ -f /root/dt/$PRESET/config.json ] || python3 -m mlx_locate.weights.random_checkpoint --preset $PRESET --out /root/dt/$PRESET
     python3 -c "import numpy as np; from PIL import Image
 for name, (w, h) in {'small': (640, 480), 'photo': (4032, 3024)}.items():
-    pixels = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(f'/root/dt/{name}.jpg', quality=90)"
+    pixels = np.random.default_rng(0).integers(0, 256, (h // 32, w // 32, 3), dtype=np.uint8)
+    Image.fromarray(pixels).resize((w, h), Image.BICUBIC).save(f'/root/dt/{name}.jpg', quality=90)"
     python3 benchmarks/cold_start.py --model /root/dt/$PRESET --images /root/dt/small.jpg /root/dt/photo.jpg --runs 3 \
         ${BEFORE:+--before $BEFORE} ${PEER:+--peer $PEER} --note "H200, MLX CUDA $(python3 -c 'import mlx.core as mx; print(mx.__version__)')" \
         --json "$OUT/gpu_cold_start_$PRESET.json"
