@@ -235,6 +235,22 @@ def test_argument_errors(cli, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
+def test_a_hub_id_is_looked_up_once(cli, golden_dir, monkeypatch):
+    """The one-shot command resolves --model once: the image settings and the load read the same folder."""
+    import huggingface_hub
+
+    calls = []
+
+    def download(**kwargs):
+        calls.append(kwargs["repo_id"])
+        return str(golden_dir("tiny_peaky"))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    code, out, err = cli(*WITH_BOX, "--json", model="someone/tiny")
+    assert code == 0, err
+    assert calls == ["someone/tiny"] and len(json.loads(out)["objects"]) == 1
+
+
 def test_default_model_is_the_bundled_demo_and_demo_example_its_image_from_any_folder(capsys, tmp_path, monkeypatch):
     demo = Path(mlx_locate.__file__).parent / "demo"
     code = generate.main(["--image", str(demo / "example.png"), "--query", "square", "--max-tokens", "24", "--json"])

@@ -130,11 +130,13 @@ def add_json(p, what: str = "print one JSON object instead of text", path: bool 
     p.add_argument("--json", **({"metavar": "PATH"} if path else {"action": "store_true"}), help=what)
 
 
-def load_model(args: argparse.Namespace):
-    """The model `add_model`'s flags name (a `locate.LocateModel`), within --memory-limit where given."""
+def load_model(args: argparse.Namespace, folder: Path | None = None):
+    """The model `add_model`'s flags name (a `locate.LocateModel`), within --memory-limit where given; from
+    `folder` where the caller has resolved --model already (a hub id is then not looked up twice)."""
     apply_memory_limit(args)
     tune = {"tune": False} if getattr(args, "tune", None) is False else {}  # --no-tune; else MLX_LOCATE_TUNE decides
-    return load(args.model, dtype=args.dtype, adapter_path=getattr(args, "adapter", None), **tune)
+    where = args.model if folder is None else folder
+    return load(where, dtype=args.dtype, adapter_path=getattr(args, "adapter", None), **tune)
 
 
 # --- questions ---

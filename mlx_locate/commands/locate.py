@@ -162,10 +162,11 @@ def run(args: argparse.Namespace) -> str:
         raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
     # The image is resized and cut into patches on a thread while the model loads.
     with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-image") as pool:
-        settings = image_settings(resolve(args.model))
+        folder = resolve(args.model)
+        settings = image_settings(folder)
         frame = (args.orientation, args.max_image_tokens)
         prepared = None if tiling else pool.submit(prepare_image, image, args.max_pixels, *settings, *frame)
-        model = flags.load_model(args)
+        model = flags.load_model(args, folder)
     if tiling:
         results = model.locate(image, queries, **tiling, **options)
     else:
