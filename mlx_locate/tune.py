@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .compiled import BLOCK_FORWARD_ROWS, PREFILL_ROWS, Phase
+from .compiled import BLOCK_FORWARD_ROWS, PREFILL_BUCKET, PREFILL_ROWS, Phase
 from .masks import BLOCK
 from .memory import PROBE_PATCHES
 from .network.attention import Path as TowerPath
@@ -37,7 +37,7 @@ from .runtime import Runtime
 
 TUNE_ENV = "MLX_LOCATE_TUNE"  # "0": measure nothing, read and write no cache
 CACHE_ENV = "MLX_LOCATE_CACHE_DIR"
-FORMAT = 2  # the cache file's layout and its probes' meaning; a file of another format is measured again
+FORMAT = 3  # the cache file's layout and how its choices were made; a file of another format is measured again
 PROBE_CONTEXT = 256  # cached tokens per row in the step probes
 REPEATS = 3  # timed runs per probe (the fastest counts), after one untimed
 PREFILL_CHUNKS = (512, 1024, PREFILL_ROWS)  # prefill chunk candidates, on a GPU
@@ -170,15 +170,19 @@ def tuned(runtime: Runtime, choices: Choices | None = None) -> Choices:
 # --- measurements ---
 
 
-def best_of(run, repeats: int = REPEATS) -> float:
-    """Seconds of the fastest of `repeats` timed runs of `run()` (evaluated), after one untimed."""
-    mx.eval(run())
+def first_and_best(run, repeats: int = REPEATS) -> tuple[float, float]:
+    """Seconds of the first run of `run()` (evaluated) and of the fastest of `repeats` timed runs after it."""
     times = []
-    for _ in range(repeats):
+    for _ in range(1 + repeats):
         t0 = time.perf_counter()
         mx.eval(run())
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times[0], min(times[1:])
+
+
+def best_of(run, repeats: int = REPEATS) -> float:
+    """Seconds of the fastest of `repeats` timed runs of `run()` (evaluated), after one untimed."""
+    return first_and_best(run, repeats)[1]
 
 
 def step_probe(runtime: Runtime, phase: Phase, q: int, context: int = PROBE_CONTEXT):
@@ -250,23 +254,34 @@ def measure(runtime: Runtime) -> Choices:
         tower_chunked = all(wins)
         tower.chunked_attention = False
         measurements += 1
-    # the prefill chunk, where prefill calls are not capped (a GPU): a long prompt in chunks of each size
-    prefill_chunk = PREFILL_ROWS
-    rows = min(PREFILL_ROWS, runtime.max_length - BLOCK_FORWARD_ROWS)
-    if runtime.budget.prefill_cap is None and rows >= PREFILL_CHUNKS[0]:
-        t = runtime.network.config.text
-        x = mx.zeros((rows, t.hidden_size), runtime.network.language_model.model.norm.weight.dtype)
-        chunk_times = {}
-        for chunk in (c for c in PREFILL_CHUNKS if c <= rows):
-            runtime.prefill_chunk = chunk
-            cache = runtime.new_cache(1)
-            chunk_times[chunk] = best_of(lambda c=cache: list(runtime.prefill(c, [(0, x, 0)]).values()), repeats=1)
-        prefill_chunk = min(chunk_times, key=chunk_times.get)
-        runtime.prefill_chunk = None
-        measurements += 1
+    prefill_chunk = measure_prefill_chunk(runtime)
     runtime.idle()
     measurements += 1  # the budget's probes, measured when the runtime was built
     return Choices(probes_of(runtime), step_attention.value, row_costs, tower_chunked, prefill_chunk, compile_after)
+
+
+def measure_prefill_chunk(runtime: Runtime) -> int:
+    """One sequence's rows per prefill call: on a GPU (the CPU caps its prefill calls), a long prompt in chunks of
+    each candidate size, each size costed as a cold process meets it plus a warm one. Each call of a chunked
+    prompt attends to more keys, so a prompt makes as many shapes as calls, and a shape's first call pays for
+    itself (compiling; on CUDA, building cuDNN's attention plans). Kernels every prefill takes are loaded
+    first, by a call of a shape no candidate makes, so that no candidate pays for them."""
+    global measurements
+    rows = min(PREFILL_ROWS, runtime.max_length - BLOCK_FORWARD_ROWS)
+    if runtime.budget.prefill_cap is not None or rows < PREFILL_CHUNKS[0]:
+        return PREFILL_ROWS
+    t = runtime.network.config.text
+    x = mx.zeros((rows, t.hidden_size), runtime.network.language_model.model.norm.weight.dtype)
+    mx.eval(list(runtime.prefill(runtime.new_cache(1), [(0, x[:PREFILL_BUCKET], 0)]).values()))
+    costs = {}
+    for chunk in (c for c in PREFILL_CHUNKS if c <= rows):
+        runtime.prefill_chunk = chunk
+        cache = runtime.new_cache(1)
+        first, best = first_and_best(lambda c=cache: list(runtime.prefill(c, [(0, x, 0)]).values()), repeats=1)
+        costs[chunk] = first + best
+    runtime.prefill_chunk = None
+    measurements += 1
+    return min(costs, key=costs.get)
 
 
 def probes_of(runtime: Runtime) -> dict[str, int]:

@@ -4,6 +4,7 @@ parity."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -95,6 +96,29 @@ def test_a_step_function_runs_eagerly_until_compiling_pays(cache):
     assert runtime.compilations == 1 and runtime.compile_s > 0
     run()
     assert runtime.compilations == 1  # compiled once
+
+
+@pytest.mark.parametrize("first_call_s, chosen", [(0.2, 1024), (0.0, 512)])
+def test_the_prefill_chunk_is_costed_with_the_first_call_of_each_shape(monkeypatch, first_call_s, chosen):
+    """Each call of a chunked prompt is a shape of its own, and a shape's first call costs more (compiling, cuDNN's
+    plans): 512-row chunks make 4 shapes of the demo's 2,036-row probe and 1,024-row ones 2. With first calls
+    dear, the size with fewer shapes wins although its warm calls are slower; with none, the faster warm size. The
+    kernels every prefill takes (the first call of all) are no candidate's cost."""
+    runtime = mlx_locate.load("demo", tune=False).runtime
+    runtime.budget = dataclasses.replace(runtime.budget, prefill_cap=None)  # a GPU's, which caps nothing
+    clock, seen, warm = [0.0], set(), {512: 0.02, 1024: 0.12, PREFILL_ROWS: 0.5}
+
+    def prefill(cache, items):
+        chunk, rows = runtime.prefill_chunk or PREFILL_ROWS, items[0][1].shape[0]
+        shapes = {(chunk, i) for i in range(-(-rows // chunk))}
+        clock[0] += (0 if seen else 1.0) + first_call_s * len(shapes - seen) + warm[chunk]
+        seen.update(shapes)
+        return {}
+
+    monkeypatch.setattr(runtime, "prefill", prefill)
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: clock[0])
+    assert tune.measure_prefill_chunk(runtime) == chosen
+    assert runtime.prefill_chunk is None
 
 
 PATHS = [(p, after, chunked) for p in AttentionPath for after, chunked in ((0, False), (3, True))]
