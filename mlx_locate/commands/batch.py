@@ -266,14 +266,16 @@ def owned_exports(jsonls: Iterable[Path]) -> set[str]:
 
 
 def write_exports(targets: dict[str, Path], out: Path, ids: dict[str, int], groups: list[list[str]]) -> None:
-    """Write every export from the whole JSONL `out` and record them beside it; a failure leaves `out` intact."""
+    """Write every export from the whole JSONL `out` and record the files written beside it (those written before a
+    failure too, so that the rerun may replace them); a failure leaves `out` intact."""
     if not targets:
         return
     ds = exports.dataset(output_lines(out), ids, groups, exports.images_root(ids))
     written: list[str] = []
     try:
         for kind, target in targets.items():
-            written += exports.write_export(kind, ds, target)
+            for path in exports.write_export(kind, ds, target):
+                written.append(path)
     except OSError as e:
         raise OutputError(
             f"cannot write {target}: {e}; {out} is intact, run the same command again to write the exports"

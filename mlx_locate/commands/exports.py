@@ -2,8 +2,9 @@
 results, a YOLO dataset, Pascal VOC XML and Label Studio tasks.
 
 The formats are pure functions of the JSONL's answered lines (`Dataset`) that return file contents;
-`write_export` writes them (each file under a temporary name, then renamed; YOLO's images as links, copies
-where links fail, or the pixels the model saw where YOLO readers would read the file otherwise: `AsSeen`). What
+`write_export` writes them (each file under a temporary name, then renamed; the images of the YOLO and VOC
+folders as links, copies where links fail, or the pixels the model saw where their readers would read the file
+otherwise: `AsSeen`). What
 a run wrote is recorded in a manifest beside its JSONL (`manifest_path`), so the rerun that resumes it
 regenerates its own exports, while `check_targets` keeps anything else at those paths from being overwritten
 unless asked. Categories are the questions, in the order asked.
@@ -16,7 +17,7 @@ import os
 import shutil
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -37,10 +38,10 @@ FLAGS = {  # export -> its flag
 FOLDERS = ("yolo", "voc")  # exports that are a folder of files; the others are one file
 POINTLESS = ("coco", "coco_results", "yolo", "voc")  # formats without points: theirs are left out
 LABEL_STUDIO_IMAGES = "/data/local-files/?d="  # Label Studio's URL of a file under its local-files root
-# The image suffixes both YOLO readers take (supervision's `from_yolo` lists them, ultralytics' IMG_FORMATS holds
-# them; dng left out, as what a reader decodes of a raw file is its own choice). They skip any other image, so
-# HEIC, AVIF and GIF images are exported as JPEG.
-YOLO_SUFFIXES = (".bmp", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp")
+# The image suffixes the YOLO and VOC readers all take (supervision's `from_yolo` and `from_pascal_voc` list them,
+# ultralytics' IMG_FORMATS holds them). They skip any other image, so HEIC, AVIF, GIF and MPO images are exported
+# as JPEG.
+READER_SUFFIXES = (".bmp", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp")
 JPEG_QUALITY = 95
 
 
@@ -157,31 +158,42 @@ def flat_names(ds: Dataset) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class AsSeen:
-    """A YOLO image as the model saw it (`load_image` in the JSONL's frame), written when the export is."""
+    """An exported image as the model saw it (`load_image` in the JSONL's frame), written when the export is."""
 
     source: Path
     orientation: str  # the frame of the JSONL line: "exif" or "stored"
     max_pixels: int  # its size in the JSONL: the run read it at that size
 
 
-def yolo_files(ds: Dataset, folder: Path) -> dict[str, str | Path | AsSeen]:
-    """A YOLO dataset: images/<name> (a `Path`: link to the image; `AsSeen`: the image as the model saw it, as
-    <stem>.jpg for a format YOLO readers skip), labels/<stem>.txt with `class cx cy w h` normalised to the image,
-    and data.yaml (the same images for train and val)."""
-    files: dict[str, str | Path | AsSeen] = {}
+def folder_images(ds: Dataset) -> dict[str, tuple[str, Path | AsSeen]]:
+    """The images of a folder export (YOLO, VOC), by JSONL path: (its file name in the export's images/, its
+    content: a `Path` to link to, or `AsSeen`, the image as the model saw it, as <stem>.jpg for a format the
+    readers skip)."""
+    images = {}
     by_image = {line["image"]: line for line in ds.lines}
     for image, name in flat_names(ds).items():
         width, height = by_image[image]["size"]
         seen = AsSeen(Path(image), by_image[image]["orientation"], width * height)
-        if Path(name).suffix.lower() not in YOLO_SUFFIXES:
-            files[f"images/{Path(name).stem}.jpg"] = seen  # stems are unique: no other image takes the name
+        if Path(name).suffix.lower() not in READER_SUFFIXES:
+            images[image] = (f"{Path(name).stem}.jpg", seen)  # stems are unique: no other image takes the name
         elif seen.orientation == "stored":
-            # YOLO readers turn an image by its EXIF orientation (cv2.imread, and Pillow's exif_transpose in
+            # The readers turn an image by its EXIF orientation (cv2.imread, and Pillow's exif_transpose in
             # ultralytics and supervision), so they show the "exif" frame: a file of a line in the stored frame
             # that carries the tag is written without it (`place_as_seen`).
-            files[f"images/{name}"] = seen
+            images[image] = (name, seen)
         else:
-            files[f"images/{name}"] = Path(image)
+            images[image] = (name, Path(image))
+    return images
+
+
+def yolo_files(ds: Dataset, folder: Path) -> dict[str, str | Path | AsSeen]:
+    """A YOLO dataset: images/<name> (`folder_images`), labels/<stem>.txt with `class cx cy w h` normalised to the
+    image, and data.yaml (the same images for train and val)."""
+    files: dict[str, str | Path | AsSeen] = {}
+    by_image = {line["image"]: line for line in ds.lines}
+    for image, (name, content) in folder_images(ds).items():
+        width, height = by_image[image]["size"]
+        files[f"images/{name}"] = content
         rows = []
         for category, obj in ds.objects(by_image[image]):
             if "box" in obj:
@@ -195,16 +207,19 @@ def yolo_files(ds: Dataset, folder: Path) -> dict[str, str | Path | AsSeen]:
     return files
 
 
-def voc_files(ds: Dataset) -> dict[str, str]:
-    """One Pascal VOC XML per image (<stem>.xml): its file name, size and boxes (1-based corners, VOC's rule)."""
-    files = {}
-    names = flat_names(ds)
+def voc_files(ds: Dataset, folder: Path) -> dict[str, str | Path | AsSeen]:
+    """Pascal VOC: images/<name> (`folder_images`) and one XML per image (<stem>.xml) naming it, with its size and
+    boxes (1-based corners, VOC's rule)."""
+    files: dict[str, str | Path | AsSeen] = {}
+    images = folder_images(ds)
     for line in ds.lines:
+        name, content = images[line["image"]]
+        files[f"images/{name}"] = content
         width, height = line["size"]
         root = ET.Element("annotation")
-        ET.SubElement(root, "folder").text = Path(ds.relative(line)).parent.as_posix()
-        ET.SubElement(root, "filename").text = Path(line["image"]).name
-        ET.SubElement(root, "path").text = str(Path(line["image"]).absolute())
+        ET.SubElement(root, "folder").text = "images"
+        ET.SubElement(root, "filename").text = name
+        ET.SubElement(root, "path").text = str((folder / "images" / name).absolute())
         size = ET.SubElement(root, "size")
         for key, value in (("width", width), ("height", height), ("depth", 3)):
             ET.SubElement(size, key).text = str(value)
@@ -223,7 +238,7 @@ def voc_files(ds: Dataset) -> dict[str, str]:
             for key, value in zip(("xmin", "ymin", "xmax", "ymax"), corners, strict=True):
                 ET.SubElement(box, key).text = str(value)
         ET.indent(root)
-        files[f"{Path(names[line['image']]).stem}.xml"] = ET.tostring(root, encoding="unicode") + "\n"
+        files[f"{Path(name).stem}.xml"] = ET.tostring(root, encoding="unicode") + "\n"
     return files
 
 
@@ -272,7 +287,7 @@ def export_files(kind: str, ds: Dataset, target: Path) -> dict[str, str | Path |
     if kind == "yolo":
         return yolo_files(ds, target)
     if kind == "voc":
-        return voc_files(ds)
+        return voc_files(ds, target)
     content = {"coco": coco_dataset, "coco_results": coco_results, "labelstudio": labelstudio_tasks}[kind](ds)
     return {"": json.dumps(content) + "\n"}
 
@@ -389,9 +404,9 @@ def place_as_seen(image: AsSeen, path: Path) -> None:
     staged(path, lambda p: pixels.save(p, kind, quality=JPEG_QUALITY))
 
 
-def write_export(kind: str, ds: Dataset, target: Path) -> list[str]:
-    """Write export `kind` of `ds` at `target`; the absolute paths written."""
-    written = []
+def write_export(kind: str, ds: Dataset, target: Path) -> Iterator[str]:
+    """Write export `kind` of `ds` at `target`, yielding each file's absolute path once it is written (so a failure
+    part-way leaves the files before it known, to record)."""
     for name, content in export_files(kind, ds, target).items():
         path = target / name if name else target
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -401,5 +416,4 @@ def write_export(kind: str, ds: Dataset, target: Path) -> list[str]:
             place_as_seen(content, path)
         else:
             replace_text(path, content)
-        written.append(key(path))
-    return written
+        yield key(path)
