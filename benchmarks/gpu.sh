@@ -143,6 +143,8 @@ cold) # the one-shot command from a cold process (the checkpoint on disk in the 
 for name, (w, h) in {'small': (640, 480), 'photo': (4032, 3024)}.items():
     pixels = np.random.default_rng(0).integers(0, 256, (h // 32, w // 32, 3), dtype=np.uint8)
     Image.fromarray(pixels).resize((w, h), Image.BICUBIC).save(f'/root/dt/{name}.jpg', quality=90)"
+    # the device sets PYTHONDONTWRITEBYTECODE=1: every side's bytecode is compiled ahead, as a pip install leaves it
+    python3 -m compileall -q -j 0 $SITE ${PEER:+/root/peer} mlx_locate ${BEFORE:+$BEFORE} >/dev/null || true
     python3 benchmarks/cold_start.py --model /root/dt/$PRESET --images /root/dt/small.jpg /root/dt/photo.jpg --runs 3 \
         ${BEFORE:+--before $BEFORE} ${PEER:+--peer $PEER} --note "H200, MLX CUDA $(python3 -c 'import mlx.core as mx; print(mx.__version__)')" \
         --json "$OUT/gpu_cold_start_$PRESET.json"
