@@ -24,10 +24,12 @@ from mlx_locate.commands import locate as generate
 from mlx_locate.locate import load
 from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, SIGNATURES, ImageTooLargeError, load_image, to_rgb
 from mlx_locate.request import RequestError
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 DEMO = Path(mlx_locate.__file__).parent / "demo"
 EXAMPLE = DEMO / "example.png"
 HUGE = (20_000, 12_000)  # 240 M pixels: over the default limit and over twice Pillow's own
+DEMO_NAMES = ("demo", str(DEMO_DIR))  # --model demo as the command passes it: the name, or the folder it resolved
 
 
 def png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -107,7 +109,9 @@ def cli(demo, monkeypatch, capsys):
     monkeypatch.setattr(
         cli_module,
         "load",
-        lambda path, dtype=None, adapter_path=None: demo if path == "demo" else real_load(path, dtype, adapter_path),
+        lambda path, dtype=None, adapter_path=None: (
+            demo if str(path) in DEMO_NAMES else real_load(path, dtype, adapter_path)
+        ),
     )
 
     def run(*args: str, image: Path | str = EXAMPLE, query: str | None = "square") -> tuple[int, str, str]:

@@ -23,9 +23,11 @@ from mlx_locate.commands import locate as generate
 from mlx_locate.locate import load
 from mlx_locate.preprocess import FORMATS, SIGNATURES, load_image, preprocess
 from mlx_locate.prompts import TASKS
+from mlx_locate.weights.checkpoint import DEMO_DIR
 
 EXAMPLE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 HANG_S = 300  # an example still running after this long dumps every thread's stack and ends the run
+DEMO_NAMES = ("demo", str(DEMO_DIR))  # --model demo as the command passes it: the name, or the folder it resolved
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def main(workdir):
             cli_module,
             "load",
             lambda path, dtype=None, adapter_path=None: (
-                demo if path == "demo" else real_load(path, dtype, adapter_path)
+                demo if str(path) in DEMO_NAMES else real_load(path, dtype, adapter_path)
             ),
         )
         faulthandler.dump_traceback_later(HANG_S, repeat=True, exit=True)
