@@ -4,10 +4,9 @@ results, a YOLO dataset, Pascal VOC XML and Label Studio tasks.
 The formats are pure functions of the JSONL's answered lines (`Dataset`) that return file contents;
 `write_export` writes them (each file under a temporary name, then renamed; the images of the YOLO and VOC
 folders as links, copies where links fail, or the pixels the model saw where their readers would read the file
-otherwise: `AsSeen`). What
-a run wrote is recorded in a manifest beside its JSONL (`manifest_path`), so the rerun that resumes it
-regenerates its own exports, while `check_targets` keeps anything else at those paths from being overwritten
-unless asked. Categories are the questions, in the order asked.
+otherwise: `AsSeen`). What a run wrote is recorded in a manifest beside its JSONL (`manifest_path`), so the rerun
+that resumes it regenerates its own exports, while `check_targets` keeps anything else at those paths from being
+overwritten unless asked. Categories are the questions, in the order asked.
 """
 
 from __future__ import annotations
