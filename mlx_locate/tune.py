@@ -219,11 +219,7 @@ def measure(runtime: Runtime) -> Choices:
     measurements += 1
     # compiling against running eagerly: a block step's compilation (a shape not compiled yet) against what the
     # compiled step saves per call
-    fresh = step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT)
-    t0 = time.perf_counter()
-    mx.eval(fresh())
-    first = time.perf_counter() - t0
-    compiled_s = best_of(fresh)
+    first, compiled_s = first_and_best(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT))
     steps.compile = False
     steps.functions.clear()
     eager_s = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT))
