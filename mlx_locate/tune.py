@@ -122,8 +122,12 @@ def read(path: Path, device: dict, model: dict) -> Choices | None:
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("device") != device or data.get("model") != model:
-            why = f"it was measured on {data.get('device')}"
+        theirs = data.get("device") if isinstance(data.get("device"), dict) else {}
+        if theirs != device:
+            differ = [f"{k} {theirs.get(k)!r} (here {v!r})" for k, v in device.items() if theirs.get(k) != v]
+            why = "it was measured under " + (", ".join(differ) if differ else repr(data.get("device")))
+        elif data.get("model") != model:
+            why = "it holds another model's choices"
         else:
             return Choices.from_dict(data["choices"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

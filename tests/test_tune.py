@@ -65,13 +65,27 @@ def stale(file: Path) -> None:
     file.write_text(json.dumps(data))
 
 
+def older_format(file: Path) -> None:
+    data = json.loads(file.read_text())
+    data["device"]["format"] = tune.FORMAT - 1
+    file.write_text(json.dumps(data))
+
+
 def bad_value(file: Path) -> None:
     data = json.loads(file.read_text())
     data["choices"]["step_attention"] = "magic"
     file.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("spoil, why", [(corrupt, "not a readable"), (stale, "measured on"), (bad_value, "magic")])
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        (corrupt, "not a readable"),
+        (stale, r"measured under mlx '0.0.1' \(here '"),
+        (older_format, rf"measured under format {tune.FORMAT - 1} \(here {tune.FORMAT}\)"),
+        (bad_value, "magic"),
+    ],
+)
 def test_a_bad_or_stale_cache_file_is_ignored_with_a_warning_and_replaced(cache, spoil, why):
     mlx_locate.load("demo", tune=True)
     (file,) = cache.glob("tune-*.json")
