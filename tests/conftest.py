@@ -123,6 +123,13 @@ def approx_tree(value):
     return value
 
 
+def loads_demo_as(demo, load: Callable) -> Callable:
+    """A stand-in for the commands' `load`: the already loaded `demo` for --model demo (by its name, or by the
+    folder a command resolves it to), `load` for any other model."""
+    names = ("demo", str(mlx_locate.DEMO_IMAGE.parent))
+    return lambda path, dtype=None, adapter_path=None: demo if str(path) in names else load(path, dtype, adapter_path)
+
+
 def demo_waiting_before_steps(wait: Callable[[], object]):
     """A loader of the demo model whose engines call `wait()` before every step (a server test's way to hold or
     slow decoding on a machine of any speed)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import loads_demo_as
 from PIL import Image, ImageFile
 
 import mlx_locate
@@ -24,12 +25,10 @@ from mlx_locate.commands import locate as generate
 from mlx_locate.locate import load
 from mlx_locate.preprocess import DEFAULT_MAX_PIXELS, FORMATS, SIGNATURES, ImageTooLargeError, load_image, to_rgb
 from mlx_locate.request import RequestError
-from mlx_locate.weights.checkpoint import DEMO_DIR
 
 DEMO = Path(mlx_locate.__file__).parent / "demo"
 EXAMPLE = DEMO / "example.png"
 HUGE = (20_000, 12_000)  # 240 M pixels: over the default limit and over twice Pillow's own
-DEMO_NAMES = ("demo", str(DEMO_DIR))  # --model demo as the command passes it: the name, or the folder it resolved
 
 
 def png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -105,14 +104,7 @@ def demo():
 @pytest.fixture
 def cli(demo, monkeypatch, capsys):
     """`cli(*args, image=, query=)` -> (exit code, stdout, stderr) of `main` on the demo model (loaded once)."""
-    real_load = cli_module.load
-    monkeypatch.setattr(
-        cli_module,
-        "load",
-        lambda path, dtype=None, adapter_path=None: (
-            demo if str(path) in DEMO_NAMES else real_load(path, dtype, adapter_path)
-        ),
-    )
+    monkeypatch.setattr(cli_module, "load", loads_demo_as(demo, cli_module.load))
 
     def run(*args: str, image: Path | str = EXAMPLE, query: str | None = "square") -> tuple[int, str, str]:
         argv = ["--image", str(image), *(["--query", query] if query is not None else []), "--max-tokens", "8"]

@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from conftest import property_settings
+from conftest import loads_demo_as, property_settings
 from hypothesis import example, given
 from hypothesis import strategies as st
 from PIL import Image
@@ -23,11 +23,9 @@ from mlx_locate.commands import locate as generate
 from mlx_locate.locate import load
 from mlx_locate.preprocess import FORMATS, SIGNATURES, load_image, preprocess
 from mlx_locate.prompts import TASKS
-from mlx_locate.weights.checkpoint import DEMO_DIR
 
 EXAMPLE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 HANG_S = 300  # an example still running after this long dumps every thread's stack and ends the run
-DEMO_NAMES = ("demo", str(DEMO_DIR))  # --model demo as the command passes it: the name, or the folder it resolved
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +37,6 @@ def workdir(tmp_path_factory) -> Path:
 def main(workdir):
     """`main(argv)` -> (exit code, stdout, stderr), the demo model loaded once, under a hang watchdog."""
     demo = load("demo")
-    real_load = cli_module.load
 
     def run(argv: list[str]) -> tuple[int, str, str]:
         out, err = io.StringIO(), io.StringIO()
@@ -51,13 +48,7 @@ def main(workdir):
         return code, out.getvalue(), err.getvalue()
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            cli_module,
-            "load",
-            lambda path, dtype=None, adapter_path=None: (
-                demo if str(path) in DEMO_NAMES else real_load(path, dtype, adapter_path)
-            ),
-        )
+        mp.setattr(cli_module, "load", loads_demo_as(demo, cli_module.load))
         faulthandler.dump_traceback_later(HANG_S, repeat=True, exit=True)
         try:
             yield run
