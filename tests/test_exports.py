@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
@@ -114,7 +115,7 @@ def test_every_export_loads_in_the_tools_with_every_box(folder, exported):
     assert dataset.classes == QUERIES
     assert_same(by_image(dataset, lambda p: Path(p).relative_to(folder).as_posix()), want)
 
-    # YOLO and VOC: one flat folder, the images linked under their new names.
+    # YOLO and VOC: one flat folder each, the images linked under their new names.
     yolo = exported / "yolo"
     original = {
         name: Path(os.path.realpath(yolo / "images" / name)).relative_to(folder).as_posix()
@@ -124,7 +125,10 @@ def test_every_export_loads_in_the_tools_with_every_box(folder, exported):
     dataset = sv.DetectionDataset.from_yolo(str(yolo / "images"), str(yolo / "labels"), str(yolo / "data.yaml"))
     assert dataset.classes == QUERIES
     assert_same(by_image(dataset, lambda p: original[Path(p).name]), want)
-    dataset = sv.DetectionDataset.from_pascal_voc(str(yolo / "images"), str(exported / "voc"))
+    voc = exported / "voc"
+    assert sorted(os.listdir(voc / "images")) == sorted(original)  # the same names, linked to the same images
+    assert all(os.path.realpath(voc / "images" / n) == os.path.realpath(yolo / "images" / n) for n in original)
+    dataset = sv.DetectionDataset.from_pascal_voc(str(voc / "images"), str(voc))
     assert_same(by_image(dataset, lambda p: original[Path(p).name]), want)
 
     tasks = json.loads((exported / "tasks.json").read_text())
@@ -260,20 +264,24 @@ def test_flat_names_keep_every_image(tmp_path):
     assert len({Path(n).stem for n in names.values()}) == len(paths)  # YOLO labels go by stem
 
 
-# --- Photos in the YOLO export: formats its readers skip, orientation they apply ---
+# --- Photos in the YOLO and VOC exports: formats their readers skip, orientation they apply ---
 
 PHOTO_RUN = ["--query", "square", "--mode", "slow"]
 
 
-def yolo_read_back(yolo: Path) -> dict[str, tuple[tuple[int, int], list[list[float]]]]:
-    """Each image of a YOLO export as supervision reads it: its name -> ((W, H) as loaded, boxes)."""
-    dataset = sv.DetectionDataset.from_yolo(str(yolo / "images"), str(yolo / "labels"), str(yolo / "data.yaml"))
+def read_back(export: Path) -> dict[str, tuple[tuple[int, int], list[list[float]]]]:
+    """Each image of a YOLO or VOC export as supervision reads it: its name -> ((W, H) as loaded, boxes)."""
+    images = str(export / "images")
+    if (export / "data.yaml").is_file():
+        dataset = sv.DetectionDataset.from_yolo(images, str(export / "labels"), str(export / "data.yaml"))
+    else:
+        dataset = sv.DetectionDataset.from_pascal_voc(images, str(export))
     return {Path(path).name: (image.shape[1::-1], sorted(d.xyxy.tolist())) for path, image, d in dataset}
 
 
-def assert_read_back(yolo: Path, out: Path, names: dict[str, str]) -> None:
+def assert_read_back(export: Path, out: Path, names: dict[str, str]) -> None:
     """The export holds `names` (exported name -> image file name), each read at its JSONL size with its boxes."""
-    got = yolo_read_back(yolo)
+    got = read_back(export)
     want = {
         Path(line["image"]).name: (tuple(line["size"]), sorted(o["box"] for r in line["results"] for o in r["objects"]))
         for line in test_batch.lines_of(out)
@@ -293,24 +301,29 @@ def assert_copy_of(path: Path, pixels: Image.Image) -> None:
         assert np.abs(np.asarray(copy, dtype=np.int16) - np.asarray(pixels, dtype=np.int16)).mean() < 3
 
 
-def test_yolo_takes_heic_and_avif_as_jpeg_copies_in_the_displayed_frame(run, tmp_path):
-    """HEIC (rotated, as an iPhone stores it) and AVIF, which YOLO readers skip, are exported as JPEGs of the
-    pixels the model saw; a PNG stays a link. supervision reads all three at the JSONL's sizes, with its boxes."""
-    folder, out, yolo = tmp_path / "photos", tmp_path / "results.jsonl", tmp_path / "yolo"
+def test_yolo_and_voc_take_heic_and_avif_as_jpeg_copies_in_the_displayed_frame(run, tmp_path):
+    """HEIC (rotated, as an iPhone stores it) and AVIF, which YOLO and VOC readers skip, are exported as JPEGs of
+    the pixels the model saw; a PNG stays a link. supervision reads all three at the JSONL's sizes, with its boxes,
+    from either export."""
+    folder, out, yolo, voc = tmp_path / "photos", tmp_path / "results.jsonl", tmp_path / "yolo", tmp_path / "voc"
     folder.mkdir()
     shown = test_photos.scene()
     test_photos.save_heic(shown, 6, folder / "phone.heic")
     shown.save(folder / "phone.png")  # beside phone.heic: the copy must not take its name
     shown.save(folder / "web.avif", "AVIF", quality=95)
-    args = ["--images", str(folder), "--out", str(out), "--yolo", str(yolo)]
+    args = ["--images", str(folder), "--out", str(out), "--yolo", str(yolo), "--voc", str(voc)]
     code, err = run(*args, questions=PHOTO_RUN)
     assert code == 0, err
-    assert_read_back(yolo, out, {"phone_heic.jpg": "phone.heic", "phone_png.png": "phone.png", "web.jpg": "web.avif"})
-    assert (yolo / "images" / "phone_png.png").is_symlink()
-    for name in ("phone_heic.jpg", "web.jpg"):
-        assert_copy_of(yolo / "images" / name, shown)
+    names = {"phone_heic.jpg": "phone.heic", "phone_png.png": "phone.png", "web.jpg": "web.avif"}
     written = exports.read_manifest(exports.manifest_path(out))
-    assert {exports.key(p) for p in (yolo / "images").iterdir()} <= written
+    for export in (yolo, voc):
+        assert_read_back(export, out, names)
+        assert (export / "images" / "phone_png.png").is_symlink()
+        for name in ("phone_heic.jpg", "web.jpg"):
+            assert_copy_of(export / "images" / name, shown)
+        assert {exports.key(p) for p in (export / "images").iterdir()} <= written
+    xml = ET.parse(voc / "phone_heic.xml").getroot()
+    assert (xml.findtext("filename"), xml.findtext("path")) == ("phone_heic.jpg", str(voc / "images/phone_heic.jpg"))
     assert run(*args, questions=PHOTO_RUN)[0] == 0  # the rerun rewrites its own copies
 
 
