@@ -101,9 +101,8 @@ class Tokenizer:
         return cls(tok, int(config.get("model_max_length", DEFAULT_MODEL_MAX_LENGTH)))
 
     def warm(self) -> Tokenizer:
-        """Build now what the first prompt would build (the added tokens' pattern and the vocabulary); returns
-        self."""
-        _ = self.added_pattern, self.vocab
+        """Build now what the first prompt would build (the added tokens' pattern); returns self."""
+        _ = self.added_pattern
         self._tok.encode("warm", add_special_tokens=False)
         return self
 
@@ -141,8 +140,12 @@ class Tokenizer:
 
     @cached_property
     def vocab(self) -> dict[str, int]:
-        """The BPE vocabulary, without added tokens."""
+        """The BPE vocabulary, without added tokens (a dict of every token: `vocab_id` looks one up)."""
         return self._tok.get_vocab(with_added_tokens=False)
+
+    def vocab_id(self, token: str) -> int | None:
+        """`token`'s id in the BPE vocabulary (added tokens not counted), None where it has none."""
+        return self._tok.model.token_to_id(token)
 
     @cached_property
     def added_tokens(self) -> dict[str, int]:
@@ -150,7 +153,7 @@ class Tokenizer:
 
     def token_ids(self, config: dict) -> TokenIds:
         """The special token ids, from `config.json` (a dict) and this tokenizer's tokens."""
-        return token_ids_from_config(config, self.added_tokens, self.vocab)
+        return token_ids_from_config(config, self.added_tokens, self.vocab_id)
 
     def save_json(self, path: str | Path) -> None:
         """Write a `tokenizer.json` to `path`; `from_folder` on its folder loads the same tokenizer.

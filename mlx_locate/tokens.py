@@ -5,6 +5,7 @@ No token id literal appears anywhere else in the package: tests remap ids into t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -39,8 +40,11 @@ class TokenIds:
         return self.coord_start + value
 
 
-def token_ids_from_config(config: dict, added_tokens: dict[str, int], vocab: dict[str, int]) -> TokenIds:
-    """Build `TokenIds` from `config.json` (a dict) and the tokenizer's added tokens and vocabulary.
+def token_ids_from_config(
+    config: dict, added_tokens: dict[str, int], vocab_id: Callable[[str], int | None]
+) -> TokenIds:
+    """Build `TokenIds` from `config.json` (a dict) and the tokenizer's added tokens and vocabulary (`vocab_id`: a
+    token's id there, None where it has none).
 
     Raises `ValueError` naming the missing field or token.
     """
@@ -53,15 +57,15 @@ def token_ids_from_config(config: dict, added_tokens: dict[str, int], vocab: dic
         # mlx-vlm's converter copies generation_config.json's eos list ([<|im_end|>, <|endoftext|>]) here.
         return int(value[0] if isinstance(value, list) and value else value)
 
-    def token(name: str, table: dict[str, int], what: str) -> int:
-        if name not in table:
+    def token(name: str, lookup: Callable[[str], int | None], what: str) -> int:
+        if (found := lookup(name)) is None:
             raise ValueError(f"tokenizer: {what} has no token {name!r}")
-        return int(table[name])
+        return int(found)
 
     ids = TokenIds(
         image=field(config, "image_token_index", ""),
-        img_start=token("<img>", added_tokens, "added tokens"),
-        img_end=token("</img>", added_tokens, "added tokens"),
+        img_start=token("<img>", added_tokens.get, "added tokens"),
+        img_end=token("</img>", added_tokens.get, "added tokens"),
         box_start=field(config, "box_start_token_id", ""),
         box_end=field(config, "box_end_token_id", ""),
         ref_start=field(config, "ref_start_token_id", ""),
@@ -69,13 +73,13 @@ def token_ids_from_config(config: dict, added_tokens: dict[str, int], vocab: dic
         coord_start=field(config, "coord_start_token_id", ""),
         coord_end=field(config, "coord_end_token_id", ""),
         none=field(config, "none_token_id", ""),
-        none_lower=token("none", vocab, "vocab.json"),
-        im_start=token("<|im_start|>", added_tokens, "added tokens"),
+        none_lower=token("none", vocab_id, "vocab.json"),
+        im_start=token("<|im_start|>", added_tokens.get, "added tokens"),
         im_end=field(config, "eos_token_id", ""),
         text_mask=field(text, "text_mask_token_id", "text_config."),
         null=field(text, "null_token_id", "text_config."),
         switch=field(text, "switch_token_id", "text_config."),
-        cat_sep=token("</c>", added_tokens, "added tokens"),
+        cat_sep=token("</c>", added_tokens.get, "added tokens"),
         vocab_size=field(text, "vocab_size", "text_config."),
     )
     if ids.coord_end - ids.coord_start != 1000:

@@ -102,7 +102,7 @@ def golden_token_ids() -> TokenIds:
     config = json.loads((GOLDEN / "checkpoints" / "tiny_random" / "config.json").read_text())
     added = json.loads((TOKENIZER_DIR / "added_tokens.json").read_text())
     vocab = json.loads((TOKENIZER_DIR / "vocab.json").read_text())
-    return token_ids_from_config(config, added, vocab)
+    return token_ids_from_config(config, added, vocab.get)
 
 
 BATCH_REL = 1e-4  # a sequence's probabilities alone and in a batch agree to this relative difference

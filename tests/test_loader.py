@@ -385,6 +385,46 @@ def test_a_checkpoint_loads_on_streams_of_its_own_not_the_requests(monkeypatch):
     assert model.locate(checkpoint.DEMO_IMAGE, "square", mode="fast", max_tokens=32).objects
 
 
+def test_the_tokenizer_is_built_while_the_towers_weights_are_read(monkeypatch):
+    """The tokenizers library holds the interpreter while it builds a tokenizer: built on a thread that starts at
+    once, it kept the loading thread from queuing any read for as long. So the thread waits until the tower's
+    weights are queued and the host is about to wait for them, and no longer."""
+    import threading
+
+    from mlx_locate.weights import checkpoint as files
+    from mlx_locate.weights import loader
+
+    log: list[str] = []
+    queued = threading.Event()
+    build, evaluate, from_folder = loader.build_model, mx.eval, Tokenizer.from_folder
+
+    def build_logged(*args, meanwhile=None, **kwargs):
+        def hook():
+            log.append("tower queued")
+            queued.set()
+            meanwhile()
+
+        return build(*args, meanwhile=hook, **kwargs)
+
+    def eval_logged(*arrays):
+        if not queued.is_set():
+            log.append("eval before the hook")
+        return evaluate(*arrays)
+
+    def tokenizer_logged(folder):
+        log.append("tokenizer" if queued.is_set() else "tokenizer before the tower was queued")
+        return from_folder(folder)
+
+    monkeypatch.setattr(loader, "build_model", build_logged)
+    monkeypatch.setattr(mx, "eval", eval_logged)
+    monkeypatch.setattr(Tokenizer, "from_folder", tokenizer_logged)
+    checkpoint = loader.read_checkpoint("demo")
+    assert log == ["tower queued", "tokenizer"]
+    assert checkpoint.tokenizer.encode("square") and checkpoint.network.token_ids == checkpoint.tokenizer.token_ids(
+        json.loads((files.DEMO_DIR / "config.json").read_text())
+    )
+
+
 def test_eos_list_in_config_reads_its_first_id(tmp_path, weights, raw_config):
     """mlx-vlm's converter writes generation_config.json's eos list into config.json."""
     config = {**raw_config, "eos_token_id": [151645, 151643]}

@@ -35,7 +35,7 @@ def tokenizer() -> tuple[TokenIds, dict[int, str], dict[str, int]]:
     vocab = json.loads((TOKENIZER_DIR / "vocab.json").read_text())
     inverse = {i: s for s, i in vocab.items()}
     inverse.update({i: s for s, i in added.items()})
-    return token_ids_from_config(config, added, vocab), inverse, vocab
+    return token_ids_from_config(config, added, vocab.get), inverse, vocab
 
 
 def decode(ids: list[int]) -> str:

@@ -15,6 +15,7 @@ from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from mlx_locate.tokenizer import DEFAULT_MODEL_MAX_LENGTH, Tokenizer, qwen2_byte_level
+from mlx_locate.tokens import token_ids_from_config
 
 TEXTS = [
     "",
@@ -122,6 +123,9 @@ def test_decode_skips_special_tokens(tok):
 def test_vocab_and_max_length(tok):
     assert len(tok.vocab) == 151643
     assert tok.vocab["None"] == 4064 and tok.vocab["none"] == 6697
+    assert tok.vocab_id("None") == 4064 and tok.vocab_id("none") == 6697
+    assert tok.vocab_id("<|im_end|>") is None and "<|im_end|>" not in tok.vocab  # an added token, not BPE's
+    assert tok.vocab_id("no such token") is None
     assert tok.model_max_length == 16384
 
 
@@ -133,6 +137,16 @@ def test_token_ids_from_checkpoint_config(golden_dir):
     assert ids.image == tok.added_tokens["<IMG_CONTEXT>"]
     assert ids.coord_start == tok.added_tokens["<0>"] and ids.coord_end == tok.added_tokens["<1000>"]
     assert ids.none == 4064 and ids.none_lower == 6697
+
+
+def test_token_ids_name_the_token_a_tokenizer_lacks(golden_dir):
+    config = json.loads((golden_dir("tiny_random") / "config.json").read_text())
+    tok = Tokenizer.from_folder(golden_dir("tiny_random"))
+    without = {k: v for k, v in tok.added_tokens.items() if k != "</c>"}
+    with pytest.raises(ValueError, match="added tokens has no token '</c>'"):
+        token_ids_from_config(config, without, tok.vocab_id)
+    with pytest.raises(ValueError, match="vocab.json has no token 'none'"):
+        token_ids_from_config(config, tok.added_tokens, lambda t: None if t == "none" else tok.vocab_id(t))
 
 
 def test_save_json_round_trip(tok, tmp_path):

@@ -6,6 +6,8 @@ Only safetensors files are read; no code from a checkpoint folder is ever execut
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,9 +83,12 @@ def check_names_and_shapes(model: nn.Module, weights: dict[str, mx.array], folde
         raise ValueError(f"{folder}: weights do not match the config: " + "; ".join(problems))
 
 
-def build_model(folder: Path, config: ModelConfig, token_ids, dtype: str | None = None) -> LocateAnything:
+def build_model(
+    folder: Path, config: ModelConfig, token_ids, dtype: str | None = None, meanwhile: Callable[[], None] | None = None
+) -> LocateAnything:
+    """The checkpoint in `folder` as a model, its tower's weights read (`assemble_model`, which calls `meanwhile`)."""
     weights, adapter = split_peft_checkpoint(read_weights(folder), config.raw, folder)
-    model = assemble_model(sanitize(weights, config.vision.patch_size), config, token_ids, dtype, folder)
+    model = assemble_model(sanitize(weights, config.vision.patch_size), config, token_ids, dtype, folder, meanwhile)
     if adapter is not None:
         apply_adapter(model, adapter)
     return model
@@ -122,9 +127,15 @@ def split_peft_checkpoint(weights: dict[str, mx.array], raw_config: dict, folder
 
 
 def assemble_model(
-    weights: dict[str, mx.array], config: ModelConfig, token_ids, dtype: str | None = None, where: Path | str = ""
+    weights: dict[str, mx.array],
+    config: ModelConfig,
+    token_ids,
+    dtype: str | None = None,
+    where: Path | str = "",
+    meanwhile: Callable[[], None] | None = None,
 ) -> LocateAnything:
-    """The model from sanitized `weights`, quantized as `config.raw["quantization"]` says; strict."""
+    """The model from sanitized `weights`, quantized as `config.raw["quantization"]` says; strict. `meanwhile` is
+    called as the host starts to wait for the tower's weights: work another thread may do while they are read."""
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     model = LocateAnything(config, token_ids)
@@ -146,6 +157,8 @@ def assemble_model(
     # first image's tower (`runtime.DecoderLoad`). A compiled step waits for them before it traces: a
     # lazy weight captured by several compiled steps would be loaded by each (`compiled.CompiledSteps`).
     params = model.parameters()
+    if meanwhile is not None:
+        meanwhile()
     mx.eval(params["vision_model"], params["mlp1"])
     model.eval()
     return model
@@ -196,15 +209,26 @@ def read_checkpoint(
     MLX's CPU backend, where they become float32: there half-precision matmuls and attention run MLX's own
     kernels instead of BLAS, many times slower than float32's, so float32 is the fast path (CPU_DTYPE).
     `adapter_path`: a LoRA adapter folder applied on top (`lora.apply_adapter`); the base's files are only read.
-    The tokenizer is built on a thread while the tower's weights load; the decoder's are read when first needed
-    (`assemble_model`), on the loading streams (`checkpoint.loading_streams`), not the default one."""
+    The tokenizer is built on a thread while the tower's weights are read, and not before: the tokenizers library
+    holds the interpreter while it builds, so a thread that started at once would keep this one from queuing the
+    reads. The decoder's weights are read when first needed (`assemble_model`), on the loading streams
+    (`checkpoint.loading_streams`), not the default one."""
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = CPU_DTYPE
     folder = resolve(path_or_hub_id)
     raw = read_json(folder, "config.json")
+    reading = threading.Event()
+
+    def build_tokenizer() -> Tokenizer:
+        reading.wait()
+        return Tokenizer.from_folder(folder).warm()
+
     with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-tokenizer") as pool, mx.stream(loading_streams()[1]):
-        tokenizer_job = pool.submit(lambda: Tokenizer.from_folder(folder).warm())
-        network = build_model(folder, ModelConfig.from_dict(raw), None, dtype)
+        tokenizer_job = pool.submit(build_tokenizer)
+        try:
+            network = build_model(folder, ModelConfig.from_dict(raw), None, dtype, meanwhile=reading.set)
+        finally:
+            reading.set()  # a checkpoint that fails to build: the tokenizer's error, if any, is not the first one
         tokenizer = tokenizer_job.result()
         network.token_ids = tokenizer.token_ids(raw)
         if adapter_path is not None:
