@@ -51,6 +51,7 @@ def test_bench_quick_on_the_demo_writes_every_field(tmp_path):
     assert s["block_x_floor"] == pytest.approx(s["block_ms"] / s["floor_ms"])
     assert s["ar_x_floor"] == pytest.approx(s["ar_ms"] / s["floor_ms"])
     assert r["cold_start"]["seconds"] > r["cold_start"]["load_s"] > 0 and "compile_s" in r["cold_start"]
+    assert r["cold_start"]["seconds"] > r["cold_start"]["import_s"] > 0
     for rows in ("1", "16"):
         f = r["folder"][rows]
         assert f["images_per_s"] > 0 and {"vision", "prefill", "decode"} <= set(f["phases_s"])

@@ -1,11 +1,11 @@
 """`mlx-locate-bench`: what this machine does with a model, in one Markdown table and one JSON file to send us.
 
 It measures the read-only memory bandwidth and the decode step's floor (the decoder's weight bytes over that
-bandwidth); the one-shot command from a cold process (`mlx-locate --json`, its phases); batch-1 block and AR
-step milliseconds, each as a multiple of the floor; a folder's images per second at 1 and 16 rows with each
-phase's seconds; a 12 MP photo's vision seconds and peak memory; the attention paths and row buckets this device
-chose (`tune.py`). `--ops-per-buffer N ...` runs the steps again under each MLX_MAX_OPS_PER_BUFFER value, each in
-its own process. The JSON holds the machine (chip, memory, OS, MLX version) beside the figures.
+bandwidth); the one-shot command from a cold process (`mlx-locate --json`, its phases, and its import's seconds);
+batch-1 block and AR step milliseconds, each as a multiple of the floor; a folder's images per second at 1 and 16
+rows with each phase's seconds; a 12 MP photo's vision seconds and peak memory; the attention paths and row buckets
+this device chose (`tune.py`). `--ops-per-buffer N ...` runs the steps again under each MLX_MAX_OPS_PER_BUFFER
+value, each in its own process. The JSON holds the machine (chip, memory, OS, MLX version) beside the figures.
 
     mlx-locate-bench --model nvidia/LocateAnything-3B --json my-mac.json
     mlx-locate-bench --model demo --quick          # under a minute on a CPU
@@ -100,7 +100,11 @@ def step_ms(model: LocateModel, context: int, iters: int) -> dict:
 
 
 def one_shot(model_flags: list[str], image: Path, max_tokens: int) -> dict:
-    """The one-shot command in a new process: seconds from its start to its exit, and its phases."""
+    """The one-shot command in a new process: seconds from its start to its exit, and its phases; `import_s`: a
+    process that only starts and imports the command, from its start to its exit."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import mlx_locate.commands.locate"], check=True, capture_output=True)
+    import_s = time.perf_counter() - t0
     cmd = [sys.executable, "-m", "mlx_locate.commands.locate", *model_flags, "--image", str(image)]
     cmd += ["--query", QUERY, "--json", "--max-tokens", str(max_tokens)]
     t0 = time.perf_counter()
@@ -110,7 +114,7 @@ def one_shot(model_flags: list[str], image: Path, max_tokens: int) -> dict:
         raise RuntimeError(f"the one-shot command failed: {proc.stderr.strip()[-400:]}")
     stats = json.loads(proc.stdout)["stats"]
     phases = ("load_s", "compile_s", "preprocess_s", "vision_s", "prefix_prefill_s", "prefill_s", "decode_s")
-    return {"seconds": seconds, **{k: stats[k] for k in phases}}
+    return {"seconds": seconds, "import_s": import_s, **{k: stats[k] for k in phases}}
 
 
 def folder(model: LocateModel, images: list[Path], rows: int, max_tokens: int) -> dict:
@@ -250,7 +254,7 @@ def markdown(r: dict) -> str:
         ("batch-1 AR step", f"{s['ar_ms']:.2f} ms = {s['ar_x_floor']:.1f} x floor"),
         (
             "cold one-shot",
-            f"{c['seconds']:.2f} s (load {c['load_s']:.2f}, compile {c['compile_s']:.2f}, "
+            f"{c['seconds']:.2f} s (import {c['import_s']:.2f}, load {c['load_s']:.2f}, compile {c['compile_s']:.2f}, "
             f"vision {c['vision_s']:.2f}, decode {c['decode_s']:.2f})",
         ),  # fmt: skip
     ]
