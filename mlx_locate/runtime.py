@@ -158,6 +158,7 @@ class Runtime:
         self.prefill_chunk: int | None = None  # one sequence's rows per prefill call at most (None: PREFILL_ROWS)
         self.weights = DecoderLoad(network.language_model)
         self.row_costs: dict[int, float] = {}  # seconds of a block step by rows, where measured (`measure_rows`)
+        self.tuning_s: dict[str, float] = {}  # seconds the tuner took to measure its choices here (`tune.apply`)
         self.tower_block_s: dict[tuple[int, int], float] = {}  # seconds of a tower block per image, by grid
         self.device_idle_s = 0.0  # time between a wait for the device and the next one (`sync`)
         self._synced: float | None = None

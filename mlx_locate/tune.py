@@ -15,16 +15,19 @@ and replaced. MLX_LOCATE_TUNE=0 (the commands' `--no-tune`, `load(tune=False)`) 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+from tqdm import tqdm
 
 from .compiled import BLOCK_FORWARD_ROWS, PREFILL_BUCKET, PREFILL_ROWS, Phase
 from .masks import BLOCK
@@ -42,6 +45,8 @@ PROBE_CONTEXT = 256  # cached tokens per row in the step probes
 REPEATS = 3  # timed runs per probe (the fastest counts), after one untimed
 PREFILL_CHUNKS = (512, 1024, PREFILL_ROWS)  # prefill chunk candidates, on a GPU
 NEVER = 1 << 30  # compile_after where a compiled step is no faster than an eager one
+PROGRESS_AFTER_S = 1.0  # measuring shows a progress bar (stderr) once it has taken this long
+PARTS = ("step attention", "row buckets", "compiling", "tower attention", "prefill chunk")  # what `measure` times
 
 measurements = 0  # choices this process measured (a process that reads the cache measures none)
 
@@ -54,6 +59,7 @@ class Choices:
     tower_chunked: bool  # the tower's attention in the fallback's chunks even where a fused kernel runs
     prefill_chunk: int  # one sequence's rows per prefill call at most
     compile_after: int  # eager calls of a step function before it is compiled
+    measured_s: dict[str, float] = field(default_factory=dict)  # seconds each of PARTS took to measure (a record)
 
     @classmethod
     def from_dict(cls, d: dict) -> Choices:
@@ -71,7 +77,21 @@ class Choices:
             raise ValueError("prefill_chunk or compile_after")
         if not isinstance(d["tower_chunked"], bool):
             raise ValueError("tower_chunked")
-        return cls(probes, AttentionPath(d["step_attention"]).value, rows, d["tower_chunked"], chunk, after)
+        seconds = d.get("measured_s", {})
+        if not isinstance(seconds, dict) or not all(
+            isinstance(v, (int, float)) and v >= 0 and math.isfinite(v) for v in seconds.values()
+        ):
+            raise ValueError("measured_s")
+        step_attention = AttentionPath(d["step_attention"]).value
+        return cls(
+            probes,
+            step_attention,
+            rows,
+            d["tower_chunked"],
+            chunk,
+            after,
+            {str(k): float(v) for k, v in seconds.items()},
+        )
 
 
 def enabled(tune: bool | None = None) -> bool:
@@ -154,6 +174,7 @@ def apply(runtime: Runtime, choices: Choices) -> None:
     runtime.row_costs.update(choices.row_costs)
     runtime.network.vision_model.chunked_attention = choices.tower_chunked
     runtime.prefill_chunk = choices.prefill_chunk
+    runtime.tuning_s = dict(choices.measured_s)
 
 
 def cached(model: dict) -> Choices | None:
@@ -201,7 +222,24 @@ def step_probe(runtime: Runtime, phase: Phase, q: int, context: int = PROBE_CONT
 
 
 def measure(runtime: Runtime) -> Choices:
-    """Every choice, measured on this device now."""
+    """Every choice, measured on this device now; each of PARTS timed (`Choices.measured_s`), with a progress bar
+    on stderr once measuring has taken PROGRESS_AFTER_S."""
+    seconds: dict[str, float] = {}
+    last = time.perf_counter()
+    with tqdm(total=len(PARTS), desc="measuring this device once", unit="part", delay=PROGRESS_AFTER_S) as bar:
+
+        def done(part: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            seconds[part], last = now - last, now
+            bar.update()
+
+        choices = _measure(runtime, done)
+    return dataclasses.replace(choices, measured_s=seconds)
+
+
+def _measure(runtime: Runtime, done: Callable[[str], None]) -> Choices:
+    """`measure`'s work; `done(part)` as each of PARTS ends."""
     global measurements
     steps = runtime.steps
     saved = steps.compile_after
@@ -218,9 +256,11 @@ def measure(runtime: Runtime) -> Choices:
     steps.attention = step_attention
     steps.functions.clear()
     measurements += 1
+    done("step attention")
     # row buckets
     row_costs = runtime.measure_rows(runtime.default_rows, context=PROBE_CONTEXT)
     measurements += 1
+    done("row buckets")
     # compiling against running eagerly: a block step's compilation (a shape not compiled yet) against what the
     # compiled step saves per call
     first, compiled_s = first_and_best(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT))
@@ -233,6 +273,7 @@ def measure(runtime: Runtime) -> Choices:
     compile_after = NEVER if saved_per_call <= 0 else math.ceil(max(0.0, first - compiled_s) / saved_per_call)
     measurements += 1
     steps.compile_after = saved
+    done("compiling")
     # the tower's attention: fused (or padded) where a kernel takes it, against the fallback's chunks
     tower = runtime.network.vision_model
     v = runtime.network.config.vision
@@ -254,7 +295,9 @@ def measure(runtime: Runtime) -> Choices:
         tower_chunked = all(wins)
         tower.chunked_attention = False
         measurements += 1
+    done("tower attention")
     prefill_chunk = measure_prefill_chunk(runtime)
+    done("prefill chunk")
     runtime.idle()
     measurements += 1  # the budget's probes, measured when the runtime was built
     return Choices(probes_of(runtime), step_attention.value, row_costs, tower_chunked, prefill_chunk, compile_after)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from mlx_locate import tune
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,6 +61,8 @@ def test_bench_quick_on_the_demo_writes_every_field(tmp_path):
     assert r["photo_12mp"]["grid"][0] * r["photo_12mp"]["grid"][1] > 0
     c = r["choices"]
     assert c["step_attention"] in ("sdpa", "padded", "unfused") and c["row_costs_ms"]
+    assert set(c["tuning_s"]) == set(tune.PARTS)  # the bench's own cache folder: measured in its load
+    assert "| measuring those, once |" in proc.stdout
     assert set(r["ops_per_buffer"]) == {"20", "60"}
     assert all(o["block_ms"] > 0 and o["ar_ms"] > 0 for o in r["ops_per_buffer"].values())
     rows = subprocess.run([*cmd[:3], "--macs-rows", str(out)], env=env, capture_output=True, text=True, timeout=120)

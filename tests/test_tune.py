@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,12 @@ def bad_value(file: Path) -> None:
     file.write_text(json.dumps(data))
 
 
+def bad_record(file: Path) -> None:
+    data = json.loads(file.read_text())
+    data["choices"]["measured_s"]["row buckets"] = -1.0
+    file.write_text(json.dumps(data))
+
+
 @pytest.mark.parametrize(
     "spoil, why",
     [
@@ -84,6 +91,7 @@ def bad_value(file: Path) -> None:
         (stale, r"measured under mlx '0.0.1' \(here '"),
         (older_format, rf"measured under format {tune.FORMAT - 1} \(here {tune.FORMAT}\)"),
         (bad_value, "magic"),
+        (bad_record, "measured_s"),
     ],
 )
 def test_a_bad_or_stale_cache_file_is_ignored_with_a_warning_and_replaced(cache, spoil, why):
@@ -97,6 +105,27 @@ def test_a_bad_or_stale_cache_file_is_ignored_with_a_warning_and_replaced(cache,
     assert tune.measurements > before  # measured again, not trusted
     assert json.loads(file.read_text())["device"] == good["device"]  # and replaced
     assert model.locate(ROOT / "tests/data/golden/images/shapes_640x480.png", "square").objects is not None
+
+
+def test_measuring_shows_its_progress_and_keeps_what_each_part_took(cache, monkeypatch, capsys):
+    """A slow device's first load measures for a while: a progress bar says so (once measuring has taken
+    PROGRESS_AFTER_S), and the seconds of each part are kept with the choices, for `mlx-locate-bench` to report."""
+    monkeypatch.setattr(tune, "PROGRESS_AFTER_S", 0.0)
+    measured = mlx_locate.load("demo", tune=True).runtime.tuning_s
+    assert "measuring this device once" in capsys.readouterr().err
+    assert list(measured) == list(tune.PARTS) and all(v >= 0 for v in measured.values())
+    assert sum(measured.values()) > 0
+    (file,) = cache.glob("tune-*.json")
+    assert json.loads(file.read_text())["choices"]["measured_s"] == measured
+    assert mlx_locate.load("demo", tune=True).runtime.tuning_s == measured  # read back, not measured again
+    assert "measuring" not in capsys.readouterr().err
+    data = json.loads(file.read_text())
+    del data["choices"]["measured_s"]  # a file from before the record: its choices still hold
+    file.write_text(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mlx_locate.load("demo", tune=True).runtime.tuning_s == {}
+    assert mlx_locate.load("demo", tune=False).runtime.tuning_s == {}
 
 
 def test_a_step_function_runs_eagerly_until_compiling_pays(cache):

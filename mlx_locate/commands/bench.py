@@ -154,6 +154,7 @@ def choices(model: LocateModel) -> dict:
         "row_costs_ms": {str(r): 1e3 * s for r, s in sorted(runtime.row_costs.items())},
         "compile_after": runtime.steps.compile_after,
         "prefill_chunk": runtime.prefill_chunk or PREFILL_ROWS,
+        "tuning_s": runtime.tuning_s,  # what measuring them took, by part, where this device measured them
     }
 
 
@@ -266,6 +267,9 @@ def markdown(r: dict) -> str:
     ch = r["choices"]
     rows.append(("chosen", f"step attention {ch['step_attention']}, tower chunked {ch['tower_chunked_attention']}, "
                  f"rows {list(ch['row_costs_ms'])}, compile after {ch['compile_after']} calls"))  # fmt: skip
+    if ch["tuning_s"]:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in ch["tuning_s"].items())
+        rows.append(("measuring those, once", f"{sum(ch['tuning_s'].values()):.1f} s ({parts} s)"))
     for n, o in r["ops_per_buffer"].items():
         rows.append((f"{OPS_ENV}={n}", f"block {o['block_ms']:.2f} ms, AR {o['ar_ms']:.2f} ms"))
     return "\n".join(["| what | measured |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])
