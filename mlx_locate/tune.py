@@ -274,16 +274,29 @@ def _measure(runtime: Runtime, done: Callable[[str], None]) -> Choices:
     measurements += 1
     steps.compile_after = saved
     done("compiling")
-    # the tower's attention: fused (or padded) where a kernel takes it, against the fallback's chunks
+    tower_chunked = measure_tower_chunked(runtime)
+    done("tower attention")
+    prefill_chunk = measure_prefill_chunk(runtime)
+    done("prefill chunk")
+    runtime.idle()
+    measurements += 1  # the budget's probes, measured when the runtime was built
+    return Choices(probes_of(runtime), step_attention.value, row_costs, tower_chunked, prefill_chunk, compile_after)
+
+
+def measure_tower_chunked(runtime: Runtime) -> bool:
+    """Whether the tower's attention should run in the fallback's chunks even where a fused (or padded) kernel takes
+    it: only where the chunks win at a small image's patches and then at the largest image's. The fused kernel's
+    lead grows with the patches (benchmarks/README.md, "Cold start"), so the largest image's block, the costliest
+    probe on a slow device, runs only where the chunks won the small one."""
+    global measurements
     tower = runtime.network.vision_model
     v = runtime.network.config.vision
     dtype = tower.patch_embed.proj.weight.dtype
-    tower_chunked = False
+    if attention_path(backend(), dtype, v.head_dim, PROBE_PATCHES)[0] is TowerPath.CHUNKED:
+        return False
+    measurements += 1
     score_budget = runtime.budget.score_budget
-    if attention_path(backend(), dtype, v.head_dim, PROBE_PATCHES)[0] is not TowerPath.CHUNKED:
-        # chunks only where they win at a small image's patches and at the largest image's: the fused kernel's
-        # lead grows with the patches (benchmarks/README.md, "Cold start")
-        wins = []
+    try:
         for patches in (4 * PROBE_PATCHES, runtime.in_token_limit):
             side = int(patches**0.5)
             x = mx.zeros((1, side * side, v.hidden_size), dtype)
@@ -291,16 +304,11 @@ def _measure(runtime: Runtime, done: Callable[[str], None]) -> Choices:
             for chunked in (False, True):
                 tower.chunked_attention = chunked
                 block_times[chunked] = best_of(lambda x=x, s=side: tower.run_blocks(x, (s, s), 0, 1, score_budget))
-            wins.append(block_times[True] < block_times[False])
-        tower_chunked = all(wins)
+            if block_times[True] >= block_times[False]:
+                return False
+        return True
+    finally:
         tower.chunked_attention = False
-        measurements += 1
-    done("tower attention")
-    prefill_chunk = measure_prefill_chunk(runtime)
-    done("prefill chunk")
-    runtime.idle()
-    measurements += 1  # the budget's probes, measured when the runtime was built
-    return Choices(probes_of(runtime), step_attention.value, row_costs, tower_chunked, prefill_chunk, compile_after)
 
 
 def measure_prefill_chunk(runtime: Runtime) -> int:

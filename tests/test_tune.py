@@ -19,6 +19,8 @@ from test_engine import MODES, check_golden, golden_request
 import mlx_locate
 from mlx_locate import tune
 from mlx_locate.compiled import PREFILL_ROWS, Phase
+from mlx_locate.memory import PROBE_PATCHES
+from mlx_locate.network.attention import Path as TowerPath
 from mlx_locate.network.language import AttentionPath
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,6 +128,36 @@ def test_measuring_shows_its_progress_and_keeps_what_each_part_took(cache, monke
         warnings.simplefilter("error")
         assert mlx_locate.load("demo", tune=True).runtime.tuning_s == {}
     assert mlx_locate.load("demo", tune=False).runtime.tuning_s == {}
+
+
+@pytest.mark.parametrize(
+    "timings, probes, chosen",
+    [
+        ({(False, "small"): 1.0, (True, "small"): 2.0}, 2, False),  # fused wins the small: the largest is not run
+        ({(False, "small"): 2.0, (True, "small"): 1.0, (False, "largest"): 1.0, (True, "largest"): 3.0}, 4, False),
+        ({(False, "small"): 2.0, (True, "small"): 1.0, (False, "largest"): 3.0, (True, "largest"): 1.0}, 4, True),
+    ],
+)
+def test_the_tower_takes_chunks_only_where_they_win_at_both_sizes(monkeypatch, timings, probes, chosen):
+    """Where a fused kernel takes the tower's attention, the fallback's chunks are chosen only where they beat it at
+    a small image and then at the largest; the largest image's block (the costliest probe) is run only where the
+    chunks won the small one."""
+    runtime = mlx_locate.load("demo", tune=False).runtime
+    tower = runtime.network.vision_model
+    monkeypatch.setattr(tune, "attention_path", lambda where, dtype, head_dim, queries: (TowerPath.FUSED, head_dim))
+    runs = []
+
+    sizes = {4 * PROBE_PATCHES: "small", int(runtime.in_token_limit**0.5) ** 2: "largest"}
+
+    def best_of(run, repeats=tune.REPEATS):
+        x, side = run.__defaults__  # the probe's input: (1, patches, width) on a side x side grid
+        runs.append((tower.chunked_attention, sizes[x.shape[1]]))
+        return timings[runs[-1]]
+
+    monkeypatch.setattr(tune, "best_of", best_of)
+    assert tune.measure_tower_chunked(runtime) is chosen
+    assert len(runs) == probes and not tower.chunked_attention
+    assert [size for _, size in runs] == ["small", "small", "largest", "largest"][:probes]
 
 
 def test_a_step_function_runs_eagerly_until_compiling_pays(cache):
