@@ -15,7 +15,6 @@ and replaced. MLX_LOCATE_TUNE=0 (the commands' `--no-tune`, `load(tune=False)`) 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -23,7 +22,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -235,7 +234,7 @@ def measure(runtime: Runtime) -> Choices:
             bar.update()
 
         choices = _measure(runtime, done)
-    return dataclasses.replace(choices, measured_s=seconds)
+    return replace(choices, measured_s=seconds)
 
 
 def _measure(runtime: Runtime, done: Callable[[str], None]) -> Choices:
