@@ -21,8 +21,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -223,6 +222,8 @@ def step_probe(runtime: Runtime, phase: Phase, q: int, context: int = PROBE_CONT
 def measure(runtime: Runtime) -> Choices:
     """Every choice, measured on this device now; each of PARTS timed (`Choices.measured_s`), with a progress bar
     on stderr once measuring has taken PROGRESS_AFTER_S."""
+    global measurements
+    steps = runtime.steps
     seconds: dict[str, float] = {}
     last = time.perf_counter()
     with tqdm(total=len(PARTS), desc="measuring this device once", unit="part", delay=PROGRESS_AFTER_S) as bar:
@@ -233,53 +234,49 @@ def measure(runtime: Runtime) -> Choices:
             seconds[part], last = now - last, now
             bar.update()
 
-        choices = _measure(runtime, done)
-    return replace(choices, measured_s=seconds)
-
-
-def _measure(runtime: Runtime, done: Callable[[str], None]) -> Choices:
-    """`measure`'s work; `done(part)` as each of PARTS ends."""
-    global measurements
-    steps = runtime.steps
-    saved = steps.compile_after
-    steps.compile_after = 0
-    # the AR and block steps' attention: a block step and a 6-row AR step on each path
-    times = {}
-    for path in AttentionPath:
-        steps.attention = path
+        saved = steps.compile_after
+        steps.compile_after = 0
+        # the AR and block steps' attention: a block step and a 6-row AR step on each path
+        times = {}
+        for path in AttentionPath:
+            steps.attention = path
+            steps.functions.clear()
+            times[path] = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS)) + best_of(
+                step_probe(runtime, Phase.AR, BLOCK)
+            )
+        step_attention = min(times, key=times.get)
+        steps.attention = step_attention
         steps.functions.clear()
-        times[path] = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS)) + best_of(
-            step_probe(runtime, Phase.AR, BLOCK)
+        measurements += 1
+        done("step attention")
+        # row buckets
+        row_costs = runtime.measure_rows(runtime.default_rows, context=PROBE_CONTEXT)
+        measurements += 1
+        done("row buckets")
+        # compiling against running eagerly: a block step's compilation (a shape not compiled yet) against what the
+        # compiled step saves per call
+        first, compiled_s = first_and_best(
+            step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT)
         )
-    step_attention = min(times, key=times.get)
-    steps.attention = step_attention
-    steps.functions.clear()
-    measurements += 1
-    done("step attention")
-    # row buckets
-    row_costs = runtime.measure_rows(runtime.default_rows, context=PROBE_CONTEXT)
-    measurements += 1
-    done("row buckets")
-    # compiling against running eagerly: a block step's compilation (a shape not compiled yet) against what the
-    # compiled step saves per call
-    first, compiled_s = first_and_best(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT))
-    steps.compile = False
-    steps.functions.clear()
-    eager_s = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT))
-    steps.compile = True
-    steps.functions.clear()
-    saved_per_call = eager_s - compiled_s
-    compile_after = NEVER if saved_per_call <= 0 else math.ceil(max(0.0, first - compiled_s) / saved_per_call)
-    measurements += 1
-    steps.compile_after = saved
-    done("compiling")
-    tower_chunked = measure_tower_chunked(runtime)
-    done("tower attention")
-    prefill_chunk = measure_prefill_chunk(runtime)
-    done("prefill chunk")
+        steps.compile = False
+        steps.functions.clear()
+        eager_s = best_of(step_probe(runtime, Phase.BLOCK, BLOCK_FORWARD_ROWS, context=2 * PROBE_CONTEXT))
+        steps.compile = True
+        steps.functions.clear()
+        saved_per_call = eager_s - compiled_s
+        compile_after = NEVER if saved_per_call <= 0 else math.ceil(max(0.0, first - compiled_s) / saved_per_call)
+        measurements += 1
+        steps.compile_after = saved
+        done("compiling")
+        tower_chunked = measure_tower_chunked(runtime)
+        done("tower attention")
+        prefill_chunk = measure_prefill_chunk(runtime)
+        done("prefill chunk")
     runtime.idle()
     measurements += 1  # the budget's probes, measured when the runtime was built
-    return Choices(probes_of(runtime), step_attention.value, row_costs, tower_chunked, prefill_chunk, compile_after)
+    return Choices(
+        probes_of(runtime), step_attention.value, row_costs, tower_chunked, prefill_chunk, compile_after, seconds
+    )
 
 
 def measure_tower_chunked(runtime: Runtime) -> bool:
