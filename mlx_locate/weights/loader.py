@@ -228,7 +228,7 @@ def read_checkpoint(
         try:
             network = build_model(folder, ModelConfig.from_dict(raw), None, dtype, meanwhile=reading.set)
         finally:
-            reading.set()  # a checkpoint that fails to build: the tokenizer's error, if any, is not the first one
+            reading.set()  # a build that fails before the tower is read: let the thread go, or the pool never shuts
         tokenizer = tokenizer_job.result()
         network.token_ids = tokenizer.token_ids(raw)
         if adapter_path is not None:
