@@ -165,6 +165,27 @@ def photo_notes(image: Image.Image, orientation: str = "exif") -> PhotoNotes:
     return image.info.get(APPLIED) or apply_photo_policy(image, orientation, notes_only=True)[1]
 
 
+def displayed_size(size: tuple[int, int], tag: int) -> tuple[int, int]:
+    """The (W, H) a viewer shows of an image of stored `size` under EXIF orientation `tag`."""
+    return (size[1], size[0]) if tag >= 5 else size
+
+
+def displayed_xy(x: float, y: float, size: tuple[int, int], tag: int) -> tuple[float, float]:
+    """Where the point (x, y) of the stored pixels of an image of stored `size` (W, H) lies in the frame a viewer
+    shows under EXIF orientation `tag` (the transform Pillow's `exif_transpose` applies)."""
+    w, h = size
+    return {
+        1: (x, y),
+        2: (w - x, y),
+        3: (w - x, h - y),
+        4: (x, h - y),
+        5: (y, x),
+        6: (h - y, x),
+        7: (h - y, w - x),
+        8: (y, w - x),
+    }[tag]
+
+
 def apply_photo_policy(
     image: Image.Image, orientation: str = "exif", notes_only: bool = False
 ) -> tuple[Image.Image, PhotoNotes]:

@@ -15,11 +15,13 @@ import pytest
 import supervision as sv
 import test_batch
 import test_photos
-from PIL import Image
+import yaml
+from PIL import Image, ImageOps
 from pycocotools.coco import COCO
 
 from mlx_locate.commands import exports
 from mlx_locate.locate import load
+from mlx_locate.preprocess import displayed_size, displayed_xy
 from mlx_locate.synthetic.scenes import make_scene
 
 QUERIES = ["circle", "square"]
@@ -179,7 +181,8 @@ def test_label_studio_keeps_points_and_the_others_say_they_left_them_out(tmp_pat
         "rotation": 0,
         "rectanglelabels": ["box"],
     }
-    config = exports.labelstudio_config(["tip", 'say "hi"'])
+    assert "<KeyPointLabels" not in exports.labelstudio_config(["tip"], points=False)  # Label Studio's COCO export
+    config = exports.labelstudio_config(["tip", 'say "hi"'], points=True)
     assert '<Label value="tip"/>' in config and "<Label value='say \"hi\"'/>" in config and "<KeyPointLabels" in config
     assert exports.count_points(ds) == 1
     assert [a["category_id"] for a in exports.coco_dataset(ds)["annotations"]] == [2]
@@ -258,8 +261,7 @@ def test_a_full_disk_mid_export_keeps_the_jsonl_and_the_rerun_finishes(run, fold
 
 def test_flat_names_keep_every_image(tmp_path):
     paths = [str(tmp_path / p) for p in ["a.png", "one/x.png", "two/x.png", "two/x.jpg", "b.png", "sub/b.jpg"]]
-    lines = [{"image": p, "size": [1, 1], "results": []} for p in paths]
-    names = exports.flat_names(exports.dataset(lines, {p: 1 for p in paths}, [], tmp_path))
+    names = exports.flat_names(paths, tmp_path)
     assert list(names.values()) == ["a.png", "one__x.png", "two__x_png.png", "two__x_jpg.jpg", "b.png", "sub__b.jpg"]
     assert len({Path(n).stem for n in names.values()}) == len(paths)  # YOLO labels go by stem
 
@@ -321,7 +323,7 @@ def test_yolo_and_voc_take_heic_and_avif_as_jpeg_copies_in_the_displayed_frame(r
         assert (export / "images" / "phone_png.png").is_symlink()
         for name in ("phone_heic.jpg", "web.jpg"):
             assert_copy_of(export / "images" / name, shown)
-        assert {exports.key(p) for p in (export / "images").iterdir()} <= written
+        assert {exports.key(p) for p in (export / "images").iterdir()} <= written.keys()
     xml = ET.parse(voc / "phone_heic.xml").getroot()
     assert (xml.findtext("filename"), xml.findtext("path")) == ("phone_heic.jpg", str(voc / "images/phone_heic.jpg"))
     assert run(*args, questions=PHOTO_RUN)[0] == 0  # the rerun rewrites its own copies
@@ -346,3 +348,151 @@ def test_yolo_in_the_stored_frame_drops_the_orientation_readers_would_apply(run,
     assert (yolo / "images" / "upright.png").is_symlink()
     for name in ("turned.jpg", "phone.jpg"):
         assert_copy_of(yolo / "images" / name, stored)
+
+
+# --- Reruns: what annotators changed, images gone, outputs in the input, names that clash ---
+
+
+def test_a_rerun_keeps_hand_corrections_and_leaves_no_stale_files(run, folder, tmp_path):
+    """A label file changed after the run wrote it (as labelImg or CVAT saves one) is refused by the rerun unless
+    --overwrite; files of images no longer in the folder, or renamed by a new clash, are removed, so the readers
+    see exactly the JSONL's images."""
+    images = tmp_path / "images"
+    for name in ("a.png", "one/x.png"):
+        (images / name).parent.mkdir(parents=True, exist_ok=True)
+        (images / name).write_bytes((folder / name).read_bytes())
+    out, yolo, voc = tmp_path / "results.jsonl", tmp_path / "yolo", tmp_path / "voc"
+    args = ["--images", f"{images}/**/*.png", "--out", str(out), "--yolo", str(yolo), "--voc", str(voc)]
+    assert run(*args, questions=RUN)[0] == 0
+    corrected = yolo / "labels" / "a.txt"
+    corrected.write_text(corrected.read_text() + "0 0.5 0.5 0.1 0.1\n")
+    code, err = run(*args, questions=RUN)
+    assert code == 2 and f"{corrected} was changed after mlx-locate-batch wrote it" in err and "--overwrite" in err
+    assert corrected.read_text().endswith("0 0.5 0.5 0.1 0.1\n") and len(run.loads) == 1
+
+    (images / "a.png").unlink()  # gone from the folder
+    (images / "two").mkdir()
+    (images / "two" / "x.png").write_bytes((folder / "two" / "x.png").read_bytes())  # one/x.png is now one__x.png
+    code, err = run(*args, "--overwrite", questions=RUN)
+    assert code == 0, err
+    assert "files of earlier exports removed" in err
+    want = {"one__x.png": "x.png", "two__x.png": "x.png"}
+    assert sorted(p.name for p in (yolo / "images").iterdir()) == sorted(want)
+    assert sorted(p.name for p in (yolo / "labels").iterdir()) == ["one__x.txt", "two__x.txt"]
+    assert sorted(p.name for p in voc.glob("*.xml")) == ["one__x.xml", "two__x.xml"]
+    for export in (yolo, voc):
+        assert sorted(read_back(export)) == sorted(want)
+    manifest = exports.read_manifest(exports.manifest_path(out))
+    assert all(Path(p).exists() for p in manifest) and not any(Path(p).stem == "a" for p in manifest)
+    assert run(*args, questions=RUN)[0] == 0  # and the next rerun finds everything as it wrote it
+
+
+def test_a_recursive_glob_leaves_out_the_runs_own_outputs(run, folder, tmp_path):
+    """Exports and drawings inside the images' folder are not taken for new images by the rerun."""
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "a.png").write_bytes((folder / "a.png").read_bytes())
+    out = tmp_path / "results.jsonl"
+    args = ["--images", f"{images}/**/*.*", "--out", str(out), "--yolo", str(images / "yolo")]
+    args += ["--draw", str(images / "drawn"), "--coco", str(images / "coco.json")]
+    for _ in range(3):
+        code, err = run(*args, questions=RUN)
+        assert code == 0, err
+        assert [Path(line["image"]).name for line in test_batch.lines_of(out)] == ["a.png"]
+    assert "files of this run's outputs left out of --images" in err
+    assert [p.name for p in (images / "yolo" / "images").iterdir()] == ["a.png"]
+
+
+def test_names_that_would_clash_are_refused_before_the_model_loads(run, folder, tmp_path):
+    images = tmp_path / "images"
+    for name in ("sub/a.png", "other/a.png", "sub__a.png"):
+        (images / name).parent.mkdir(parents=True, exist_ok=True)
+        (images / name).write_bytes((folder / "a.png").read_bytes())
+    out = tmp_path / "results.jsonl"
+    code, err = run("--images", f"{images}/**/*.png", "--out", str(out), "--yolo", str(tmp_path / "y"), questions=RUN)
+    assert code == 2 and "would both be exported as 'sub__a_png'" in err and "rename one" in err
+    assert run.loads == [] and not out.exists()
+
+
+def test_an_export_inside_a_folder_export_is_refused(run, folder, tmp_path):
+    out = tmp_path / "r.jsonl"
+    cases = [
+        (["--yolo", str(tmp_path / "y"), "--coco", str(tmp_path / "y" / "data.yaml")], "--coco"),
+        (["--voc", str(tmp_path)], "the results file"),
+        (["--yolo", str(tmp_path / "y"), "--voc", str(tmp_path / "y" / "voc")], "--voc"),
+    ]
+    for extra, what in cases:
+        code, err = run("--images", str(folder), "--out", str(out), *extra, questions=RUN)
+        assert code == 2 and what in err and "lies inside" in err, (extra, err)
+    assert run.loads == [] and not out.exists()
+
+
+def test_flat_names_tell_apart_only_what_a_macs_disk_does(tmp_path):
+    paths = [str(tmp_path / p) for p in ["one/A.png", "two/a.png", "b.PNG", "c.png"]]
+    assert list(exports.flat_names(paths, tmp_path).values()) == ["one__A.png", "two__a.png", "b.PNG", "c.png"]
+
+
+def test_yolo_names_keep_any_character_for_the_readers(tmp_path):
+    """Category names with emoji, quotes, line separators and control characters come back from data.yaml, as
+    PyYAML (supervision's and ultralytics' reader) reads it, exactly as asked."""
+    names = ["😀 square", 'say "hi"', "back\\slash", "line\u2028separator", "del\x7f", "中文 mug"]
+    image = tmp_path / "a.png"
+    Image.new("RGB", (20, 10)).save(image)
+    box = {"label": None, "box": [2.0, 2.0, 8.0, 6.0], "box_norm": [0, 0, 0, 0], "confidence": 0.5}
+    line = {"image": str(image), "size": [20, 10], "results": [{"objects": [box]}] + [{"objects": []}] * 5}
+    ds = exports.dataset([line], {str(image): 1}, [[n] for n in names], tmp_path)
+    list(exports.write_export("yolo", ds, tmp_path / "yolo"))
+    assert yaml.safe_load((tmp_path / "yolo" / "data.yaml").read_text(encoding="utf-8"))["names"] == dict(
+        enumerate(names)
+    )
+    read = sv.DetectionDataset.from_yolo(
+        str(tmp_path / "yolo/images"), str(tmp_path / "yolo/labels"), str(tmp_path / "yolo/data.yaml")
+    )
+    assert read.classes == names
+
+
+@pytest.mark.parametrize("tag", range(1, 9))
+def test_displayed_xy_follows_the_viewers_transform(tag):
+    """Independent of the mapping's table: a rectangle drawn in stored pixels, turned by Pillow's `exif_transpose`,
+    covers the box the mapping gives, in an image of `displayed_size`."""
+    stored, box = Image.new("L", (40, 30)), (5, 6, 15, 20)
+    stored.paste(255, box)
+    exif = Image.Exif()
+    exif[0x0112] = tag
+    stored.info["exif"] = exif.tobytes()
+    shown = ImageOps.exif_transpose(stored)
+    corners = [displayed_xy(x, y, stored.size, tag) for x, y in (box[:2], box[2:])]
+    xs, ys = sorted(c[0] for c in corners), sorted(c[1] for c in corners)
+    assert shown.size == displayed_size(stored.size, tag)
+    assert shown.getbbox() == (xs[0], ys[0], xs[1], ys[1])
+
+
+def test_label_studio_shows_a_stored_frame_run_as_the_browser_does(run, tmp_path):
+    """Label Studio shows a photo turned by its EXIF tag (as every browser does), so a run in the stored frame gives
+    it its boxes turned the same way (checked with Pillow's `exif_transpose` of each box drawn in stored pixels);
+    COCO keeps the stored frame asked for, and says so."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "turned.jpg").write_bytes(test_photos.tagged(test_photos.scene(), 6))
+    for frame in ("exif", "stored"):
+        args = ["--images", str(folder), "--out", str(tmp_path / f"{frame}.jsonl"), "--orientation", frame]
+        args += ["--labelstudio", str(tmp_path / f"{frame}.json"), "--coco", str(tmp_path / f"{frame}.coco.json")]
+        code, err = run(*args, questions=PHOTO_RUN)
+        assert code == 0, err
+        assert ("carry an EXIF orientation and are given in their stored frame" in err) == (frame == "stored")
+    (line,) = test_batch.lines_of(tmp_path / "stored.jsonl")
+    (task,) = json.loads((tmp_path / "stored.json").read_text())
+    results = task["predictions"][0]["result"]
+    assert len(results) == len(line["results"][0]["objects"]) > 0  # the demo finds squares
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    for obj, result in zip(line["results"][0]["objects"], results, strict=True):
+        mask = Image.new("L", tuple(line["size"]))
+        mask.paste(255, tuple(round(v) for v in obj["box"]))
+        mask.info["exif"] = exif.tobytes()
+        shown = ImageOps.exif_transpose(mask)
+        assert (result["original_width"], result["original_height"]) == shown.size
+        value = result["value"]
+        got = [value["x"], value["y"], value["x"] + value["width"], value["y"] + value["height"]]
+        want = [100 * v / shown.size[i % 2] for i, v in enumerate(shown.getbbox())]
+        np.testing.assert_allclose(got, want, atol=100 / min(shown.size))  # a pixel: the mask's rounding

@@ -218,6 +218,24 @@ def read_manifest(path: Path) -> list[Path]:
     return paths
 
 
+def inputs_of(images: list[str], targets: dict[str, Path], owned: exports.Manifest, draw: str | None) -> list[str]:
+    """`images` but the run's own outputs (a recursive glob over a folder that holds them): the files its JSONL's
+    runs exported, those in its folder exports, and the drawings of the other images."""
+    folders = [exports.key(t) for kind, t in targets.items() if kind in exports.FOLDERS]
+    drawn = {exports.key(Path(p)): exports.key(drawing_path(draw, p)) for p in images} if draw else {}
+    drawings = {drawing for image, drawing in drawn.items() if drawing != image}
+    kept = []
+    for image in images:
+        path = exports.key(Path(image))
+        if path not in owned and path not in drawings and not any(exports.inside(path, f) for f in folders):
+            kept.append(image)
+    if not kept:
+        raise FileNotFoundError("the images given are all outputs of this run (exports, drawings); give others")
+    if len(kept) < len(images):
+        print(f"note: {len(images) - len(kept)} files of this run's outputs left out of --images", file=sys.stderr)
+    return kept
+
+
 def drawing_path(folder: str | Path, image: str) -> Path:
     """Where `--draw` saves an image's drawing: under its own file name, so in its own format (JPEG stays
     JPEG); a name without an image suffix gets `.png`."""
@@ -260,35 +278,51 @@ def export_targets(args: argparse.Namespace) -> dict[str, Path]:
     return {kind: Path(getattr(args, kind)) for kind in exports.FLAGS if getattr(args, kind)}
 
 
-def owned_exports(jsonls: Iterable[Path]) -> set[str]:
+def owned_exports(jsonls: Iterable[Path]) -> exports.Manifest:
     """The export files that earlier runs writing these JSONL files recorded."""
-    return set().union(*(exports.read_manifest(exports.manifest_path(p)) for p in jsonls))
+    return {k: v for p in jsonls for k, v in exports.read_manifest(exports.manifest_path(p)).items()}
 
 
 def write_exports(targets: dict[str, Path], out: Path, ids: dict[str, int], groups: list[list[str]]) -> None:
-    """Write every export from the whole JSONL `out` and record the files written beside it (those written before a
-    failure too, so that the rerun may replace them); a failure leaves `out` intact."""
+    """Write every export from the whole JSONL `out`, remove what earlier runs wrote in the folder exports that is
+    no longer theirs, and record the files written beside it (those written before a failure too, so that the rerun
+    may replace them); a failure leaves `out` intact."""
     if not targets:
         return
     ds = exports.dataset(output_lines(out), ids, groups, exports.images_root(ids))
-    written: list[str] = []
+    written: exports.Manifest = {}
+    removed: list[str] = []
     try:
         for kind, target in targets.items():
-            for path in exports.write_export(kind, ds, target):
-                written.append(path)
+            for path, fingerprint in exports.write_export(kind, ds, target):
+                written[path] = fingerprint
+        removed = exports.remove_stale(targets, exports.read_manifest(exports.manifest_path(out)), written)
     except OSError as e:
         raise OutputError(
             f"cannot write {target}: {e}; {out} is intact, run the same command again to write the exports"
         ) from e
     finally:
-        exports.record(exports.manifest_path(out), written)
+        exports.record(exports.manifest_path(out), written, removed)
+    notes = []
+    if removed:
+        notes.append(f"{len(removed)} files of earlier exports removed (their images are no longer in {out})")
     points = exports.count_points(ds)
     pointless = [exports.FLAGS[k] for k in targets if k in exports.POINTLESS]
     if points and pointless:
-        print(f"note: {points} points left out of {', '.join(pointless)} (no points in the format)", file=sys.stderr)
+        notes.append(f"{points} points left out of {', '.join(pointless)} (no points in the format)")
+    turned = [line["image"] for line in ds.lines if line["turn"] != 1]
+    if turned and {"coco", "coco_results"} & set(targets):
+        notes.append(
+            f"{len(turned)} images (such as {turned[0]}) carry an EXIF orientation and are given in their stored "
+            "frame (--orientation stored); COCO readers that turn images by it (OpenCV, browsers) show them turned"
+        )
+    if "coco_results" in targets and not exports.coco_results(ds):
+        notes.append(f"no boxes: {targets['coco_results']} is an empty list, which pycocotools' loadRes refuses")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if "labelstudio" in targets:
         print("Label Studio labelling config (Settings > Labeling Interface > Code):", file=sys.stderr)
-        print(exports.labelstudio_config(ds.categories))
+        print(exports.labelstudio_config(ds.categories, points=points > 0))
 
 
 def check_new(paths: Iterable[Path], overwrite: bool, what: str) -> None:
@@ -313,13 +347,16 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     # Everything the user gave is checked before the (slow) model load.
     settings = settings_of(args)
-    images = list_images(args.images)
-    part = images if args.shard is None else [p for p in images if shard_of(p, args.shard[1]) == args.shard[0]]
     out = Path(args.out)
+    targets = export_targets(args)
+    owned = owned_exports([out])
+    images = inputs_of(list_images(args.images), targets, owned, args.draw)
+    part = images if args.shard is None else [p for p in images if shard_of(p, args.shard[1]) == args.shard[0]]
     done = scan_output(out, settings.questions)
     pending = [p for p in part if p not in done]
-    targets = export_targets(args)
-    exports.check_targets(targets, owned_exports([out]), args.overwrite, [out])
+    exports.check_targets(targets, owned, args.overwrite, [out])
+    if set(exports.FOLDERS) & set(targets):
+        exports.flat_names(images, exports.images_root(images))  # names that clash: refused now, not after the run
     if args.draw:
         names: dict[Path, str] = {}
         for p in part:
@@ -426,6 +463,9 @@ def merge(out: Path, parts: list[Path], targets: dict[str, Path], overwrite: boo
                 elif question_keys(line) != questions:
                     raise ValueError(f"{part} answers {question_keys(line)}, {first} answers {questions}")
                 break
+    if set(exports.FOLDERS) & set(targets):
+        images = sorted({line["image"] for part in parts for line in output_lines(part)})
+        exports.flat_names(images, exports.images_root(images))  # names that clash: refused before `out` is written
     written, duplicates = write_sorted(out, parts)
     if targets:
         ids = {line["image"]: i for i, line in enumerate(output_lines(out), start=1)}

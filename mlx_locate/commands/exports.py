@@ -25,7 +25,7 @@ from xml.sax.saxutils import quoteattr
 from PIL import Image
 
 from ..parse import PIXEL_DECIMALS, json_pixels
-from ..preprocess import load_image, open_header, photo_notes, to_rgb
+from ..preprocess import displayed_size, displayed_xy, load_image, open_header, photo_notes, to_rgb
 
 FLAGS = {  # export -> its flag
     "coco": "--coco",
@@ -71,23 +71,36 @@ class Dataset:
             first += len(names)
 
     def relative(self, line: dict) -> str:
-        return Path(os.path.relpath(Path(line["image"]).absolute(), self.root.absolute())).as_posix()
+        return relative(line["image"], self.root)
 
 
 def dataset(lines: Iterable[dict], ids: dict[str, int], groups: list[list[str]], root: Path) -> Dataset:
     """The answered lines of `lines` that have an id, kept to what the exports read (the frame of their boxes:
-    "exif" in a JSONL written before lines had one)."""
-    kept = [
-        {
-            "image": line["image"],
-            "size": line["size"],
-            "orientation": next((r["orientation"] for r in line["results"] if "orientation" in r), "exif"),
-            "results": [{"objects": r["objects"]} for r in line["results"]],
-        }
-        for line in lines
-        if "results" in line and line["image"] in ids
-    ]
+    "exif" in a JSONL written before lines had one), with the EXIF orientation a viewer turns that frame by
+    ("turn": 1 but for a line in the stored frame of a tagged file)."""
+    kept = []
+    for line in lines:
+        if "results" in line and line["image"] in ids:
+            frame = next((r["orientation"] for r in line["results"] if "orientation" in r), "exif")
+            kept.append(
+                {
+                    "image": line["image"],
+                    "size": line["size"],
+                    "orientation": frame,
+                    "turn": 1 if frame == "exif" else file_orientation(Path(line["image"]), line["size"]),
+                    "results": [{"objects": r["objects"]} for r in line["results"]],
+                }
+            )
     return Dataset(kept, ids, groups, root)
+
+
+def file_orientation(path: Path, size: list[int]) -> int:
+    """The EXIF orientation of the image file at `path` (1 where it cannot be read: an image on another machine)."""
+    try:
+        with path.open("rb") as fp:
+            return photo_notes(open_header(fp, str(path), size[0] * size[1])).exif_orientation
+    except (OSError, ValueError):
+        return 1
 
 
 def images_root(paths: Iterable[str]) -> Path:
@@ -137,21 +150,32 @@ def coco_dataset(ds: Dataset) -> dict:
     return {"images": images, "categories": categories, "annotations": annotations}
 
 
-def flat_names(ds: Dataset) -> dict[str, str]:
-    """A file name in one folder for each image: its own name; images whose stems clash (the same name in two
-    subfolders, a.png beside a.jpg) take their subfolders into it (`sub__a.png`), then their suffix
-    (`a_png.png`)."""
+def relative(image: str, root: Path) -> str:
+    return Path(os.path.relpath(Path(image).absolute(), root.absolute())).as_posix()
+
+
+def flat_names(images: Iterable[str], root: Path) -> dict[str, str]:
+    """A file name in one folder for each image (paths under `root`): its own name; images whose stems clash (the
+    same name in two subfolders, a.png beside a.jpg, A.png beside a.png: a Mac's disk does not tell case apart)
+    take their subfolders into it (`sub__a.png`), then their suffix (`a_png.png`)."""
     names = {}
-    for line in ds.lines:
-        rel = Path(ds.relative(line))
-        names[line["image"]] = (rel.name, "__".join(rel.with_suffix("").parts), rel.suffix)
+    for image in images:
+        rel = Path(relative(image, root))
+        names[image] = (rel.name, "__".join(rel.with_suffix("").parts), rel.suffix)
+
+    def stems(chosen: dict[str, str]) -> Counter:
+        return Counter(Path(n).stem.casefold() for n in chosen.values())
+
     chosen = {image: name for image, (name, _, _) in names.items()}
     for widen in (lambda flat, suffix: flat + suffix, lambda flat, suffix: f"{flat}_{suffix[1:]}{suffix}"):
-        stems = Counter(Path(n).stem for n in chosen.values())
-        chosen = {i: widen(*names[i][1:]) if stems[Path(n).stem] > 1 else n for i, n in chosen.items()}
-    clashes = [n for n, k in Counter(Path(n).stem for n in chosen.values()).items() if k > 1]
+        counts = stems(chosen)
+        chosen = {i: widen(*names[i][1:]) if counts[Path(n).stem.casefold()] > 1 else n for i, n in chosen.items()}
+    clashes = [image for image, name in chosen.items() if stems(chosen)[Path(name).stem.casefold()] > 1]
     if clashes:
-        raise ValueError(f"two images would both be exported as {clashes[0]!r}; rename one")
+        raise ValueError(
+            f"{clashes[0]} and {clashes[1]} would both be exported as {Path(chosen[clashes[0]]).stem!r} (--yolo, "
+            "--voc); rename one"
+        )
     return chosen
 
 
@@ -170,19 +194,28 @@ def folder_images(ds: Dataset) -> dict[str, tuple[str, Path | AsSeen]]:
     readers skip)."""
     images = {}
     by_image = {line["image"]: line for line in ds.lines}
-    for image, name in flat_names(ds).items():
+    for image, name in flat_names(by_image, ds.root).items():
         width, height = by_image[image]["size"]
         seen = AsSeen(Path(image), by_image[image]["orientation"], width * height)
         if Path(name).suffix.lower() not in READER_SUFFIXES:
             images[image] = (f"{Path(name).stem}.jpg", seen)  # stems are unique: no other image takes the name
-        elif seen.orientation == "stored":
+        elif by_image[image]["turn"] != 1:
             # The readers turn an image by its EXIF orientation (cv2.imread, and Pillow's exif_transpose in
             # ultralytics and supervision), so they show the "exif" frame: a file of a line in the stored frame
-            # that carries the tag is written without it (`place_as_seen`).
+            # that carries the tag is written without it.
             images[image] = (name, seen)
         else:
             images[image] = (name, Path(image))
     return images
+
+
+def yaml_string(text: str) -> str:
+    """`text` as a YAML double-quoted scalar: JSON's escapes, characters written as themselves (a YAML reader
+    takes JSON's surrogate pairs for two characters), those YAML may not hold as themselves escaped."""
+    return "".join(
+        c if c.isprintable() else f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
+        for c in json.dumps(text, ensure_ascii=False)
+    )
 
 
 def yolo_files(ds: Dataset, folder: Path) -> dict[str, str | Path | AsSeen]:
@@ -200,8 +233,8 @@ def yolo_files(ds: Dataset, folder: Path) -> dict[str, str | Path | AsSeen]:
                 values = ((x1 + x2) / 2 / width, (y1 + y2) / 2 / height, (x2 - x1) / width, (y2 - y1) / height)
                 rows.append(" ".join([str(category), *(f"{v:.6f}" for v in values)]))
         files[f"labels/{Path(name).stem}.txt"] = "".join(row + "\n" for row in rows)
-    names = "\n".join(f"  {i}: {json.dumps(name)}" for i, name in enumerate(ds.categories))
-    path = json.dumps(str(folder.absolute()))
+    names = "\n".join(f"  {i}: {yaml_string(name)}" for i, name in enumerate(ds.categories))
+    path = yaml_string(str(folder.absolute()))
     files["data.yaml"] = f"path: {path}\ntrain: images\nval: images\nnames:\n{names}\n"
     return files
 
@@ -243,21 +276,24 @@ def voc_files(ds: Dataset, folder: Path) -> dict[str, str | Path | AsSeen]:
 
 def labelstudio_tasks(ds: Dataset) -> list[dict]:
     """Label Studio tasks with predictions: boxes as `rectanglelabels`, points as `keypointlabels`, in percent
-    of the image; images as local-files URLs under the images' folder."""
+    of the image; images as local-files URLs under the images' folder. Always in the frame a browser shows (the
+    EXIF orientation applied), whatever the JSONL's frame."""
     tasks = []
     for line in ds.lines:
-        width, height = line["size"]
+        size, turn = line["size"], line["turn"]
+        width, height = displayed_size(size, turn)
         results, scores = [], []
         for category, obj in ds.objects(line):
             frame = {"original_width": width, "original_height": height, "image_rotation": 0}
             name = ds.categories[category]
             if "box" in obj:
-                x1, y1, x2, y2 = obj["box"]
+                (ax, ay), (bx, by) = (displayed_xy(x, y, size, turn) for x, y in (obj["box"][:2], obj["box"][2:]))
+                x1, x2, y1, y2 = min(ax, bx), max(ax, bx), min(ay, by), max(ay, by)
                 value = {"x": x1 / width * 100, "y": y1 / height * 100, "width": (x2 - x1) / width * 100}
                 value.update(height=(y2 - y1) / height * 100, rotation=0, rectanglelabels=[name])
                 kind, control = "rectanglelabels", "label"
             else:
-                x, y = obj["point"]
+                x, y = displayed_xy(*obj["point"], size, turn)
                 value = {"x": x / width * 100, "y": y / height * 100, "width": 0.5, "keypointlabels": [name]}
                 kind, control = "keypointlabels", "keypoint"
             value = {k: round(v, 4) if isinstance(v, float) else v for k, v in value.items()}
@@ -271,13 +307,14 @@ def labelstudio_tasks(ds: Dataset) -> list[dict]:
     return tasks
 
 
-def labelstudio_config(categories: list[str]) -> str:
-    """The labelling config of a Label Studio project that reads `labelstudio_tasks`."""
+def labelstudio_config(categories: list[str], points: bool) -> str:
+    """The labelling config of a Label Studio project that reads `labelstudio_tasks`; a key point control only
+    with `points` (with one, Label Studio's own COCO export puts every box in one category)."""
     labels = "".join(f"\n    <Label value={quoteattr(name)}/>" for name in categories)
+    keypoints = f'  <KeyPointLabels name="keypoint" toName="image">{labels}\n  </KeyPointLabels>\n' if points else ""
     return (
         '<View>\n  <Image name="image" value="$image"/>\n'
-        f'  <RectangleLabels name="label" toName="image">{labels}\n  </RectangleLabels>\n'
-        f'  <KeyPointLabels name="keypoint" toName="image">{labels}\n  </KeyPointLabels>\n</View>'
+        f'  <RectangleLabels name="label" toName="image">{labels}\n  </RectangleLabels>\n{keypoints}</View>'
     )
 
 
@@ -299,22 +336,48 @@ def manifest_path(out: Path) -> Path:
     return out.with_name(out.name + ".exports.json")
 
 
-def read_manifest(path: Path) -> set[str]:
+Manifest = dict[str, "list[int] | None"]  # absolute path -> `fingerprint` as written (None: a manifest of paths only)
+
+
+def fingerprint(path: Path) -> list[int]:
+    """What a file's rewrite changes: its size and modification time (of a link, the link's own)."""
+    status = os.lstat(path)
+    return [status.st_size, status.st_mtime_ns]
+
+
+def read_manifest(path: Path) -> Manifest:
     if not path.is_file():
-        return set()
+        return {}
     try:
-        return set(json.loads(path.read_text(encoding="utf-8"))["written"])
-    except (ValueError, KeyError, TypeError):
+        written = json.loads(path.read_text(encoding="utf-8"))["written"]
+        if isinstance(written, list):  # written before fingerprints: paths alone
+            return dict.fromkeys(map(str, written))
+        return {str(k): v for k, v in written.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"{path} is not a manifest of mlx-locate-batch exports; remove it") from None
 
 
-def record(path: Path, written: Iterable[str]) -> None:
-    """Add `written` (absolute paths) to the manifest at `path`."""
-    replace_text(path, json.dumps({"written": sorted(read_manifest(path) | set(written))}, indent=1) + "\n")
+def record(path: Path, written: Manifest, removed: Iterable[str] = ()) -> None:
+    """Update the manifest at `path`: `written` added (or refreshed), `removed` left out."""
+    entries = {**read_manifest(path), **written}
+    for gone in removed:
+        entries.pop(gone, None)
+    replace_text(path, json.dumps({"written": dict(sorted(entries.items()))}, indent=1) + "\n")
 
 
 def key(path: Path) -> str:
     return str(path.absolute())
+
+
+def inside(path: str, folder: str) -> bool:
+    """Whether the absolute path `path` lies below the absolute folder `folder`."""
+    return path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def changed(path: Path, owned: Manifest) -> bool:
+    """Whether a file a run wrote was changed since (by hand, or by an annotation tool)."""
+    recorded = owned.get(key(path))
+    return recorded is not None and fingerprint(path) != recorded
 
 
 def writable(path: Path, folder: Path) -> None:
@@ -327,10 +390,10 @@ def writable(path: Path, folder: Path) -> None:
         raise PermissionError(f"cannot write {path}: {folder} is not writable")
 
 
-def check_targets(targets: dict[str, Path], owned: set[str], overwrite: bool, jsonls: Iterable[Path]) -> None:
-    """Before any work: every export path is its own, none of `jsonls` (nor a manifest), can be written, is a
-    folder where a folder is wanted (or a file where a file is), and holds nothing but what `owned` (the
-    manifests) lists, unless `overwrite`."""
+def check_targets(targets: dict[str, Path], owned: Manifest, overwrite: bool, jsonls: Iterable[Path]) -> None:
+    """Before any work: every export path is its own and none of `jsonls` (nor a manifest); no other path lies in a
+    folder export; each can be written, is a folder where a folder is wanted (or a file where a file is), and holds
+    nothing but what `owned` (the manifests) lists, as it was written, unless `overwrite`."""
     reserved = {key(p) for path in jsonls for p in (path, manifest_path(path))}
     seen: dict[str, str] = {}
     for kind, target in targets.items():
@@ -339,24 +402,52 @@ def check_targets(targets: dict[str, Path], owned: set[str], overwrite: bool, js
             raise ValueError(f"{flag} {target} is a results JSONL (or its manifest); choose another path")
         if (other := seen.setdefault(key(target), flag)) != flag:
             raise ValueError(f"{other} and {flag} both name {target}; give each its own path")
+    others = {**{p: f"the results file {p}" for p in reserved}, **{p: f"{f} {p}" for p, f in seen.items()}}
+    for kind, target in targets.items():
+        for path, what in others.items():
+            if kind in FOLDERS and inside(path, key(target)):
+                raise ValueError(f"{what} lies inside {FLAGS[kind]} {target}; give it a path outside that folder")
+    for kind, target in targets.items():
+        flag = FLAGS[kind]
         if kind in FOLDERS:
             if target.exists() and not target.is_dir():
                 raise NotADirectoryError(f"{flag} {target} is a file; it needs a folder")
             writable(target, target)
             found = sorted(p for p in target.rglob("*") if not p.is_dir()) if target.is_dir() else []
-            foreign = [p for p in found if key(p) not in owned]
             for sub in [target, *(p for p in target.rglob("*") if p.is_dir())] if target.is_dir() else []:
                 writable(target, sub)
         else:
             if target.is_dir():
                 raise IsADirectoryError(f"{flag} {target} is a folder; it needs a file name")
             writable(target, target.absolute().parent)
-            foreign = [target] if target.exists() and key(target) not in owned else []
-        if foreign and not overwrite:
+            found = [target] if target.exists() or target.is_symlink() else []
+        foreign = [p for p in found if key(p) not in owned]
+        edited = [p for p in found if key(p) in owned and changed(p, owned)]
+        if overwrite:
+            continue
+        if foreign:
             what = f"{target} already exists" if foreign == [target] else f"{target} holds {foreign[0]}"
             raise FileExistsError(
                 f"{what}, which this run did not write; pass --overwrite to replace it, or choose another {flag}"
             )
+        if edited:
+            raise FileExistsError(
+                f"{edited[0]} was changed after mlx-locate-batch wrote it; pass --overwrite to replace it, or "
+                f"choose another {flag}"
+            )
+
+
+def remove_stale(targets: dict[str, Path], owned: Manifest, written: Manifest) -> list[str]:
+    """Delete the files of earlier runs in the folder exports that this one did not write again (images gone from
+    the folder, or renamed by a clash): a folder export holds the JSONL's images and nothing else of ours."""
+    removed = []
+    for kind, target in targets.items():
+        if kind in FOLDERS:
+            for path in sorted(owned):
+                if inside(path, key(target)) and path not in written:
+                    Path(path).unlink(missing_ok=True)
+                    removed.append(path)
+    return removed
 
 
 def staged(path: Path, write: Callable[[Path], None]) -> None:
@@ -389,23 +480,16 @@ def place_image(source: Path, path: Path) -> None:
 
 def place_as_seen(image: AsSeen, path: Path) -> None:
     """`path` becomes `image` as the model saw it, in the format its suffix names and without metadata (no
-    orientation tag, sRGB); a link (`place_image`) where `path` keeps the file's suffix and the file has no
-    orientation tag, so readers see those pixels in it."""
-    if path.suffix == image.source.suffix:
-        with image.source.open("rb") as fp:
-            tag = photo_notes(open_header(fp, str(image.source), image.max_pixels)).exif_orientation
-        if tag == 1:
-            place_image(image.source, path)
-            return
+    orientation tag, sRGB)."""
     pixels = to_rgb(load_image(image.source, image.max_pixels, image.orientation)).copy()
     pixels.info.clear()  # a copy of the pixels alone: neither the file's EXIF nor its colour profile goes along
     kind = Image.registered_extensions()[path.suffix.lower()]
     staged(path, lambda p: pixels.save(p, kind, quality=JPEG_QUALITY))
 
 
-def write_export(kind: str, ds: Dataset, target: Path) -> Iterator[str]:
-    """Write export `kind` of `ds` at `target`, yielding each file's absolute path once it is written (so a failure
-    part-way leaves the files before it known, to record)."""
+def write_export(kind: str, ds: Dataset, target: Path) -> Iterator[tuple[str, list[int]]]:
+    """Write export `kind` of `ds` at `target`, yielding each file's absolute path and `fingerprint` once it is
+    written (so a failure part-way leaves the files before it known, to record)."""
     for name, content in export_files(kind, ds, target).items():
         path = target / name if name else target
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -415,4 +499,4 @@ def write_export(kind: str, ds: Dataset, target: Path) -> Iterator[str]:
             place_as_seen(content, path)
         else:
             replace_text(path, content)
-        yield key(path)
+        yield key(path), fingerprint(path)
