@@ -222,11 +222,12 @@ def _to_srgb(image: Image.Image) -> tuple[Image.Image, str | None]:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
         if ImageCms.getProfileDescription(profile).strip().lower().startswith("srgb"):
             return image, None
-        source = (
-            image
-            if image.mode in ("RGB", "RGBA", "CMYK", "L")
-            else image.convert("RGBA" if "A" in image.mode else "RGB")
-        )
+        if image.mode in SIXTEEN_BIT_MODES:
+            source = _high_byte(image)
+        elif image.mode in ("RGB", "RGBA", "CMYK", "L"):
+            source = image
+        else:
+            source = image.convert("RGBA" if "A" in image.mode else "RGB")
         converted = ImageCms.profileToProfile(source, profile, SRGB, outputMode="RGBA" if "A" in source.mode else "RGB")
     except Exception as e:  # LCMS rejects broken profiles and profiles of another colour space than the pixels
         return image, f"its colour profile could not be applied ({type(e).__name__}: {e}); colours used as stored"
@@ -299,11 +300,16 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image
     if image.mode in SIXTEEN_BIT_MODES:
-        values = np.asarray(image)
-        if image.mode == "I":  # 32-bit: read as 16-bit, as Pillow opens 16-bit PNGs in older versions
-            values = np.clip(values, 0, 65535)
-        return Image.fromarray((values >> 8).astype(np.uint8)).convert("RGB")
+        return _high_byte(image).convert("RGB")
     return image.convert("RGB")
+
+
+def _high_byte(image: Image.Image) -> Image.Image:
+    """16-bit grey as 8-bit grey ("L"), each pixel keeping its high byte, as Pillow reads 16-bit colour."""
+    values = np.asarray(image)
+    if image.mode == "I":  # 32-bit: read as 16-bit, as Pillow opens 16-bit PNGs in older versions
+        values = np.clip(values, 0, 65535)
+    return Image.fromarray((values >> 8).astype(np.uint8))
 
 
 def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int = PATCH_SIZE) -> TargetSize:

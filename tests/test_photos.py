@@ -166,9 +166,10 @@ def srgb_encode(v: np.ndarray) -> np.ndarray:
     return np.where(v <= 0.0031308, v * 12.92, 1.055 * v ** (1 / 2.4) - 0.055)
 
 
-def icc_profile(name: str, primaries) -> bytes:
+def icc_profile(name: str, primaries=None) -> bytes:
     """An ICC v4 display profile (matrix/TRC, the sRGB transfer curve) written from the specification: the
-    colorants adapted to the D50 connection space with Bradford, as Apple's Display P3 profile has them."""
+    colorants adapted to the D50 connection space with Bradford, as Apple's Display P3 profile has them. Without
+    `primaries`, a grey profile (the sRGB curve alone)."""
 
     def s15(values) -> bytes:
         return b"".join(struct.pack(">i", round(v * 65536)) for v in values)
@@ -177,13 +178,17 @@ def icc_profile(name: str, primaries) -> bytes:
         data = text.encode("utf-16-be")
         return b"mluc" + bytes(4) + struct.pack(">II", 1, 12) + b"enUS" + struct.pack(">II", len(data), 28) + data
 
-    cone = BRADFORD @ D50 / (BRADFORD @ D65)
-    adapt = np.linalg.inv(BRADFORD) @ np.diag(cone) @ BRADFORD
-    colorants = adapt @ rgb_to_xyz(primaries)
     curve = b"para" + bytes(4) + struct.pack(">HH", 3, 0) + s15([2.4, 1 / 1.055, 0.055 / 1.055, 1 / 12.92, 0.04045])
     tags = [(b"desc", mluc(name)), (b"cprt", mluc("none")), (b"wtpt", b"XYZ " + bytes(4) + s15(D50))]
-    tags += [(sig, b"XYZ " + bytes(4) + s15(colorants[:, i])) for i, sig in enumerate((b"rXYZ", b"gXYZ", b"bXYZ"))]
-    tags += [(sig, curve) for sig in (b"rTRC", b"gTRC", b"bTRC")]
+    if primaries is None:
+        space, tags = b"GRAY", [*tags, (b"kTRC", curve)]
+    else:
+        cone = BRADFORD @ D50 / (BRADFORD @ D65)
+        adapt = np.linalg.inv(BRADFORD) @ np.diag(cone) @ BRADFORD
+        colorants = adapt @ rgb_to_xyz(primaries)
+        space = b"RGB "
+        tags += [(sig, b"XYZ " + bytes(4) + s15(colorants[:, i])) for i, sig in enumerate((b"rXYZ", b"gXYZ", b"bXYZ"))]
+        tags += [(sig, curve) for sig in (b"rTRC", b"gTRC", b"bTRC")]
     offset = 128 + 4 + 12 * len(tags)
     table, body = struct.pack(">I", len(tags)), b""
     for sig, data in tags:
@@ -191,7 +196,8 @@ def icc_profile(name: str, primaries) -> bytes:
         table += sig + struct.pack(">II", offset + len(body), len(data))
         body += data
     size = offset + len(body)
-    header = struct.pack(">I", size) + bytes(4) + bytes([4, 0x30, 0, 0]) + b"mntrRGB XYZ " + bytes(12) + b"acsp"
+    header = struct.pack(">I", size) + bytes(4) + bytes([4, 0x30, 0, 0]) + b"mntr" + space + b"XYZ "
+    header += bytes(12) + b"acsp"
     header += bytes(24) + struct.pack(">I", 0) + s15(D50) + bytes(4 + 16 + 28)
     assert len(header) == 128
     return header + table + body
@@ -222,6 +228,17 @@ def test_an_srgb_profile_and_a_broken_one(shown):
     broken = load_image(io.BytesIO(png_bytes(shown, icc_profile=b"not a profile" * 20)))
     assert np.array_equal(np.asarray(broken), np.asarray(shown))
     assert "colour profile could not be applied" in photo_notes(broken).warnings[0]
+
+
+def test_a_grey_profile_on_8_and_16_bit_grey(shown):
+    """A grey profile with sRGB's curve leaves grey as it is, at 8 bits and at 16 (read as its high byte)."""
+    grey = np.asarray(shown.convert("L"))
+    profile = icc_profile("Grey, sRGB curve")
+    for values in (grey, grey.astype(np.uint16) * 257):
+        image = load_image(io.BytesIO(png_bytes(Image.fromarray(values), icc_profile=profile)))
+        assert photo_notes(image).warnings == ()
+        got = np.asarray(image.convert("RGB"), dtype=np.int16)
+        assert np.abs(got - grey[..., None]).max() <= 1, values.dtype
 
 
 # --- multi-frame files ---
