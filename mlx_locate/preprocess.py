@@ -222,16 +222,13 @@ def _to_srgb(image: Image.Image) -> tuple[Image.Image, str | None]:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
         if ImageCms.getProfileDescription(profile).strip().lower().startswith("srgb"):
             return image, None
-        if image.mode in SIXTEEN_BIT_MODES:
-            source = _high_byte(image)
-        elif image.mode in ("RGB", "RGBA", "CMYK", "L"):
-            source = image
-        else:
-            source = image.convert("RGBA" if "A" in image.mode else "RGB")
-        converted = ImageCms.profileToProfile(source, profile, SRGB, outputMode="RGBA" if "A" in source.mode else "RGB")
+        colour, alpha = _colour_and_alpha(image)
+        converted = ImageCms.profileToProfile(colour, profile, SRGB, outputMode="RGB")
     except Exception as e:  # LCMS rejects broken profiles and profiles of another colour space than the pixels
         return image, f"its colour profile could not be applied ({type(e).__name__}: {e}); colours used as stored"
-    converted.info = {k: v for k, v in image.info.items() if k != "icc_profile"}
+    if alpha is not None:
+        converted.putalpha(alpha)
+    converted.info = {k: v for k, v in image.info.items() if k not in ("icc_profile", "transparency")}
     return converted, None
 
 
@@ -291,25 +288,33 @@ def _not_allowed(prefix: bytes) -> str:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGBA is composited onto white using its alpha; 16-bit grey keeps its high byte (as Pillow reads 16-bit
-    colour); any other mode goes through `convert("RGB")`. Orientation and colour are `load_image`'s."""
-    if image.mode == "RGBA":
-        canvas = Image.new("RGB", image.size, (255, 255, 255))
-        canvas.paste(image, mask=image.getchannel("A"))
-        return canvas
-    if image.mode == "RGB":
-        return image
+    """The image as the model sees it: any transparency (`_colour_and_alpha`) composited onto white, as the
+    reference composites RGBA; 16-bit grey keeps its high byte; any other mode goes through `convert("RGB")`.
+    Orientation and colour are `load_image`'s."""
+    colour, alpha = _colour_and_alpha(image)
+    rgb = colour if colour.mode == "RGB" else colour.convert("RGB")
+    if alpha is None:
+        return rgb
+    canvas = Image.new("RGB", image.size, (255, 255, 255))
+    canvas.paste(rgb, mask=alpha)
+    return canvas
+
+
+def _colour_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
+    """`image`'s colour as 8-bit L, RGB or CMYK, and its transparency as an L mask (None where it has none): an
+    alpha channel, a palette's alpha or a transparency key (PNG's tRNS, GIF's transparent index). 16-bit grey
+    keeps its high byte, as Pillow reads 16-bit colour (its `convert` would clip it at 255)."""
     if image.mode in SIXTEEN_BIT_MODES:
-        return _high_byte(image).convert("RGB")
-    return image.convert("RGB")
-
-
-def _high_byte(image: Image.Image) -> Image.Image:
-    """16-bit grey as 8-bit grey ("L"), each pixel keeping its high byte, as Pillow reads 16-bit colour."""
-    values = np.asarray(image)
-    if image.mode == "I":  # 32-bit: read as 16-bit, as Pillow opens 16-bit PNGs in older versions
-        values = np.clip(values, 0, 65535)
-    return Image.fromarray((values >> 8).astype(np.uint8))
+        values = np.asarray(image)
+        if image.mode == "I":  # 32-bit: read as 16-bit, as Pillow opens 16-bit PNGs in older versions
+            values = np.clip(values, 0, 65535)
+        key = image.info.get("transparency")
+        alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8)) if isinstance(key, int) else None
+        return Image.fromarray((values >> 8).astype(np.uint8)), alpha
+    if image.has_transparency_data:
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        return rgba.convert("L" if image.mode in ("L", "LA", "La") else "RGB"), rgba.getchannel("A")
+    return (image if image.mode in ("L", "RGB", "CMYK") else image.convert("RGB")), None
 
 
 def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int = PATCH_SIZE) -> TargetSize:

@@ -15,7 +15,7 @@ import mlx_locate
 from mlx_locate.commands import batch
 from mlx_locate.commands import flags as cli_module
 from mlx_locate.commands import locate as generate
-from mlx_locate.preprocess import UNDO_ORIENTATION, load_image, photo_notes, target_size
+from mlx_locate.preprocess import UNDO_ORIENTATION, load_image, photo_notes, target_size, to_rgb
 from mlx_locate.request import RequestError
 from mlx_locate.synthetic.scenes import COLORS, Obj, draw_object
 
@@ -239,6 +239,71 @@ def test_a_grey_profile_on_8_and_16_bit_grey(shown):
         assert photo_notes(image).warnings == ()
         got = np.asarray(image.convert("RGB"), dtype=np.int16)
         assert np.abs(got - grey[..., None]).max() <= 1, values.dtype
+
+
+# --- transparency ---
+
+
+def transparent_files(shown, folder) -> dict:
+    """The scene with its background transparent (the colour stored under it black) in each way files store
+    transparency: path -> (Pillow's mode read back, the same picture as RGBA)."""
+    colour = np.asarray(shown).copy()
+    clear = (colour == colour[0, 0]).all(-1)
+    colour[clear] = 0
+    rgba = Image.fromarray(np.dstack([colour, np.where(clear, 0, 255).astype(np.uint8)]), "RGBA")
+    la = rgba.convert("LA")
+    grey = np.asarray(la)[..., 0]
+    palette = rgba.quantize(16, method=Image.Quantize.FASTOCTREE)  # an RGBA palette: a tRNS chunk, as pngquant's
+    files = {
+        "rgba.png": (rgba, {}, "RGBA", rgba),
+        "la.png": (la, {}, "LA", la.convert("RGBA")),
+        "palette.png": (palette, {}, "P", palette.convert("RGBA")),
+        "rgb_key.png": (Image.fromarray(colour), {"transparency": (0, 0, 0)}, "RGB", rgba),
+        "grey_key.png": (Image.fromarray(grey), {"transparency": 0}, "L", la.convert("RGBA")),
+        "grey16_key.png": (
+            Image.fromarray(grey.astype(np.uint16) * 257),
+            {"transparency": 0},
+            "I;16",
+            la.convert("RGBA"),
+        ),
+        "transparent.gif": (rgba, {}, "P", rgba),
+    }
+    out = {}
+    for name, (image, params, mode, as_rgba) in files.items():
+        image.save(folder / name, **params)
+        out[folder / name] = (mode, as_rgba)
+    return out
+
+
+def on_white(rgba: Image.Image) -> np.ndarray:
+    """An RGBA picture of opaque and clear pixels as it shows on white."""
+    pixels = np.asarray(rgba)
+    return np.where(pixels[..., 3:] == 0, 255, pixels[..., :3])
+
+
+def test_every_kind_of_transparency_is_put_onto_white_as_rgba_is(demo, shown, tmp_path):
+    for path, (mode, as_rgba) in transparent_files(shown, tmp_path).items():
+        stored = Image.open(path)
+        assert stored.mode == mode and (mode in ("RGBA", "LA") or "transparency" in stored.info), path.name
+        seen = to_rgb(load_image(path))
+        assert np.array_equal(np.asarray(seen), on_white(as_rgba)), path.name
+        assert seen.getpixel((0, 0)) == (255, 255, 255)
+        result, alone = demo.locate(path, "square", mode="slow"), demo.locate(as_rgba, "square", mode="slow")
+        assert result.token_ids == alone.token_ids and [o.box for o in result.objects] == [o.box for o in alone.objects]
+        assert all_found(result), path.name
+
+
+def test_transparency_survives_a_colour_profile():
+    """Display P3 colours converted, and the clear pixel still white: RGBA, a palette's alpha, a colour key."""
+    rgba = Image.new("RGBA", (8, 8), (180, 90, 60, 255))
+    rgba.putpixel((0, 0), (0, 0, 0, 0))
+    palette = rgba.quantize(4, method=Image.Quantize.FASTOCTREE)
+    keyed = (rgba.convert("RGB"), {"transparency": (0, 0, 0)})
+    profile = icc_profile("Display P3", P3_PRIMARIES)
+    for image, params in ((rgba, {}), (palette, {}), keyed):
+        seen = to_rgb(load_image(io.BytesIO(png_bytes(image, icc_profile=profile, **params))))
+        assert seen.getpixel((0, 0)) == (255, 255, 255), image.mode
+        assert np.abs(np.asarray(seen)[4, 4] - p3_to_srgb((180, 90, 60))).max() <= 2, image.mode
 
 
 # --- multi-frame files ---
