@@ -9,12 +9,13 @@ import struct
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 
 import mlx_locate
 from mlx_locate.commands import batch
 from mlx_locate.commands import flags as cli_module
 from mlx_locate.commands import locate as generate
+from mlx_locate.draw import draw_objects
 from mlx_locate.preprocess import UNDO_ORIENTATION, load_image, photo_notes, target_size, to_rgb
 from mlx_locate.request import RequestError
 from mlx_locate.synthetic.scenes import COLORS, Obj, draw_object
@@ -68,8 +69,6 @@ def tagged(image: Image.Image, orientation: int) -> bytes:
 
 def test_undo_orientation_inverts_the_viewers_transform(shown):
     """Independent of the model: for every tag, Pillow's viewer transform of our stored pixels gives the scene."""
-    from PIL import ImageOps
-
     for o in range(2, 9):
         stored = Image.open(io.BytesIO(tagged(shown, o)))
         assert stored.getexif()[0x0112] == o
@@ -100,6 +99,21 @@ def test_stored_keeps_the_stored_pixels(demo, shown, tmp_path):
     assert photo_notes(load_image(path, orientation="stored")).exif_orientation == 6
     opened = demo.locate(Image.open(path), "square", mode="slow", orientation="stored")  # a PIL image, tag and all
     assert opened.image_size == stored.size and opened.token_ids == bare.token_ids
+
+
+def test_draw_is_in_the_frame_of_the_result(demo, shown, tmp_path):
+    """`draw()` and Jupyter's picture of a path or a PIL image, in either frame, are the result's frame drawn."""
+    path = tmp_path / "photo_6.jpg"
+    path.write_bytes(tagged(shown, 6))
+    frames = {"exif": ImageOps.exif_transpose(Image.open(path)), "stored": Image.open(path)}
+    for orientation, frame in frames.items():
+        for image in (path, Image.open(path)):
+            result = demo.locate(image, "square", orientation=orientation)
+            assert result.image_size == frame.size and result.objects
+            expected = np.asarray(draw_objects(Image.fromarray(np.asarray(frame)), result.objects))
+            assert np.array_equal(np.asarray(result.draw()), expected), (orientation, image)
+            assert np.array_equal(np.asarray(Image.open(io.BytesIO(result._repr_png_()))), expected)
+            assert np.array_equal(np.asarray(result.draw(Image.open(path))), expected)
 
 
 def test_an_image_without_a_tag_or_profile_is_unchanged(shown):
