@@ -185,7 +185,7 @@ def apply_photo_policy(
     if orientation == "exif" and tag in UNDO_ORIENTATION and "original_orientation" not in image.info:
         image = ImageOps.exif_transpose(image)
     elif orientation == "stored" and "original_orientation" in image.info and tag in UNDO_ORIENTATION:
-        info = image.info  # libheif applied the rotation on decoding: undo it
+        info = image.info  # the decoder applied the rotation: undo it
         image = image.transpose(UNDO_ORIENTATION[tag])
         image.info = dict(info)
     image, colour_warning = _to_srgb(image)
@@ -195,8 +195,8 @@ def apply_photo_policy(
 
 
 def _exif_orientation(image: Image.Image) -> int:
-    """The EXIF Orientation tag (1 to 8; 1 where there is none or it is invalid). HEIF files report the rotation
-    libheif already applied."""
+    """The EXIF Orientation tag (1 to 8; 1 where there is none or it is invalid). HEIF and TIFF files report the
+    rotation their decoder already applied (`_decode`)."""
     if "original_orientation" in image.info:
         value = image.info["original_orientation"]
     else:
@@ -256,12 +256,18 @@ def open_header(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
 
 
 def _decode(image: Image.Image, name: str) -> None:
+    """Decode `image`'s pixels. libheif applies HEIF's rotation as it decodes and reports the tag it applied in
+    `original_orientation`; Pillow turns a TIFF by its Orientation tag as it decodes it and drops the tag, which
+    is recorded here the same way, so `orientation="stored"` can turn either back."""
+    tag = image.tag_v2.get(EXIF_ORIENTATION) if isinstance(image, TiffImagePlugin.TiffImageFile) else None
     try:
         image.load()
     except Exception as e:  # as in _open: OSError for truncated data, others for corrupt data
         raise ValueError(
             f"{name} is not a readable image: its {image.format or 'image'} data is truncated or corrupt ({_reason(e)})"
         ) from None
+    if tag is not None and EXIF_ORIENTATION not in image.tag_v2:
+        image.info["original_orientation"] = tag
 
 
 def _reason(error: Exception) -> str:

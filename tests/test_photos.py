@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -99,6 +100,43 @@ def test_stored_keeps_the_stored_pixels(demo, shown, tmp_path):
     assert photo_notes(load_image(path, orientation="stored")).exif_orientation == 6
     opened = demo.locate(Image.open(path), "square", mode="slow", orientation="stored")  # a PIL image, tag and all
     assert opened.image_size == stored.size and opened.token_ids == bare.token_ids
+
+
+def tagged_tiff(image: Image.Image, orientation: int, path, pages: int = 1) -> Image.Image:
+    """`image` stored as a TIFF with the Orientation tag `orientation` (`pages` copies); the stored pixels."""
+    stored = image.transpose(UNDO_ORIENTATION[orientation])
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored.save(path, exif=exif, save_all=True, append_images=[stored] * (pages - 1))
+    return stored
+
+
+@pytest.mark.parametrize("orientation", range(2, 9))
+def test_tiff_orientation_in_either_frame(shown, tmp_path, orientation):
+    """Pillow turns a TIFF as it decodes it: "stored" still gives the stored pixels, from a path, an opened PIL
+    image or a multi-page file."""
+    for pages in (1, 2):
+        path = tmp_path / f"scan_{pages}.tif"
+        stored = tagged_tiff(shown, orientation, path, pages)
+        assert Image.open(path).tag_v2[0x0112] == orientation
+        for image in (path, Image.open(path)):
+            kept = load_image(image, orientation="stored")
+            assert np.array_equal(np.asarray(kept), np.asarray(stored)), (pages, image)
+            assert photo_notes(kept) == ("stored", orientation, photo_notes(kept).warnings)
+            turned = load_image(image if isinstance(image, Path) else Image.open(path))
+            assert (
+                np.array_equal(np.asarray(turned), np.asarray(shown))
+                and photo_notes(turned).exif_orientation == orientation
+            )
+
+
+def test_a_tiff_answers_in_the_stored_frame_as_its_stored_pixels(demo, shown, tmp_path):
+    path = tmp_path / "scan.tif"
+    stored = tagged_tiff(shown, 6, path)
+    kept = demo.locate(path, "square", mode="slow", orientation="stored")
+    bare = demo.locate(Image.fromarray(np.asarray(stored)), "square", mode="slow")
+    assert kept.orientation == "stored" and kept.image_size == stored.size == (SIZE[1], SIZE[0])
+    assert kept.token_ids == bare.token_ids and [o.box for o in kept.objects] == [o.box for o in bare.objects]
 
 
 def test_draw_is_in_the_frame_of_the_result(demo, shown, tmp_path):
