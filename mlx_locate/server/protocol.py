@@ -139,7 +139,7 @@ def build_requests(
     return requests
 
 
-RESULT_FIELDS = ("mode", "objects", "empty_labels", "truncated", "text", "stats")
+RESULT_FIELDS = ("mode", "objects", "empty_labels", "truncated", "text", "orientation", "warnings", "stats")
 ANSWER_FIELDS = ("objects", "empty_labels", "truncated", "image")  # the structured answer of chat completions
 
 
