@@ -58,16 +58,29 @@ class Preprocessed(NamedTuple):
 
 
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb warning threshold (1024 * 1024 * 1024 // 4 // 3)
+
+
+class _TiffImageFile(TiffImagePlugin.TiffImageFile):
+    """Pillow's TIFF reader without the check against `MAX_IMAGE_PIXELS` that it alone makes again as it decodes
+    (`check_pixels` has checked the size from the header)."""
+
+    def load_prepare(self) -> None:
+        if self._im is None:  # the image memory, made as Pillow's own method makes it after its check
+            self.im = Image.core.new(self.mode, self._tile_size)
+        super().load_prepare()
+
+
 # Formats a user may hand us, opened through their plugin classes (not `Image.open`): the size check is ours
 # (`max_pixels`), so Pillow's process-wide `MAX_IMAGE_PIXELS` neither refuses an image the caller allowed nor
-# has to be changed. JPEG opens as plain JPEG, so a multi-picture (MPO) file gives its first picture.
+# has to be changed; WebP alone checks it as it opens (`_pillows_limit`). JPEG opens as plain JPEG, so a
+# multi-picture (MPO) file gives its first picture.
 FORMATS = {
     "PNG": PngImagePlugin.PngImageFile,
     "JPEG": JpegImagePlugin.JpegImageFile,
     "WEBP": WebPImagePlugin.WebPImageFile,
     "BMP": BmpImagePlugin.BmpImageFile,
     "GIF": GifImagePlugin.GifImageFile,
-    "TIFF": TiffImagePlugin.TiffImageFile,
+    "TIFF": _TiffImageFile,
     "HEIC": HeifImageFile,  # HEIC / HEIF, the iPhone's default (pillow-heif)
     "AVIF": AvifImagePlugin.AvifImageFile,
 }
@@ -249,6 +262,8 @@ def open_header(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
     fp.seek(0)
     try:
         image = FORMATS[fmt](fp, name)
+    except Image.DecompressionBombError as e:
+        raise _pillows_limit(name, fmt, e) from None
     except Exception as e:  # decoders raise many unrelated types on malformed data (SyntaxError, struct.error...)
         raise ValueError(f"{name} is not a readable image: broken {fmt} header ({_reason(e)})") from None
     check_pixels(image.size, max_pixels, name)
@@ -262,6 +277,8 @@ def _decode(image: Image.Image, name: str) -> None:
     tag = image.tag_v2.get(EXIF_ORIENTATION) if isinstance(image, TiffImagePlugin.TiffImageFile) else None
     try:
         image.load()
+    except Image.DecompressionBombError as e:  # a caller's image opened with `Image.open`
+        raise _pillows_limit(name, image.format, e) from None
     except Exception as e:  # as in _open: OSError for truncated data, others for corrupt data
         raise ValueError(
             f"{name} is not a readable image: its {image.format or 'image'} data is truncated or corrupt ({_reason(e)})"
@@ -270,9 +287,15 @@ def _decode(image: Image.Image, name: str) -> None:
         image.info["original_orientation"] = tag
 
 
+def _pillows_limit(name: str, fmt: str | None, error: Image.DecompressionBombError) -> ImageTooLargeError:
+    """The error for an image Pillow's own process-wide limit refuses, which `max_pixels` cannot raise."""
+    return ImageTooLargeError(
+        f"{name} is over Pillow's own limit for {fmt or 'this'} images, which --max-pixels does not raise "
+        f"({error}); convert it to PNG, or in Python raise PIL.Image.MAX_IMAGE_PIXELS"
+    )
+
+
 def _reason(error: Exception) -> str:
-    if isinstance(error, Image.DecompressionBombError):
-        return f"over Pillow's own limit, PIL.Image.MAX_IMAGE_PIXELS: {error}"
     text = str(error).strip()  # libheif ends its messages with a newline
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 

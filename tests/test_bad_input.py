@@ -213,6 +213,28 @@ def test_every_accepted_format_opens(tmp_path, fmt):
     assert load_image(path).format == pillow_name and to_rgb(load_image(path)).size == (30, 20)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_pillows_own_limit_never_refuses_what_max_pixels_allows(tmp_path, monkeypatch, fmt):
+    """Pillow's process-wide limit (here 100 pixels) neither refuses nor warns of an image `max_pixels` allows;
+    WebP, which Pillow checks as it opens it, is refused naming remedies that work."""
+    path = tmp_path / f"image.{fmt.lower()}"
+    image = Image.new("RGB", (30, 20), (250, 250, 250))
+    image.save(path, SIGNATURES.get(fmt, fmt))
+    image.save(tmp_path / "converted.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if fmt != "WEBP":
+            assert load_image(path).size == (30, 20)
+            return
+        message = "image.webp is over Pillow's own limit for WEBP images, which --max-pixels does not raise"
+        with pytest.raises(ImageTooLargeError, match=f"{message}.*; convert it to PNG, or in Python raise PIL.Image"):
+            load_image(path)
+        assert load_image(tmp_path / "converted.png").size == (30, 20)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert load_image(path).size == (30, 20)
+
+
 def test_one_pixel(cli, files):
     data = answer(cli("--json", image=files["one.png"]))
     assert data["image_size"] == [1, 1] and data["grid"] == [2, 2]

@@ -18,7 +18,7 @@ from PIL import Image
 from ..admission import check_request
 from ..categories import category_names, is_multi
 from ..parse import json_pixels
-from ..preprocess import load_image, open_header
+from ..preprocess import ImageTooLargeError, load_image, open_header
 from ..prompts import task_text
 from ..request import Request, RequestError, Result
 
@@ -116,7 +116,7 @@ def input_errors() -> Iterator[None]:
     try:
         yield
     except ValueError as e:
-        code = "image_too_large" if "over the limit" in str(e) else "invalid_image"
+        code = "image_too_large" if isinstance(e, ImageTooLargeError) else "invalid_image"
         raise InputError(code, str(e)) from None
 
 
