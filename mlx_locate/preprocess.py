@@ -20,6 +20,7 @@ from PIL import (
     GifImagePlugin,
     Image,
     ImageCms,
+    ImageFile,
     ImageOps,
     JpegImagePlugin,
     PngImagePlugin,
@@ -148,7 +149,7 @@ def load_image(
     if isinstance(image, Image.Image):
         if APPLIED in image.info:
             return image
-        if getattr(image, "tile", None):  # opened, not decoded yet
+        if isinstance(image, ImageFile.ImageFile) and image._im is None:  # opened, not decoded (no image memory)
             name = getattr(image, "filename", "") or "the image"
             check_pixels(image.size, max_pixels, name)
             _decode(image, name)

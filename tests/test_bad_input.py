@@ -181,6 +181,22 @@ def test_sizes_are_checked_from_the_header_before_decoding(files, monkeypatch):
         load_image(Image.open(files["rgba.png"]), max_pixels=3071)  # a lazily opened PIL image too
 
 
+def test_an_image_opened_lazily_is_checked_as_its_file(files, tmp_path):
+    """An image opened with `Image.open` and handed over undecoded (as the server hands on uploads) gets its
+    file's size check before decoding and its file's messages, HEIF and WebP too (their readers keep no `tile`)."""
+    for name in ("truncated.heic", "truncated.png", "truncated.jpg"):
+        with pytest.raises(ValueError) as from_path:
+            load_image(files[name])
+        with pytest.raises(ValueError) as opened:
+            load_image(Image.open(files[name]))
+        assert str(opened.value) == str(from_path.value) and f"{files[name]} is not a readable" in str(opened.value)
+    for fmt in FORMATS:
+        path = tmp_path / f"photo.{fmt.lower()}"
+        Image.new("RGB", (64, 48), (10, 200, 30)).save(path, SIGNATURES.get(fmt, fmt))
+        with pytest.raises(ImageTooLargeError, match=f"{path} is 64x48 = 3,072 pixels, over the limit of 3,071"):
+            load_image(Image.open(path), max_pixels=3071)
+
+
 def test_huge_photo_with_the_limit_raised(cli, files):
     """Accepted above twice Pillow's own limit, without touching Pillow's process-wide setting or warning."""
     before = Image.MAX_IMAGE_PIXELS

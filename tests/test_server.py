@@ -363,6 +363,12 @@ def test_formats_outside_the_allow_list_and_corrupt_images_are_400(served):
         assert r.status_code == 400, (len(blob), r.text)
         assert r.json()["error"]["code"] == "invalid_image"
     assert_error(served.client.post("/v1/locate", json={"image": "not base64!", "query": "x"}), 400, "invalid_image")
+    heic = io.BytesIO()
+    Image.open(IMAGE).convert("RGB").save(heic, "HEIF")
+    with_file = {"image": ("cut.heic", heic.getvalue()[: len(heic.getvalue()) // 2], "image/heic")}
+    r = served.client.post("/v1/locate", files=with_file, data={"query": "square"})
+    message = assert_error(r, 400, "invalid_image")["message"]
+    assert message.startswith("the image data is not a readable image: its HEIF data is truncated or corrupt")
 
 
 @pytest.fixture()
