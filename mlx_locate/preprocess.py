@@ -352,7 +352,7 @@ def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int
 
     Step 2 scales the image down (truncating) when it has more than `in_token_limit` patches; step 3 stretches
     each side up to a multiple of `2 * patch`. Raises `ValueError` naming the sizes when a side would be 0
-    pixels or a side would reach 512 patches.
+    pixels or a side would reach 512 patches (then naming the patch budget that fits it, where one does).
     """
     n_patches = (w // patch) * (h // patch)
     if n_patches > in_token_limit:
@@ -368,12 +368,42 @@ def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int
     unit = MERGE * patch
     final = (math.ceil(scaled[0] / unit) * unit, math.ceil(scaled[1] / unit) * unit)
     if final[0] // patch >= MAX_PATCHES_PER_SIDE or final[1] // patch >= MAX_PATCHES_PER_SIDE:
+        longest = _longest_side(patch)
+        budget = _fitting_budget(w, h, patch)
+        remedy = (
+            f"--image-tokens {budget} (API: max_image_tokens={budget}) scales it down to fit"
+            if budget
+            else f"crop it, or cut it into pieces at most {longest:,} pixels long"
+        )
         raise ValueError(
             f"image of {w}x{h} pixels becomes {final[0]}x{final[1]} "
             f"({final[1] // patch}x{final[0] // patch} patches); each side must stay below "
-            f"{MAX_PATCHES_PER_SIDE} patches. Crop the image to an aspect ratio below about 10:1"
+            f"{MAX_PATCHES_PER_SIDE} patches ({longest:,} pixels), and the patch budget of {in_token_limit:,} "
+            f"scales down only images of more patches (this one has {n_patches:,}): {remedy}"
         )
     return TargetSize(scaled, final)
+
+
+def _longest_side(patch: int) -> int:
+    """The longest side in pixels, after step 3's rounding up, that stays below `MAX_PATCHES_PER_SIDE` patches."""
+    unit = MERGE * patch
+    return (MAX_PATCHES_PER_SIDE * patch - 1) // unit * unit
+
+
+def _fitting_budget(w: int, h: int, patch: int) -> int | None:
+    """The largest patch budget at which step 2 shortens the long side of a `w x h` image to `_longest_side`, or
+    None where no budget fits it (its other side would reach 0 pixels first)."""
+    n_patches = (w // patch) * (h // patch)
+    budget = math.ceil(n_patches * ((_longest_side(patch) + 1) / max(w, h)) ** 2) - 1
+    for candidate in (budget, budget - 1):  # the float arithmetic may round the first up past the limit
+        if candidate < 1:  # an image of no whole patch is never scaled
+            break
+        try:
+            target_size(w, h, candidate, patch)
+        except ValueError:
+            continue
+        return candidate
+    return None
 
 
 def patchify(pixels: np.ndarray, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int]]:
