@@ -166,8 +166,6 @@ def load_image(
                 raise FileNotFoundError(f"image file not found: {path}")
             if not path.is_file():
                 raise ValueError(f"{path} is not a file; expected an image file ({', '.join(FORMATS)})")
-            if path.stat().st_size == 0:
-                raise ValueError(f"{path} is not a readable image: the file is empty (0 bytes)")
             with path.open("rb") as fp:  # a multi-frame file reads its frames to count them
                 shown, notes = apply_photo_policy(_open(fp, str(path), max_pixels), orientation)
     shown.info[APPLIED] = notes  # an image of ours: decoded here or made by the policy
@@ -257,6 +255,8 @@ def open_header(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
     """`fp` opened as the first allowed format whose signature it starts with, its header's size checked against
     `max_pixels`; no pixel decoded yet (`load_image` decodes it). Errors as `load_image`'s."""
     prefix = fp.read(16)
+    if not prefix:
+        raise ValueError(f"{name} is not a readable image: the file is empty (0 bytes)")
     fmt = next((f for f in FORMATS if Image.OPEN[SIGNATURES.get(f, f)][1](prefix) is True), None)
     if fmt is None:
         raise ValueError(f"{name} is not a readable image: {_not_allowed(prefix)}")

@@ -369,6 +369,10 @@ def test_formats_outside_the_allow_list_and_corrupt_images_are_400(served):
     r = served.client.post("/v1/locate", files=with_file, data={"query": "square"})
     message = assert_error(r, 400, "invalid_image")["message"]
     assert message.startswith("the image data is not a readable image: its HEIF data is truncated or corrupt")
+    uploads = {"files": {"image": ("empty.png", b"", "image/png")}, "data": {"query": "square"}}
+    for empty in (uploads, {"json": {"image": "data:image/png;base64,", "query": "square"}}):
+        message = assert_error(served.client.post("/v1/locate", **empty), 400, "invalid_image")["message"]
+        assert message == "the image data is not a readable image: the file is empty (0 bytes)", empty
 
 
 @pytest.fixture()

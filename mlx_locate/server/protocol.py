@@ -83,8 +83,6 @@ def image_bytes(source: str) -> bytes:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InputError("invalid_image", "the image is neither a data URL nor valid base64") from None
-    if not data:
-        raise InputError("invalid_image", "the image is empty")
     return data
 
 
