@@ -20,6 +20,7 @@ from PIL import (
     GifImagePlugin,
     Image,
     ImageCms,
+    ImageFile,
     ImageOps,
     JpegImagePlugin,
     PngImagePlugin,
@@ -58,16 +59,29 @@ class Preprocessed(NamedTuple):
 
 
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb warning threshold (1024 * 1024 * 1024 // 4 // 3)
+
+
+class _TiffImageFile(TiffImagePlugin.TiffImageFile):
+    """Pillow's TIFF reader without the check against `MAX_IMAGE_PIXELS` that it alone makes again as it decodes
+    (`check_pixels` has checked the size from the header)."""
+
+    def load_prepare(self) -> None:
+        if self._im is None:  # the image memory, made as Pillow's own method makes it after its check
+            self.im = Image.core.new(self.mode, self._tile_size)
+        super().load_prepare()
+
+
 # Formats a user may hand us, opened through their plugin classes (not `Image.open`): the size check is ours
 # (`max_pixels`), so Pillow's process-wide `MAX_IMAGE_PIXELS` neither refuses an image the caller allowed nor
-# has to be changed. JPEG opens as plain JPEG, so a multi-picture (MPO) file gives its first picture.
+# has to be changed; WebP alone checks it as it opens (`_pillows_limit`). JPEG opens as plain JPEG, so a
+# multi-picture (MPO) file gives its first picture.
 FORMATS = {
     "PNG": PngImagePlugin.PngImageFile,
     "JPEG": JpegImagePlugin.JpegImageFile,
     "WEBP": WebPImagePlugin.WebPImageFile,
     "BMP": BmpImagePlugin.BmpImageFile,
     "GIF": GifImagePlugin.GifImageFile,
-    "TIFF": TiffImagePlugin.TiffImageFile,
+    "TIFF": _TiffImageFile,
     "HEIC": HeifImageFile,  # HEIC / HEIF, the iPhone's default (pillow-heif)
     "AVIF": AvifImagePlugin.AvifImageFile,
 }
@@ -135,7 +149,7 @@ def load_image(
     if isinstance(image, Image.Image):
         if APPLIED in image.info:
             return image
-        if getattr(image, "tile", None):  # opened, not decoded yet
+        if isinstance(image, ImageFile.ImageFile) and image._im is None:  # opened, not decoded (no image memory)
             name = getattr(image, "filename", "") or "the image"
             check_pixels(image.size, max_pixels, name)
             _decode(image, name)
@@ -152,8 +166,6 @@ def load_image(
                 raise FileNotFoundError(f"image file not found: {path}")
             if not path.is_file():
                 raise ValueError(f"{path} is not a file; expected an image file ({', '.join(FORMATS)})")
-            if path.stat().st_size == 0:
-                raise ValueError(f"{path} is not a readable image: the file is empty (0 bytes)")
             with path.open("rb") as fp:  # a multi-frame file reads its frames to count them
                 shown, notes = apply_photo_policy(_open(fp, str(path), max_pixels), orientation)
     shown.info[APPLIED] = notes  # an image of ours: decoded here or made by the policy
@@ -206,7 +218,7 @@ def apply_photo_policy(
     if orientation == "exif" and tag in UNDO_ORIENTATION and "original_orientation" not in image.info:
         image = ImageOps.exif_transpose(image)
     elif orientation == "stored" and "original_orientation" in image.info and tag in UNDO_ORIENTATION:
-        info = image.info  # libheif applied the rotation on decoding: undo it
+        info = image.info  # the decoder applied the rotation: undo it
         image = image.transpose(UNDO_ORIENTATION[tag])
         image.info = dict(info)
     image, colour_warning = _to_srgb(image)
@@ -216,8 +228,8 @@ def apply_photo_policy(
 
 
 def _exif_orientation(image: Image.Image) -> int:
-    """The EXIF Orientation tag (1 to 8; 1 where there is none or it is invalid). HEIF files report the rotation
-    libheif already applied."""
+    """The EXIF Orientation tag (1 to 8; 1 where there is none or it is invalid). HEIF and TIFF files report the
+    rotation their decoder already applied (`_decode`)."""
     if "original_orientation" in image.info:
         value = image.info["original_orientation"]
     else:
@@ -243,15 +255,13 @@ def _to_srgb(image: Image.Image) -> tuple[Image.Image, str | None]:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
         if ImageCms.getProfileDescription(profile).strip().lower().startswith("srgb"):
             return image, None
-        source = (
-            image
-            if image.mode in ("RGB", "RGBA", "CMYK", "L")
-            else image.convert("RGBA" if "A" in image.mode else "RGB")
-        )
-        converted = ImageCms.profileToProfile(source, profile, SRGB, outputMode="RGBA" if "A" in source.mode else "RGB")
+        colour, alpha = _colour_and_alpha(image)
+        converted = ImageCms.profileToProfile(colour, profile, SRGB, outputMode="RGB")
     except Exception as e:  # LCMS rejects broken profiles and profiles of another colour space than the pixels
         return image, f"its colour profile could not be applied ({type(e).__name__}: {e}); colours used as stored"
-    converted.info = {k: v for k, v in image.info.items() if k != "icc_profile"}
+    if alpha is not None:
+        converted.putalpha(alpha)
+    converted.info = {k: v for k, v in image.info.items() if k not in ("icc_profile", "transparency")}
     return converted, None
 
 
@@ -266,12 +276,16 @@ def open_header(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
     """`fp` opened as the first allowed format whose signature it starts with, its header's size checked against
     `max_pixels`; no pixel decoded yet (`load_image` decodes it). Errors as `load_image`'s."""
     prefix = fp.read(16)
+    if not prefix:
+        raise ValueError(f"{name} is not a readable image: the file is empty (0 bytes)")
     fmt = next((f for f in FORMATS if Image.OPEN[SIGNATURES.get(f, f)][1](prefix) is True), None)
     if fmt is None:
         raise ValueError(f"{name} is not a readable image: {_not_allowed(prefix)}")
     fp.seek(0)
     try:
         image = FORMATS[fmt](fp, name)
+    except Image.DecompressionBombError as e:
+        raise _pillows_limit(name, fmt, e) from None
     except Exception as e:  # decoders raise many unrelated types on malformed data (SyntaxError, struct.error...)
         raise ValueError(f"{name} is not a readable image: broken {fmt} header ({_reason(e)})") from None
     check_pixels(image.size, max_pixels, name)
@@ -279,17 +293,31 @@ def open_header(fp: BinaryIO, name: str, max_pixels: int | None) -> Image.Image:
 
 
 def _decode(image: Image.Image, name: str) -> None:
+    """Decode `image`'s pixels. libheif applies HEIF's rotation as it decodes and reports the tag it applied in
+    `original_orientation`; Pillow turns a TIFF by its Orientation tag as it decodes it and drops the tag, which
+    is recorded here the same way, so `orientation="stored"` can turn either back."""
+    tag = image.tag_v2.get(EXIF_ORIENTATION) if isinstance(image, TiffImagePlugin.TiffImageFile) else None
     try:
         image.load()
+    except Image.DecompressionBombError as e:  # a caller's image opened with `Image.open`
+        raise _pillows_limit(name, image.format, e) from None
     except Exception as e:  # as in _open: OSError for truncated data, others for corrupt data
         raise ValueError(
             f"{name} is not a readable image: its {image.format or 'image'} data is truncated or corrupt ({_reason(e)})"
         ) from None
+    if tag is not None and EXIF_ORIENTATION not in image.tag_v2:
+        image.info["original_orientation"] = tag
+
+
+def _pillows_limit(name: str, fmt: str | None, error: Image.DecompressionBombError) -> ImageTooLargeError:
+    """The error for an image Pillow's own process-wide limit refuses, which `max_pixels` cannot raise."""
+    return ImageTooLargeError(
+        f"{name} is over Pillow's own limit for {fmt or 'this'} images, which --max-pixels does not raise "
+        f"({error}); convert it to PNG, or in Python raise PIL.Image.MAX_IMAGE_PIXELS"
+    )
 
 
 def _reason(error: Exception) -> str:
-    if isinstance(error, Image.DecompressionBombError):
-        return f"over Pillow's own limit, PIL.Image.MAX_IMAGE_PIXELS: {error}"
     text = str(error).strip()  # libheif ends its messages with a newline
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
@@ -311,20 +339,33 @@ def _not_allowed(prefix: bytes) -> str:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGBA is composited onto white using its alpha; 16-bit grey keeps its high byte (as Pillow reads 16-bit
-    colour); any other mode goes through `convert("RGB")`. Orientation and colour are `load_image`'s."""
-    if image.mode == "RGBA":
-        canvas = Image.new("RGB", image.size, (255, 255, 255))
-        canvas.paste(image, mask=image.getchannel("A"))
-        return canvas
-    if image.mode == "RGB":
-        return image
+    """The image as the model sees it: any transparency (`_colour_and_alpha`) composited onto white, as the
+    reference composites RGBA; 16-bit grey keeps its high byte; any other mode goes through `convert("RGB")`.
+    Orientation and colour are `load_image`'s."""
+    colour, alpha = _colour_and_alpha(image)
+    rgb = colour if colour.mode == "RGB" else colour.convert("RGB")
+    if alpha is None:
+        return rgb
+    canvas = Image.new("RGB", image.size, (255, 255, 255))
+    canvas.paste(rgb, mask=alpha)
+    return canvas
+
+
+def _colour_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
+    """`image`'s colour as 8-bit L, RGB or CMYK, and its transparency as an L mask (None where it has none): an
+    alpha channel, a palette's alpha or a transparency key (PNG's tRNS, GIF's transparent index). 16-bit grey
+    keeps its high byte, as Pillow reads 16-bit colour (its `convert` would clip it at 255)."""
     if image.mode in SIXTEEN_BIT_MODES:
         values = np.asarray(image)
         if image.mode == "I":  # 32-bit: read as 16-bit, as Pillow opens 16-bit PNGs in older versions
             values = np.clip(values, 0, 65535)
-        return Image.fromarray((values >> 8).astype(np.uint8)).convert("RGB")
-    return image.convert("RGB")
+        key = image.info.get("transparency")
+        alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8)) if isinstance(key, int) else None
+        return Image.fromarray((values >> 8).astype(np.uint8)), alpha
+    if image.has_transparency_data:
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        return rgba.convert("L" if image.mode in ("L", "LA", "La") else "RGB"), rgba.getchannel("A")
+    return (image if image.mode in ("L", "RGB", "CMYK") else image.convert("RGB")), None
 
 
 def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int = PATCH_SIZE) -> TargetSize:
@@ -332,7 +373,7 @@ def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int
 
     Step 2 scales the image down (truncating) when it has more than `in_token_limit` patches; step 3 stretches
     each side up to a multiple of `2 * patch`. Raises `ValueError` naming the sizes when a side would be 0
-    pixels or a side would reach 512 patches.
+    pixels or a side would reach 512 patches (then naming the patch budget that fits it, where one does).
     """
     n_patches = (w // patch) * (h // patch)
     if n_patches > in_token_limit:
@@ -348,12 +389,42 @@ def target_size(w: int, h: int, in_token_limit: int = IN_TOKEN_LIMIT, patch: int
     unit = MERGE * patch
     final = (math.ceil(scaled[0] / unit) * unit, math.ceil(scaled[1] / unit) * unit)
     if final[0] // patch >= MAX_PATCHES_PER_SIDE or final[1] // patch >= MAX_PATCHES_PER_SIDE:
+        longest = _longest_side(patch)
+        budget = _fitting_budget(w, h, patch)
+        remedy = (
+            f"--image-tokens {budget} (API: max_image_tokens={budget}) scales it down to fit"
+            if budget
+            else f"crop it, or cut it into pieces at most {longest:,} pixels long"
+        )
         raise ValueError(
             f"image of {w}x{h} pixels becomes {final[0]}x{final[1]} "
             f"({final[1] // patch}x{final[0] // patch} patches); each side must stay below "
-            f"{MAX_PATCHES_PER_SIDE} patches. Crop the image to an aspect ratio below about 10:1"
+            f"{MAX_PATCHES_PER_SIDE} patches ({longest:,} pixels), and the patch budget of {in_token_limit:,} "
+            f"scales down only images of more patches (this one has {n_patches:,}): {remedy}"
         )
     return TargetSize(scaled, final)
+
+
+def _longest_side(patch: int) -> int:
+    """The longest side in pixels, after step 3's rounding up, that stays below `MAX_PATCHES_PER_SIDE` patches."""
+    unit = MERGE * patch
+    return (MAX_PATCHES_PER_SIDE * patch - 1) // unit * unit
+
+
+def _fitting_budget(w: int, h: int, patch: int) -> int | None:
+    """The largest patch budget at which step 2 shortens the long side of a `w x h` image to `_longest_side`, or
+    None where no budget fits it (its other side would reach 0 pixels first)."""
+    n_patches = (w // patch) * (h // patch)
+    budget = math.ceil(n_patches * ((_longest_side(patch) + 1) / max(w, h)) ** 2) - 1
+    for candidate in (budget, budget - 1):  # the float arithmetic may round the first up past the limit
+        if candidate < 1:  # an image of no whole patch is never scaled
+            break
+        try:
+            target_size(w, h, candidate, patch)
+        except ValueError:
+            continue
+        return candidate
+    return None
 
 
 def patchify(pixels: np.ndarray, patch: int = PATCH_SIZE) -> tuple[np.ndarray, tuple[int, int]]:

@@ -119,16 +119,15 @@ class Result:
         )
 
     def draw(self, image: str | Path | Image.Image | None = None) -> Image.Image:
-        """An RGB copy of `image` with the boxes, points, labels and confidences drawn (`draw.draw_objects`);
-        without `image`, the one `locate()` was given (read again from its path, so no copy is kept)."""
+        """An RGB copy of `image` in the result's frame (`load_image` with its `orientation`) with the boxes,
+        points, labels and confidences drawn (`draw.draw_objects`); without `image`, the one `locate()` was given
+        (read again from its path, so no copy is kept)."""
         max_pixels = None
         if image is None:
             if self.source is None:
                 raise ValueError("this result does not hold its image (only locate()'s do); pass it: draw(image)")
             image, max_pixels = self.source
-        if not isinstance(image, Image.Image):
-            image = load_image(image, max_pixels)
-        return draw_objects(image, self.objects)
+        return draw_objects(load_image(image, max_pixels, self.orientation), self.objects)
 
     def _repr_png_(self) -> bytes | None:
         """Jupyter's picture of a `locate()` result: its image, drawn."""

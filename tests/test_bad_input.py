@@ -181,6 +181,22 @@ def test_sizes_are_checked_from_the_header_before_decoding(files, monkeypatch):
         load_image(Image.open(files["rgba.png"]), max_pixels=3071)  # a lazily opened PIL image too
 
 
+def test_an_image_opened_lazily_is_checked_as_its_file(files, tmp_path):
+    """An image opened with `Image.open` and handed over undecoded (as the server hands on uploads) gets its
+    file's size check before decoding and its file's messages, HEIF and WebP too (their readers keep no `tile`)."""
+    for name in ("truncated.heic", "truncated.png", "truncated.jpg"):
+        with pytest.raises(ValueError) as from_path:
+            load_image(files[name])
+        with pytest.raises(ValueError) as opened:
+            load_image(Image.open(files[name]))
+        assert str(opened.value) == str(from_path.value) and f"{files[name]} is not a readable" in str(opened.value)
+    for fmt in FORMATS:
+        path = tmp_path / f"photo.{fmt.lower()}"
+        Image.new("RGB", (64, 48), (10, 200, 30)).save(path, SIGNATURES.get(fmt, fmt))
+        with pytest.raises(ImageTooLargeError, match=f"{path} is 64x48 = 3,072 pixels, over the limit of 3,071"):
+            load_image(Image.open(path), max_pixels=3071)
+
+
 def test_huge_photo_with_the_limit_raised(cli, files):
     """Accepted above twice Pillow's own limit, without touching Pillow's process-wide setting or warning."""
     before = Image.MAX_IMAGE_PIXELS
@@ -211,6 +227,28 @@ def test_every_accepted_format_opens(tmp_path, fmt):
     pillow_name = SIGNATURES.get(fmt, fmt)
     Image.new("RGB", (30, 20), (250, 250, 250)).save(path, pillow_name)
     assert load_image(path).format == pillow_name and to_rgb(load_image(path)).size == (30, 20)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_pillows_own_limit_never_refuses_what_max_pixels_allows(tmp_path, monkeypatch, fmt):
+    """Pillow's process-wide limit (here 100 pixels) neither refuses nor warns of an image `max_pixels` allows;
+    WebP, which Pillow checks as it opens it, is refused naming remedies that work."""
+    path = tmp_path / f"image.{fmt.lower()}"
+    image = Image.new("RGB", (30, 20), (250, 250, 250))
+    image.save(path, SIGNATURES.get(fmt, fmt))
+    image.save(tmp_path / "converted.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if fmt != "WEBP":
+            assert load_image(path).size == (30, 20)
+            return
+        message = "image.webp is over Pillow's own limit for WEBP images, which --max-pixels does not raise"
+        with pytest.raises(ImageTooLargeError, match=f"{message}.*; convert it to PNG, or in Python raise PIL.Image"):
+            load_image(path)
+        assert load_image(tmp_path / "converted.png").size == (30, 20)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)
+    assert load_image(path).size == (30, 20)
 
 
 def test_one_pixel(cli, files):

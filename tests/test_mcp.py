@@ -94,5 +94,5 @@ def test_a_rotated_jpeg_in_the_displayed_frame(tmp_path):
     api = mlx_locate.load("demo").locate(path, "square")
     _, (result,) = asyncio.run(session_calls([("locate", {"image_path": str(path), "query": "square"})]))
     out = result.structured_content
-    assert out["image"] == {"width": 224, "height": 168}
+    assert out["image"] == {"width": 224, "height": 168} and out["orientation"] == "exif" and out["warnings"] == []
     assert [o["box"] for o in out["objects"]] == approx_tree([list(o.box) for o in api.objects])

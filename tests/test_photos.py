@@ -6,16 +6,18 @@ from __future__ import annotations
 import io
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 
 import mlx_locate
 from mlx_locate.commands import batch
 from mlx_locate.commands import flags as cli_module
 from mlx_locate.commands import locate as generate
-from mlx_locate.preprocess import UNDO_ORIENTATION, load_image, photo_notes, target_size
+from mlx_locate.draw import draw_objects
+from mlx_locate.preprocess import UNDO_ORIENTATION, load_image, photo_notes, target_size, to_rgb
 from mlx_locate.request import RequestError
 from mlx_locate.synthetic.scenes import COLORS, Obj, draw_object
 
@@ -68,8 +70,6 @@ def tagged(image: Image.Image, orientation: int) -> bytes:
 
 def test_undo_orientation_inverts_the_viewers_transform(shown):
     """Independent of the model: for every tag, Pillow's viewer transform of our stored pixels gives the scene."""
-    from PIL import ImageOps
-
     for o in range(2, 9):
         stored = Image.open(io.BytesIO(tagged(shown, o)))
         assert stored.getexif()[0x0112] == o
@@ -100,6 +100,58 @@ def test_stored_keeps_the_stored_pixels(demo, shown, tmp_path):
     assert photo_notes(load_image(path, orientation="stored")).exif_orientation == 6
     opened = demo.locate(Image.open(path), "square", mode="slow", orientation="stored")  # a PIL image, tag and all
     assert opened.image_size == stored.size and opened.token_ids == bare.token_ids
+
+
+def tagged_tiff(image: Image.Image, orientation: int, path, pages: int = 1) -> Image.Image:
+    """`image` stored as a TIFF with the Orientation tag `orientation` (`pages` copies); the stored pixels."""
+    stored = image.transpose(UNDO_ORIENTATION[orientation])
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored.save(path, exif=exif, save_all=True, append_images=[stored] * (pages - 1))
+    return stored
+
+
+@pytest.mark.parametrize("orientation", range(2, 9))
+def test_tiff_orientation_in_either_frame(shown, tmp_path, orientation):
+    """Pillow turns a TIFF as it decodes it: "stored" still gives the stored pixels, from a path, an opened PIL
+    image or a multi-page file."""
+    for pages in (1, 2):
+        path = tmp_path / f"scan_{pages}.tif"
+        stored = tagged_tiff(shown, orientation, path, pages)
+        assert Image.open(path).tag_v2[0x0112] == orientation
+        for image in (path, Image.open(path)):
+            kept = load_image(image, orientation="stored")
+            assert np.array_equal(np.asarray(kept), np.asarray(stored)), (pages, image)
+            assert photo_notes(kept) == ("stored", orientation, photo_notes(kept).warnings)
+            turned = load_image(image if isinstance(image, Path) else Image.open(path))
+            assert (
+                np.array_equal(np.asarray(turned), np.asarray(shown))
+                and photo_notes(turned).exif_orientation == orientation
+            )
+
+
+def test_a_tiff_answers_in_the_stored_frame_as_its_stored_pixels(demo, shown, tmp_path):
+    path = tmp_path / "scan.tif"
+    stored = tagged_tiff(shown, 6, path)
+    kept = demo.locate(path, "square", mode="slow", orientation="stored")
+    bare = demo.locate(Image.fromarray(np.asarray(stored)), "square", mode="slow")
+    assert kept.orientation == "stored" and kept.image_size == stored.size == (SIZE[1], SIZE[0])
+    assert kept.token_ids == bare.token_ids and [o.box for o in kept.objects] == [o.box for o in bare.objects]
+
+
+def test_draw_is_in_the_frame_of_the_result(demo, shown, tmp_path):
+    """`draw()` and Jupyter's picture of a path or a PIL image, in either frame, are the result's frame drawn."""
+    path = tmp_path / "photo_6.jpg"
+    path.write_bytes(tagged(shown, 6))
+    frames = {"exif": ImageOps.exif_transpose(Image.open(path)), "stored": Image.open(path)}
+    for orientation, frame in frames.items():
+        for image in (path, Image.open(path)):
+            result = demo.locate(image, "square", orientation=orientation)
+            assert result.image_size == frame.size and result.objects
+            expected = np.asarray(draw_objects(Image.fromarray(np.asarray(frame)), result.objects))
+            assert np.array_equal(np.asarray(result.draw()), expected), (orientation, image)
+            assert np.array_equal(np.asarray(Image.open(io.BytesIO(result._repr_png_()))), expected)
+            assert np.array_equal(np.asarray(result.draw(Image.open(path))), expected)
 
 
 def test_an_image_without_a_tag_or_profile_is_unchanged(shown):
@@ -166,9 +218,10 @@ def srgb_encode(v: np.ndarray) -> np.ndarray:
     return np.where(v <= 0.0031308, v * 12.92, 1.055 * v ** (1 / 2.4) - 0.055)
 
 
-def icc_profile(name: str, primaries) -> bytes:
+def icc_profile(name: str, primaries=None) -> bytes:
     """An ICC v4 display profile (matrix/TRC, the sRGB transfer curve) written from the specification: the
-    colorants adapted to the D50 connection space with Bradford, as Apple's Display P3 profile has them."""
+    colorants adapted to the D50 connection space with Bradford, as Apple's Display P3 profile has them. Without
+    `primaries`, a grey profile (the sRGB curve alone)."""
 
     def s15(values) -> bytes:
         return b"".join(struct.pack(">i", round(v * 65536)) for v in values)
@@ -177,13 +230,17 @@ def icc_profile(name: str, primaries) -> bytes:
         data = text.encode("utf-16-be")
         return b"mluc" + bytes(4) + struct.pack(">II", 1, 12) + b"enUS" + struct.pack(">II", len(data), 28) + data
 
-    cone = BRADFORD @ D50 / (BRADFORD @ D65)
-    adapt = np.linalg.inv(BRADFORD) @ np.diag(cone) @ BRADFORD
-    colorants = adapt @ rgb_to_xyz(primaries)
     curve = b"para" + bytes(4) + struct.pack(">HH", 3, 0) + s15([2.4, 1 / 1.055, 0.055 / 1.055, 1 / 12.92, 0.04045])
     tags = [(b"desc", mluc(name)), (b"cprt", mluc("none")), (b"wtpt", b"XYZ " + bytes(4) + s15(D50))]
-    tags += [(sig, b"XYZ " + bytes(4) + s15(colorants[:, i])) for i, sig in enumerate((b"rXYZ", b"gXYZ", b"bXYZ"))]
-    tags += [(sig, curve) for sig in (b"rTRC", b"gTRC", b"bTRC")]
+    if primaries is None:
+        space, tags = b"GRAY", [*tags, (b"kTRC", curve)]
+    else:
+        cone = BRADFORD @ D50 / (BRADFORD @ D65)
+        adapt = np.linalg.inv(BRADFORD) @ np.diag(cone) @ BRADFORD
+        colorants = adapt @ rgb_to_xyz(primaries)
+        space = b"RGB "
+        tags += [(sig, b"XYZ " + bytes(4) + s15(colorants[:, i])) for i, sig in enumerate((b"rXYZ", b"gXYZ", b"bXYZ"))]
+        tags += [(sig, curve) for sig in (b"rTRC", b"gTRC", b"bTRC")]
     offset = 128 + 4 + 12 * len(tags)
     table, body = struct.pack(">I", len(tags)), b""
     for sig, data in tags:
@@ -191,7 +248,8 @@ def icc_profile(name: str, primaries) -> bytes:
         table += sig + struct.pack(">II", offset + len(body), len(data))
         body += data
     size = offset + len(body)
-    header = struct.pack(">I", size) + bytes(4) + bytes([4, 0x30, 0, 0]) + b"mntrRGB XYZ " + bytes(12) + b"acsp"
+    header = struct.pack(">I", size) + bytes(4) + bytes([4, 0x30, 0, 0]) + b"mntr" + space + b"XYZ "
+    header += bytes(12) + b"acsp"
     header += bytes(24) + struct.pack(">I", 0) + s15(D50) + bytes(4 + 16 + 28)
     assert len(header) == 128
     return header + table + body
@@ -222,6 +280,82 @@ def test_an_srgb_profile_and_a_broken_one(shown):
     broken = load_image(io.BytesIO(png_bytes(shown, icc_profile=b"not a profile" * 20)))
     assert np.array_equal(np.asarray(broken), np.asarray(shown))
     assert "colour profile could not be applied" in photo_notes(broken).warnings[0]
+
+
+def test_a_grey_profile_on_8_and_16_bit_grey(shown):
+    """A grey profile with sRGB's curve leaves grey as it is, at 8 bits and at 16 (read as its high byte)."""
+    grey = np.asarray(shown.convert("L"))
+    profile = icc_profile("Grey, sRGB curve")
+    for values in (grey, grey.astype(np.uint16) * 257):
+        image = load_image(io.BytesIO(png_bytes(Image.fromarray(values), icc_profile=profile)))
+        assert photo_notes(image).warnings == ()
+        got = np.asarray(image.convert("RGB"), dtype=np.int16)
+        assert np.abs(got - grey[..., None]).max() <= 1, values.dtype
+
+
+# --- transparency ---
+
+
+def transparent_files(shown, folder) -> dict:
+    """The scene with its background transparent (the colour stored under it black) in each way files store
+    transparency: path -> (Pillow's mode read back, the same picture as RGBA)."""
+    colour = np.asarray(shown).copy()
+    clear = (colour == colour[0, 0]).all(-1)
+    colour[clear] = 0
+    rgba = Image.fromarray(np.dstack([colour, np.where(clear, 0, 255).astype(np.uint8)]), "RGBA")
+    la = rgba.convert("LA")
+    grey = np.asarray(la)[..., 0]
+    palette = rgba.quantize(16, method=Image.Quantize.FASTOCTREE)  # an RGBA palette: a tRNS chunk, as pngquant's
+    files = {
+        "rgba.png": (rgba, {}, "RGBA", rgba),
+        "la.png": (la, {}, "LA", la.convert("RGBA")),
+        "palette.png": (palette, {}, "P", palette.convert("RGBA")),
+        "rgb_key.png": (Image.fromarray(colour), {"transparency": (0, 0, 0)}, "RGB", rgba),
+        "grey_key.png": (Image.fromarray(grey), {"transparency": 0}, "L", la.convert("RGBA")),
+        "grey16_key.png": (
+            Image.fromarray(grey.astype(np.uint16) * 257),
+            {"transparency": 0},
+            "I;16",
+            la.convert("RGBA"),
+        ),
+        "transparent.gif": (rgba, {}, "P", rgba),
+    }
+    out = {}
+    for name, (image, params, mode, as_rgba) in files.items():
+        image.save(folder / name, **params)
+        out[folder / name] = (mode, as_rgba)
+    return out
+
+
+def on_white(rgba: Image.Image) -> np.ndarray:
+    """An RGBA picture of opaque and clear pixels as it shows on white."""
+    pixels = np.asarray(rgba)
+    return np.where(pixels[..., 3:] == 0, 255, pixels[..., :3])
+
+
+def test_every_kind_of_transparency_is_put_onto_white_as_rgba_is(demo, shown, tmp_path):
+    for path, (mode, as_rgba) in transparent_files(shown, tmp_path).items():
+        stored = Image.open(path)
+        assert stored.mode == mode and (mode in ("RGBA", "LA") or "transparency" in stored.info), path.name
+        seen = to_rgb(load_image(path))
+        assert np.array_equal(np.asarray(seen), on_white(as_rgba)), path.name
+        assert seen.getpixel((0, 0)) == (255, 255, 255)
+        result, alone = demo.locate(path, "square", mode="slow"), demo.locate(as_rgba, "square", mode="slow")
+        assert result.token_ids == alone.token_ids and [o.box for o in result.objects] == [o.box for o in alone.objects]
+        assert all_found(result), path.name
+
+
+def test_transparency_survives_a_colour_profile():
+    """Display P3 colours converted, and the clear pixel still white: RGBA, a palette's alpha, a colour key."""
+    rgba = Image.new("RGBA", (8, 8), (180, 90, 60, 255))
+    rgba.putpixel((0, 0), (0, 0, 0, 0))
+    palette = rgba.quantize(4, method=Image.Quantize.FASTOCTREE)
+    keyed = (rgba.convert("RGB"), {"transparency": (0, 0, 0)})
+    profile = icc_profile("Display P3", P3_PRIMARIES)
+    for image, params in ((rgba, {}), (palette, {}), keyed):
+        seen = to_rgb(load_image(io.BytesIO(png_bytes(image, icc_profile=profile, **params))))
+        assert seen.getpixel((0, 0)) == (255, 255, 255), image.mode
+        assert np.abs(np.asarray(seen)[4, 4] - p3_to_srgb((180, 90, 60))).max() <= 2, image.mode
 
 
 # --- multi-frame files ---

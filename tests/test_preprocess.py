@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 
 import numpy as np
 import pytest
@@ -62,6 +63,26 @@ def test_aspect_limit_error():
         preprocess(Image.new("RGB", (10000, 900)))
     with pytest.raises(ValueError, match="512"):
         target_size(14, 7168)  # 512 patches tall, within the token limit
+
+
+@pytest.mark.parametrize("size", [(7200, 200), (7300, 700), (8000, 20), (10000, 900), (14, 7168)])
+def test_a_long_image_is_told_the_real_limit_and_the_budget_that_fits_it(size):
+    """A side must stay below 512 patches whatever the aspect ratio (3600 x 100 fits, 7200 x 200 does not); the
+    budget the error names fits the image, and is the largest that does."""
+    assert target_size(3600, 100).final == (3612, 112)
+    with pytest.raises(ValueError, match=r"each side must stay below 512 patches \(7,140 pixels\)") as error:
+        target_size(*size)
+    budget = int(re.search(r"--image-tokens (\d+) \(API: max_image_tokens=\1\) scales it down", str(error.value))[1])
+    assert max(preprocess(Image.new("RGB", size), in_token_limit=budget).grid) < 512
+    with pytest.raises(ValueError, match="must stay below 512 patches"):
+        target_size(*size, in_token_limit=budget + 1)
+
+
+def test_an_image_no_budget_fits_is_told_to_crop():
+    with pytest.raises(ValueError, match="crop it, or cut it into pieces at most 7,140 pixels long") as error:
+        target_size(100_000, 14)  # its height would reach 0 before its width fits
+    assert "--image-tokens" not in str(error.value)
+    assert target_size(7140, 14).final == (7140, 28)
 
 
 def test_zero_side_error():

@@ -363,6 +363,16 @@ def test_formats_outside_the_allow_list_and_corrupt_images_are_400(served):
         assert r.status_code == 400, (len(blob), r.text)
         assert r.json()["error"]["code"] == "invalid_image"
     assert_error(served.client.post("/v1/locate", json={"image": "not base64!", "query": "x"}), 400, "invalid_image")
+    heic = io.BytesIO()
+    Image.open(IMAGE).convert("RGB").save(heic, "HEIF")
+    with_file = {"image": ("cut.heic", heic.getvalue()[: len(heic.getvalue()) // 2], "image/heic")}
+    r = served.client.post("/v1/locate", files=with_file, data={"query": "square"})
+    message = assert_error(r, 400, "invalid_image")["message"]
+    assert message.startswith("the image data is not a readable image: its HEIF data is truncated or corrupt")
+    uploads = {"files": {"image": ("empty.png", b"", "image/png")}, "data": {"query": "square"}}
+    for empty in (uploads, {"json": {"image": "data:image/png;base64,", "query": "square"}}):
+        message = assert_error(served.client.post("/v1/locate", **empty), 400, "invalid_image")["message"]
+        assert message == "the image data is not a readable image: the file is empty (0 bytes)", empty
 
 
 @pytest.fixture()
@@ -892,5 +902,28 @@ def test_a_rotated_jpeg_answers_as_the_api_in_the_displayed_frame(served, tmp_pa
             r = served.client.post("/v1/locate", files={"image": ("portrait.jpg", f, "image/jpeg")}, data=form)
         assert r.status_code == 200, r.text
         assert r.json()["image"] == {"width": size[0], "height": size[1]} and list(api.image_size) == size
+        assert r.json()["orientation"] == orientation and r.json()["warnings"] == api.warnings == []
         expected = json.loads(json.dumps(answer_of(result_json(api))["objects"]))
         assert answer_of(r.json())["objects"] == approx_tree(expected)
+
+
+def test_answers_record_the_frame_and_the_images_warnings(served):
+    """`orientation` and `warnings`, as every result records them: in /v1/locate's answer, in each of several
+    queries' and in chat's extra fields."""
+    out = io.BytesIO()
+    first = Image.open(IMAGE).convert("RGB")
+    others = [Image.new("RGB", first.size, (20, 20, 20)), Image.new("RGB", first.size, (90, 20, 20))]
+    first.save(out, "GIF", save_all=True, append_images=others)
+    assert Image.open(io.BytesIO(out.getvalue())).n_frames == 3
+    warning = "the file has 3 frames; only the first was used (mlx-locate-video takes video)"
+    body = {"image": base64.b64encode(out.getvalue()).decode(), "query": "square", "max_tokens": 64}
+    one = served.client.post("/v1/locate", json={**body, "orientation": "stored"}).json()
+    assert one["orientation"] == "stored" and one["warnings"] == [warning]
+    several = served.client.post("/v1/locate", json={**body, "query": ["square", "star"]}).json()
+    assert [(q["orientation"], q["warnings"]) for q in several["queries"]] == [("exif", [warning])] * 2
+    plain = served.client.post("/v1/locate", json={**body, "image": b64(IMAGE)}).json()
+    assert plain["orientation"] == "exif" and plain["warnings"] == []
+    image = {"type": "image_url", "image_url": {"url": f"data:image/gif;base64,{body['image']}"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "square"}, image]}]
+    chat = served.client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 64}).json()
+    assert chat["orientation"] == "exif" and chat["warnings"] == [warning]

@@ -111,7 +111,7 @@ def content_of(result: Result, fields: tuple[str, ...] | None) -> str:
 
 def chat_completion(completion_id: str, created: int, model: str, result: Result, fields=None) -> dict:
     """An OpenAI `chat.completion`: the answer as content (`content_of`); the parsed answer (`objects`,
-    `empty_labels`, `truncated`, `image`, `stats`) also as extra top-level fields."""
+    `empty_labels`, `truncated`, `image`, `orientation`, `warnings`, `stats`) also as extra top-level fields."""
     width, height = result.image_size
     parsed = result_json(result)
     return {
@@ -128,7 +128,7 @@ def chat_completion(completion_id: str, created: int, model: str, result: Result
         ],
         "usage": usage_of(result),
         "image": {"width": width, "height": height},
-        **{k: parsed[k] for k in ("objects", "empty_labels", "truncated", "stats")},
+        **{k: parsed[k] for k in ("objects", "empty_labels", "truncated", "orientation", "warnings", "stats")},
     }
 
 

@@ -59,6 +59,8 @@ class LocateAnswer(BaseModel):
     empty_labels: list[str | None]  # labels the model answered "none" for
     truncated: bool
     text: str  # the model's raw answer
+    orientation: str  # the frame of the pixels: "exif" (as a viewer shows the image) or "stored"
+    warnings: list[str]  # about the image (only its first frame used, a colour profile not applied)
     stats: dict[str, Any]
 
 

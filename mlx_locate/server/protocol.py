@@ -18,7 +18,7 @@ from PIL import Image
 from ..admission import check_request
 from ..categories import category_names, is_multi
 from ..parse import json_pixels
-from ..preprocess import load_image, open_header
+from ..preprocess import ImageTooLargeError, load_image, open_header
 from ..prompts import task_text
 from ..request import Request, RequestError, Result
 
@@ -83,8 +83,6 @@ def image_bytes(source: str) -> bytes:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InputError("invalid_image", "the image is neither a data URL nor valid base64") from None
-    if not data:
-        raise InputError("invalid_image", "the image is empty")
     return data
 
 
@@ -116,7 +114,7 @@ def input_errors() -> Iterator[None]:
     try:
         yield
     except ValueError as e:
-        code = "image_too_large" if "over the limit" in str(e) else "invalid_image"
+        code = "image_too_large" if isinstance(e, ImageTooLargeError) else "invalid_image"
         raise InputError(code, str(e)) from None
 
 
@@ -139,7 +137,7 @@ def build_requests(
     return requests
 
 
-RESULT_FIELDS = ("mode", "objects", "empty_labels", "truncated", "text", "stats")
+RESULT_FIELDS = ("mode", "objects", "empty_labels", "truncated", "text", "orientation", "warnings", "stats")
 ANSWER_FIELDS = ("objects", "empty_labels", "truncated", "image")  # the structured answer of chat completions
 
 
