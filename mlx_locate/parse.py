@@ -52,7 +52,7 @@ class ParseResult:
     objects: list[LocatedObject]
     empty_labels: list[str | None]  # labels answered with <box>None</box> (or `none`)
     malformed: int  # boxes skipped because they held something other than 4 or 2 coordinates or one None
-    truncated: bool  # the stream ended inside an unfinished <ref> or <box>
+    truncated: bool  # the stream ended inside an unfinished <ref> or <box>, or after a label no box followed
     ended: bool  # <|im_end|> was seen
 
 
@@ -134,6 +134,7 @@ class AnswerParser:
         self.empty_labels: list[str | None] = []
         self.malformed = 0
         self.label: str | None = None
+        self.boxless = False  # a label was read and no box has followed it yet: its item is unfinished
         self.ended = False  # <|im_end|> was seen: later ids are not parsed
         self.at = 0  # the first id not parsed yet: the start of an unfinished item, or the end
 
@@ -174,6 +175,7 @@ class AnswerParser:
                 return False
             text_ids = [t for t in ids[i + 1 : j] if 0 <= t < tk.vocab_size and t not in self.skipped]
             self.label = self.decode(text_ids).strip()
+            self.boxless = True
             # </ref> is consumed; an early stop token starts the next item.
             self.at = j + 1 if ids[j] == tk.ref_end else j
             return True
@@ -181,6 +183,7 @@ class AnswerParser:
             j = _first_of(ids, i + 1, self.box_stops)
             if j == n:
                 return False
+            self.boxless = False
             if ids[j] != tk.box_end:
                 self.malformed += 1
                 self.at = j
@@ -215,8 +218,9 @@ class AnswerParser:
             self.malformed += 1
 
     def result(self) -> ParseResult:
-        """What the ids fed so far parse to; the answer is truncated when it ends inside an unfinished item."""
-        truncated = not self.ended and self.at < len(self.ids)
+        """What the ids fed so far parse to; the answer is truncated when it ends inside an unfinished item (a label
+        that no box has followed is one)."""
+        truncated = not self.ended and (self.at < len(self.ids) or self.boxless)
         return ParseResult(list(self.objects), list(self.empty_labels), self.malformed, truncated, self.ended)
 
 

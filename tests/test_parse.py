@@ -185,12 +185,15 @@ def test_stops_at_im_end(tk):
 
 def test_truncated_mid_item(tk):
     head = seq(tk, "<ref>", "car", "</ref>", "<box>", 1, 2, 3, 4, "</box>")
-    for tail in [("<box>", 5, 6, 7), ("<box>",), ("<box>", "None"), ("<ref>", "person"), ("<ref>",)]:
+    tails = [("<box>", 5, 6, 7), ("<box>",), ("<box>", "None"), ("<ref>", "person"), ("<ref>",)]
+    for tail in [*tails, ("<ref>", "person", "</ref>")]:  # the last: a label no box has followed yet
         result = parse(tk, head + seq(tk, *tail))
         assert result.truncated and not result.ended, tail
         assert boxes(result) == [("car", (1, 2, 3, 4))] and result.malformed == 0
     complete = parse(tk, head)
     assert not complete.truncated and not complete.ended
+    ended = parse(tk, head + seq(tk, "<ref>", "person", "</ref>", "<end>"))  # the model's own end: not cut
+    assert not ended.truncated and ended.ended
 
 
 def test_label_ended_early(tk):
