@@ -1,6 +1,6 @@
 """JSON Lines files: each line's value with errors that name the line, the cut of a last line that an
-interrupted write left without its newline (so a resumed run appends after whole lines), and a header line
-rewritten in place."""
+interrupted write left without its newline (so a resumed run appends after whole lines; a file a command resumes
+is checked before anything is cut: `complete_text`, then `cut_unfinished`), and a header line rewritten in place."""
 
 from __future__ import annotations
 
@@ -38,6 +38,28 @@ def cut_to(path: Path, size: int) -> None:
         f.truncate(size)
         f.flush()
         os.fsync(f.fileno())
+
+
+def complete_text(path: Path, what: str) -> tuple[str, bytes]:
+    """The text of the file's complete lines and what follows its last newline (an unfinished line, or b""); the
+    file is not changed. Bytes that are not UTF-8 raise `ValueError` naming the file as no JSONL of `what`."""
+    complete, tail = split_tail(path)
+    try:
+        return complete.decode("utf-8"), tail
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a JSONL of {what} ({e}); use another --out") from None
+
+
+def cut_unfinished(path: Path, tail: bytes, starts: tuple[bytes, ...], what: str, cut: bool = True) -> None:
+    """Once the complete lines are checked: the unfinished last line `tail` (`complete_text`) is an interrupted
+    write of `what` when it starts as its lines do (`starts`), and is cut off the file (unless not `cut`); any
+    other raises `ValueError` and the file stays as it is."""
+    if not tail:
+        return
+    if not tail.startswith(starts):
+        raise ValueError(f"{path} does not end with a line of {what}; use another --out")
+    if cut:
+        cut_to(path, path.stat().st_size - len(tail))
 
 
 def whole_lines(path: Path) -> str:

@@ -367,11 +367,11 @@ def test_resume_refuses_other_questions_and_foreign_lines(run, folder, finished,
 
 def test_an_output_that_cannot_be_read_is_an_error(run, folder, tmp_path):
     code, err = run("--images", str(folder), "--out", str(tmp_path))
-    assert code == 2 and err.startswith("error: [Errno 21] Is a directory")
+    assert code == 2 and err == f"error: --out {tmp_path} is a folder; it needs a file name such as results.jsonl\n"
     binary = tmp_path / "photo.jpg"
     binary.write_bytes(IMAGE.read_bytes())
     code, err = run("--images", str(folder), "--out", str(binary))
-    assert code == 2 and "is not a JSONL file" in err and binary.read_bytes() == IMAGE.read_bytes()
+    assert code == 2 and "is not a JSONL of mlx-locate-batch" in err and binary.read_bytes() == IMAGE.read_bytes()
     notes = tmp_path / "notes.txt"  # no newline at all: not a line cut short by an interruption
     notes.write_text("my notes")
     code, err = run("--images", str(folder), "--out", str(notes))

@@ -27,6 +27,23 @@ def test_whole_lines_cut_an_unfinished_last_line_off_the_file(tmp_path):
     assert jsonl.whole_lines(path) == "" and path.read_bytes() == b""
 
 
+def test_a_resumed_file_is_checked_before_its_last_line_is_cut(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"b": ')
+    assert jsonl.complete_text(path, "tool") == ('{"a": 1}\n', b'{"b": ')
+    assert path.read_bytes() == b'{"a": 1}\n{"b": '  # reading changes nothing
+    jsonl.cut_unfinished(path, b'{"b": ', (b'{"b": ',), "tool", cut=False)
+    assert path.read_bytes() == b'{"a": 1}\n{"b": '
+    with pytest.raises(ValueError, match=r"out\.jsonl does not end with a line of tool; use another --out$"):
+        jsonl.cut_unfinished(path, b'{"b": ', (b'{"a": ',), "tool")
+    assert path.read_bytes() == b'{"a": 1}\n{"b": '
+    jsonl.cut_unfinished(path, b'{"b": ', (b'{"a": ', b'{"b": '), "tool")
+    assert path.read_bytes() == b'{"a": 1}\n'
+    path.write_bytes(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(ValueError, match=r"out\.jsonl is not a JSONL of tool \('utf-8' codec can't decode"):
+        jsonl.complete_text(path, "tool")
+
+
 def test_set_first_line_in_place_or_by_rewriting(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_text('{"complete": false}\n{"frame": 0}\n')

@@ -258,6 +258,32 @@ def test_files_that_are_no_video_are_named_in_words(run, clip, tmp_path):
     assert run.loads == 0 and not (tmp_path / "out.jsonl").exists()
 
 
+def test_an_out_that_is_not_ours_is_refused_unchanged(run, clip, tmp_path):
+    """--out a CSV, a PNG, text without a newline or a folder: one error line naming it, exit 2, before the model
+    loads; the file keeps every byte (its last line too, which is no frame line cut short)."""
+    png = tmp_path / "photo.png"
+    Image.new("RGB", (8, 8), "red").save(png)
+    (tmp_path / "data.csv").write_bytes(b"a,b\n1,2\n3,4")
+    (tmp_path / "notes.txt").write_bytes(b"my notes")
+    (tmp_path / "folder").mkdir()
+    expected = {
+        "data.csv": "is not a JSONL of mlx-locate-video; use another --out",
+        "photo.png": "is not a JSONL of mlx-locate-video ('utf-8' codec can't decode byte 0x89 in position 0",
+        "notes.txt": "does not end with a line of mlx-locate-video; use another --out",
+    }
+    for name, message in expected.items():
+        before = (tmp_path / name).read_bytes()
+        code, err = run("--video", str(clip), "--query", "square", "--out", str(tmp_path / name))
+        assert code == 2 and err.startswith(f"error: {tmp_path / name} {message}") and err.count("\n") == 1, err
+        assert (tmp_path / name).read_bytes() == before
+    code, err = run("--video", str(clip), "--query", "square", "--out", str(tmp_path / "folder"))
+    assert (
+        code == 2
+        and err == f"error: --out {tmp_path / 'folder'} is a folder; it needs a file name such as frames.jsonl\n"
+    )
+    assert run.loads == 0 and not any((tmp_path / "folder").iterdir())
+
+
 @pytest.fixture(scope="module")
 def front_indexed(tmp_path_factory):
     """The clip with its index at the front (as for streaming): a cut file still opens."""

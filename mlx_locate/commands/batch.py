@@ -348,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything the user gave is checked before the (slow) model load.
     settings = settings_of(args)
     out = Path(args.out)
+    flags.check_file_path(out, "--out", "results.jsonl")
     targets = export_targets(args)
     owned = owned_exports([out])
     images = inputs_of(list_images(args.images), targets, owned, args.draw)

@@ -125,6 +125,20 @@ def add_overwrite(p, what: str) -> None:
     p.add_argument("--overwrite", "--force", dest="overwrite", action="store_true", help=f"replace {what}")
 
 
+def check_file_path(path: str | Path, flag: str, example: str) -> None:
+    """`IsADirectoryError` when `path`, given to `flag` for a file the command writes, is a folder."""
+    if Path(path).is_dir():
+        raise IsADirectoryError(f"{flag} {path} is a folder; it needs a file name such as {example}")
+
+
+def check_new_file(path: str | Path, flag: str, example: str, overwrite: bool) -> None:
+    """A file the command is to write at `path`: not a folder (`check_file_path`), nor an existing file unless
+    `overwrite` (`FileExistsError`)."""
+    check_file_path(path, flag, example)
+    if Path(path).exists() and not overwrite:
+        raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
+
+
 def add_json(p, what: str = "print one JSON object instead of text", path: bool = False) -> None:
     """--json: a switch, or with `path` the file a command writes its JSON to."""
     p.add_argument("--json", **({"metavar": "PATH"} if path else {"action": "store_true"}), help=what)

@@ -99,11 +99,7 @@ def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool
     the file (`repair`) or ignored."""
     if not path.exists():
         return {}
-    complete, tail = jsonl.split_tail(path)
-    try:
-        text = complete.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not a JSONL file ({e}); use another --out") from None
+    text, tail = jsonl.complete_text(path, "mlx-locate-batch")
     expected = None if questions is None else [q.key() for q in questions]
     done = {}
     for number, entry in jsonl.values(text, path, jsonl.RESUME_HINT):
@@ -114,10 +110,7 @@ def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool
                 f"{path} holds answers to {question_keys(entry)}, not {expected}; use another --out to start over"
             )
         done[entry["image"]] = "results" in entry
-    if tail and not tail.startswith(LINE_START):
-        raise ValueError(f"{path} does not end with a line of mlx-locate-batch; use another --out")
-    if tail and repair:
-        jsonl.cut_to(path, len(complete))
+    jsonl.cut_unfinished(path, tail, (LINE_START,), "mlx-locate-batch", cut=repair)
     return done
 
 

@@ -63,6 +63,8 @@ TRACK_POINT_RADIUS = 0.05  # points: the same, within this fraction of the frame
 ENCODERS = {".webm": ("libvpx-vp9", "libvpx")}  # by output suffix; anything else: H.264, else MPEG-4 part 2
 DEFAULT_ENCODERS = ("libx264", "h264", "mpeg4")
 EXTRA = 'pip install "mlx-locate[video]"'
+WHAT = "mlx-locate-video"
+LINE_STARTS = (b'{"video": ', b'{"frame": ')  # how the header and the frame lines begin (json.dumps keeps key order)
 
 
 class VideoError(ValueError):
@@ -513,34 +515,35 @@ def mot_rows(line: dict) -> Iterator[str]:
 
 def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
     """The frame lines of an earlier run at `path` (index -> line, track ids removed) and whether the file
-    has its header. A last line without its newline is cut off the file; a header from other settings, or a
-    line that is not a frame line, raises `ValueError`."""
-    if not path.exists() or path.stat().st_size == 0:
+    has its header. A file that is not ours, a header from other settings or a line that is not a frame line
+    raises `ValueError`, the file unchanged; then a last line of ours cut short (an interrupted write) is cut off
+    the file."""
+    if not path.exists():
         return {}, False
-    text = jsonl.whole_lines(path)
-    if not text.strip():
-        return {}, False
-    lines = jsonl.values(text, path, jsonl.RESUME_HINT)
-    try:
-        _, first = next(lines)
-    except ValueError:
-        first = None
-    if not isinstance(first, dict) or "video" not in first:
-        raise ValueError(f"{path} is not a JSONL of mlx-locate-video; use another --out")
-    changed = sorted(k for k in {*first, *header} - {"complete"} if first.get(k) != header.get(k))
-    if changed:
-        raise ValueError(
-            f"{path} was written with other settings ({', '.join(changed)} differ); use another --out to start over"
-        )
+    text, tail = jsonl.complete_text(path, WHAT)
     done = {}
-    for number, line in lines:
-        if not isinstance(line, dict) or "frame" not in line or "results" not in line:
-            raise ValueError(f"{path}:{number} is not a frame line of mlx-locate-video; use another --out")
-        for entry in line["results"]:
-            for o in entry.get("objects", []):
-                o.pop("track", None)
-        done[line["frame"]] = line
-    return done, True
+    if text.strip():
+        lines = jsonl.values(text, path, jsonl.RESUME_HINT)
+        try:
+            _, first = next(lines)
+        except ValueError:
+            first = None
+        if not isinstance(first, dict) or "video" not in first:
+            raise ValueError(f"{path} is not a JSONL of {WHAT}; use another --out")
+        changed = sorted(k for k in {*first, *header} - {"complete"} if first.get(k) != header.get(k))
+        if changed:
+            raise ValueError(
+                f"{path} was written with other settings ({', '.join(changed)} differ); use another --out to start over"
+            )
+        for number, line in lines:
+            if not isinstance(line, dict) or "frame" not in line or "results" not in line:
+                raise ValueError(f"{path}:{number} is not a frame line of {WHAT}; use another --out")
+            for entry in line["results"]:
+                for o in entry.get("objects", []):
+                    o.pop("track", None)
+            done[line["frame"]] = line
+    jsonl.cut_unfinished(path, tail, LINE_STARTS, WHAT)
+    return done, bool(text.strip())
 
 
 # --- Command line -----------------------------------------------------------------------------------------
@@ -603,9 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     annotated = None
     try:
         settings = settings_of(args)
-        for path in (args.annotated, args.mot):
-            if path and Path(path).exists() and not args.overwrite:
-                raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
+        flags.check_file_path(args.out, "--out", "frames.jsonl")
+        for flag, path, example in (("--annotated", args.annotated, "tracked.mp4"), ("--mot", args.mot, "tracks.txt")):
+            if path is not None:
+                flags.check_new_file(path, flag, example, args.overwrite)
         info = video_info(args.video)
         out = Path(args.out)
         header = settings.header(args.video, info.size)
@@ -618,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         model = flags.load_model(args)
         written, problem = run(model, args, settings, info, out, header, done, has_header, annotated)
         annotated = None
-    except (FileNotFoundError, FileExistsError, ValueError, OutputError) as e:
+    except (OSError, ValueError, OutputError) as e:  # OSError: a path that cannot be read or written
         if annotated is not None:
             annotated.abandon()
         print(f"error: {e}", file=sys.stderr)
