@@ -28,6 +28,24 @@ def test_a_model_that_does_not_load_is_one_error_line(tmp_path, capsys):
     assert not (tmp_path / "out.json").exists()
 
 
+def test_an_existing_json_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    from mlx_locate.commands import bench, flags
+
+    monkeypatch.setattr(flags, "load", lambda *a, **k: pytest.fail("measured before refusing"))
+    png = tmp_path / "photo.png"
+    png.write_bytes(b"\x89PNG mine")
+    assert bench.main(["--quick", "--json", str(png)]) == 2
+    assert capsys.readouterr().err == f"error: {png} already exists; pass --overwrite to replace it\n"
+    assert png.read_bytes() == b"\x89PNG mine"
+    monkeypatch.chdir(tmp_path)  # the default file too
+    Path(bench.DEFAULT_OUT).write_text("last week's")
+    assert bench.main(["--quick"]) == 2 and "already exists; pass --overwrite" in capsys.readouterr().err
+    assert bench.main(["--quick", "--json", str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err == f"error: --json {tmp_path} is a folder; it needs a file name such as my-mac.json\n"
+    )
+
+
 @pytest.mark.slow
 def test_bench_quick_on_the_demo_writes_every_field(tmp_path):
     out = tmp_path / "bench.json"

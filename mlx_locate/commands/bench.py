@@ -38,6 +38,7 @@ from . import flags
 OPS_ENV = "MLX_MAX_OPS_PER_BUFFER"
 PHOTO = (4032, 3024)  # a 12 MP phone photo
 QUERY = "red box"
+DEFAULT_OUT = "mlx-locate-bench.json"
 
 
 def measure_bandwidth(gigabytes: float = 6.4) -> float:
@@ -178,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-only", action="store_true", help=argparse.SUPPRESS)  # the --ops-per-buffer children
     p.add_argument("--macs-rows", nargs="+", type=Path, metavar="JSON", help=argparse.SUPPRESS)  # maintainers:
     # print the benchmarks/README "Macs" table's rows of these files, measure nothing
-    flags.add_json(p, "write the results here (default: mlx-locate-bench.json)", path=True)
+    flags.add_json(p, f"write the results here (default: {DEFAULT_OUT})", path=True)
+    flags.add_overwrite(p, "an existing --json file")
     return p
 
 
@@ -210,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     if args.macs_rows:
         print("\n".join(macs_row(json.loads(f.read_text()), f.name) for f in args.macs_rows))
         return 0
-    out = Path(args.json or "mlx-locate-bench.json")
+    out = Path(args.json or DEFAULT_OUT)
+    flags.check_new_file(out, "--json", "my-mac.json", args.overwrite)  # before any measuring
     model = flags.load_model(args)
     if args.steps_only:
         out.write_text(json.dumps(steps_report(model, args.quick)))
