@@ -2,7 +2,7 @@
 
     python convert/convert_hf.py --hf-path nvidia/LocateAnything-3B --mlx-path LocateAnything-3B-q8 --quantize q8
 
-The same command as `python -m mlx_locate.commands.convert` after `pip install`.
+The same command as `mlx-locate-convert` after `pip install`.
 """
 
 import sys

@@ -302,6 +302,20 @@ def test_the_command_ends_without_teardown_and_loses_nothing(tmp_path):
     assert missing.returncode == 2 and missing.stderr.startswith("error:")
 
 
+def test_every_command_shows_its_installed_name(capsys):
+    """--help and argparse's errors name the command as it is installed (pyproject's scripts), not its module."""
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    section = pyproject.split("[project.scripts]")[1].split("\n[")[0]
+    scripts = re.findall(r'^(mlx-locate[\w-]*) = "([\w.]+):\w+"', section, re.M)
+    assert len(scripts) == section.count(" = ")
+    for name, target in scripts:
+        parser = importlib.import_module(target).build_parser()
+        assert parser.prog == name, target
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--no-such-flag"])
+        assert capsys.readouterr().err.startswith(f"usage: {name} "), name
+
+
 def test_every_command_with_a_progress_bar_takes_no_progress():
     with_bar = {
         "mlx_locate.commands.batch",

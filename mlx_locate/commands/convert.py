@@ -1,7 +1,9 @@
 """Convert a LocateAnything checkpoint (original Hugging Face or mlx-vlm layout) into an MLX checkpoint folder.
 
-    python -m mlx_locate.commands.convert --hf-path nvidia/LocateAnything-3B --mlx-path LocateAnything-3B-q8 \
+    mlx-locate-convert --hf-path nvidia/LocateAnything-3B --mlx-path LocateAnything-3B-q8 \
         [--dtype bfloat16] [--quantize q8] [--report] [--force]
+
+(`python -m mlx_locate.commands.convert` runs the same `main`.)
 
 The output folder holds our tensor names (docs/model.md §4: the HF names, the patch conv as a Linear (C, 3*p*p), no
 head copy) in the chosen dtype, safetensors shards of at most 5 GB, `config.json` with the quantization recorded
@@ -266,7 +268,7 @@ base_model: {source}
 ---
 # LocateAnything for MLX ({quantize or dtype})
 
-Converted with `python -m mlx_locate.commands.convert` on {info["date"]}.
+Converted with `mlx-locate-convert` on {info["date"]}.
 
 - source: `{source}` ({info["source_bytes"] / 1e9:.3f} GB on disk)
 - dtype: {dtype}
@@ -619,7 +621,7 @@ def format_report(r: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     presets = "\n".join(f"  {name:22} {p.description}" for name, p in PRESETS.items())
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_locate.commands.convert",
+        prog="mlx-locate-convert",
         description="Convert a LocateAnything checkpoint (Hugging Face or mlx-vlm layout) to an MLX checkpoint.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"quantization presets:\n{presets}",
