@@ -316,6 +316,27 @@ def test_every_command_shows_its_installed_name(capsys):
         assert capsys.readouterr().err.startswith(f"usage: {name} "), name
 
 
+OUTPUT_PATHS = {  # every flag naming a file or folder a command writes
+    "locate": ["--draw"],
+    "video": ["--out", "--annotated", "--mot"],
+    "batch": ["--out", "--coco", "--coco-results", "--yolo", "--voc", "--labelstudio", "--draw"],
+    "bench": ["--json"],
+    "evaluate": ["--out", "--export"],
+    "finetune": ["--out"],
+    "convert": ["--mlx-path"],
+}
+
+
+@pytest.mark.parametrize("command, flag", [(c, f) for c, flags in OUTPUT_PATHS.items() for f in flags])
+def test_an_empty_output_path_is_an_error(command, flag, capsys):
+    """An empty path would write nothing (a flag silently ignored) or into the current folder."""
+    parser = importlib.import_module(f"mlx_locate.commands.{command}").build_parser()
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args([flag, ""])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: argument {flag}: expected a path, got an empty string\n")
+
+
 def test_every_command_with_a_progress_bar_takes_no_progress():
     with_bar = {
         "mlx_locate.commands.batch",

@@ -88,14 +88,34 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_decoding(p)
     flags.add_sampling(p)
     flags.add_tiling(p)
-    p.add_argument("--out", help="JSONL results, one line per image; an existing file is resumed")
+    p.add_argument(
+        "--out", type=flags.output_path, help="JSONL results, one line per image; an existing file is resumed"
+    )
     p.add_argument("--full", action="store_true", help=f"keep {' and '.join(LEAN_DROPPED)} in the JSONL")
-    p.add_argument("--coco", metavar="PATH", help="also write a COCO dataset (instances JSON with scores)")
-    p.add_argument("--coco-results", metavar="PATH", help="also write COCO detection results, in --coco's ids")
-    p.add_argument("--yolo", metavar="DIR", help="also write a YOLO dataset: DIR/images, DIR/labels, DIR/data.yaml")
-    p.add_argument("--voc", metavar="DIR", help="also write one Pascal VOC XML per image into DIR")
-    p.add_argument("--labelstudio", metavar="PATH", help="also write Label Studio tasks with predictions")
-    p.add_argument("--draw", metavar="DIR", help="save each image with its objects drawn as DIR/<name>.png")
+    p.add_argument(
+        "--coco", metavar="PATH", type=flags.output_path, help="also write a COCO dataset (instances JSON with scores)"
+    )
+    p.add_argument(
+        "--coco-results",
+        metavar="PATH",
+        type=flags.output_path,
+        help="also write COCO detection results, in --coco's ids",
+    )
+    p.add_argument(
+        "--yolo",
+        metavar="DIR",
+        type=flags.output_path,
+        help="also write a YOLO dataset: DIR/images, DIR/labels, DIR/data.yaml",
+    )
+    p.add_argument(
+        "--voc", metavar="DIR", type=flags.output_path, help="also write one Pascal VOC XML per image into DIR"
+    )
+    p.add_argument(
+        "--labelstudio", metavar="PATH", type=flags.output_path, help="also write Label Studio tasks with predictions"
+    )
+    p.add_argument(
+        "--draw", metavar="DIR", type=flags.output_path, help="save each image with its objects drawn as DIR/<name>.png"
+    )
     flags.add_overwrite(p, "existing export files this run did not write and --draw drawings")
 
     m = p.add_argument_group("many machines")

@@ -627,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"quantization presets:\n{presets}",
     )
     parser.add_argument("--hf-path", required=True, help="source folder or Hugging Face hub id")
-    parser.add_argument("--mlx-path", required=True, type=Path, help="destination folder")
+    parser.add_argument("--mlx-path", required=True, type=flags.output_path, help="destination folder")
     flags.add_dtype(parser, DEFAULT_DTYPE, "float dtype of the output (default: %(default)s)")
     parser.add_argument(
         "-q",

@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     what.add_argument("--predictions", action="extend", nargs="+", metavar="FILE", help="answer JSONL files to score")
     what.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two report.json files: print the differences")
-    what.add_argument("--export", metavar="DIR", help="write the synthetic benchmark in every input format")
+    what.add_argument(
+        "--export", metavar="DIR", type=flags.output_path, help="write the synthetic benchmark in every input format"
+    )
     flags.add_images_root(p, "the benchmarks'")
     p.add_argument("--format", choices=FORMATS, default="auto", help="input format of --data (default: by content)")
     flags.add_model(p)
@@ -58,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gui-task", choices=("point", "gui"), default="point", help="GUI prompt: a point or a box")
     p.add_argument("--limit", type=flags.positive_int, help="only the first N samples of each benchmark")
-    p.add_argument("--out", help="folder for answer files and report.json, report.md, f1_vs_iou.png")
+    p.add_argument(
+        "--out", type=flags.output_path, help="folder for answer files and report.json, report.md, f1_vs_iou.png"
+    )
     flags.add_overwrite(p, "existing report (or exported) files")
     p.add_argument("--n", type=flags.positive_int, default=100, help="--export: scenes (default: %(default)s)")
     p.add_argument(

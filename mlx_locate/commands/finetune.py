@@ -32,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_model(p, adapter=False)
     p.add_argument("--data", required=True, help="training data: SFT .jsonl, recipe .json or COCO instances .json")
     flags.add_images_root(p, "--data's and --val-data's")
-    p.add_argument("--out", required=True, help="output folder: adapter, checkpoints, log.jsonl, training.png")
+    p.add_argument(
+        "--out",
+        required=True,
+        type=flags.output_path,
+        help="output folder: adapter, checkpoints, log.jsonl, training.png",
+    )
     p.add_argument("--val-data", help="held-out data (default: a --val-fraction of --data's images)")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_HELD_OUT, help="held-out share (default: 0.1)")
     p.add_argument("--categories-per-prompt", type=int, default=10, help="COCO: categories per detection prompt")

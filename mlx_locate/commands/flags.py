@@ -79,6 +79,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def output_path(text: str) -> str:
+    """A path a command writes to: an empty one would write nothing, or into the current folder."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
 def seed_int(text: str) -> int:
     value = _integer(text)
     if not 0 <= value <= MAX_SEED:  # the engine's bound (`admission.check_request`)
@@ -141,7 +148,8 @@ def check_new_file(path: str | Path, flag: str, example: str, overwrite: bool) -
 
 def add_json(p, what: str = "print one JSON object instead of text", path: bool = False) -> None:
     """--json: a switch, or with `path` the file a command writes its JSON to."""
-    p.add_argument("--json", **({"metavar": "PATH"} if path else {"action": "store_true"}), help=what)
+    kind = {"metavar": "PATH", "type": output_path} if path else {"action": "store_true"}
+    p.add_argument("--json", **kind, help=what)
 
 
 def load_model(args: argparse.Namespace, folder: Path | None = None):

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     flags.add_tiling(p)
     o = p.add_argument_group("output")
     flags.add_json(o)
-    o.add_argument("--draw", metavar="PATH", help="save the image with the boxes, points and labels drawn")
+    o.add_argument(
+        "--draw", metavar="PATH", type=flags.output_path, help="save the image with the boxes, points and labels drawn"
+    )
     flags.add_overwrite(o, "an existing --draw file")
     return p
 

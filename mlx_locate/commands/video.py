@@ -563,9 +563,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fps", type=flags.positive_float, default=DEFAULT_FPS, help="frames per second to sample (default: 2)"
     )
     flags.add_rows(p)
-    p.add_argument("--out", required=True, help="JSONL, one line per sampled frame; an existing file is resumed")
-    p.add_argument("--annotated", metavar="PATH", help="write the sampled frames with boxes and track ids drawn")
-    p.add_argument("--mot", metavar="PATH", help="write the tracks in MOT Challenge format")
+    p.add_argument(
+        "--out", required=True, type=flags.output_path, help="JSONL, one line per sampled frame; resumed if it exists"
+    )
+    p.add_argument(
+        "--annotated", metavar="PATH", type=flags.output_path, help="write the sampled frames with boxes and tracks"
+    )
+    p.add_argument("--mot", metavar="PATH", type=flags.output_path, help="write the tracks in MOT Challenge format")
     flags.add_overwrite(p, "existing --annotated and --mot files")
     flags.add_progress(p)
     flags.add_decoding(p)
@@ -607,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_of(args)
         flags.check_file_path(args.out, "--out", "frames.jsonl")
-        for flag, path, example in (("--annotated", args.annotated, "tracked.mp4"), ("--mot", args.mot, "tracks.txt")):
+        for flag, path, example in (("--annotated", args.annotated, "annotated.mp4"), ("--mot", args.mot, "mot.txt")):
             if path is not None:
                 flags.check_new_file(path, flag, example, args.overwrite)
         info = video_info(args.video)
