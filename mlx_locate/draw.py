@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import colorsys
+import io
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +28,29 @@ def _caption(obj: LocatedObject) -> str:
     if obj.confidence is not None:
         parts.append(f"{obj.confidence:.2f}")
     return " ".join(parts)
+
+
+def writes_rgb(fmt: str) -> bool:
+    """Whether Pillow writes an RGB image (what `draw_objects` saves) in format `fmt`: not a format without its
+    save handler installed, nor one of other modes only (tried on a tiny image, its warnings unshown)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a deprecated format still writes
+            Image.new("RGB", (8, 8)).save(io.BytesIO(), format=fmt)
+    except (OSError, ValueError, KeyError):
+        return False
+    return True
+
+
+def check_drawing_path(path: str | Path) -> None:
+    """`ValueError` unless Pillow writes a drawing under `path`'s suffix, naming the suffixes it does."""
+    formats = Image.registered_extensions()
+    suffix = Path(path).suffix.lower()
+    if suffix in formats and writes_rgb(formats[suffix]):
+        return
+    taken = sorted(s for s, fmt in formats.items() if fmt in Image.SAVE and writes_rgb(fmt))
+    what = f"a {suffix} file" if suffix else "a file without a suffix"
+    raise ValueError(f"{path}: Pillow cannot write a drawing as {what}; end its name with one of {', '.join(taken)}")
 
 
 def draw_objects(

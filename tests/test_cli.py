@@ -170,6 +170,24 @@ def test_draw(cli, tmp_path):
     assert code == 0, err
 
 
+def test_draw_needs_a_file_name_pillow_writes(cli, tmp_path, monkeypatch):
+    """A folder, a suffix Pillow does not write (an unknown one, XBM: 1-bit only) and none: refused before the model
+    loads; a folder without suggesting --overwrite."""
+    monkeypatch.setattr(cli_module, "load", lambda *a, **k: pytest.fail("loaded before refusing"))
+    folder = tmp_path / "drawings"
+    folder.mkdir()
+    for overwrite in ([], ["--overwrite"]):
+        code, _, err = cli("--query", "red box", "--draw", str(folder), *overwrite)
+        assert code == 2 and err == f"error: --draw {folder} is a folder; it needs a file name such as out.png\n"
+    for name, what in (("out.xyz", "a .xyz file"), ("out.XBM", "a .xbm file"), ("drawing", "a file without a suffix")):
+        code, _, err = cli("--query", "red box", "--draw", str(tmp_path / name))
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: {tmp_path / name}: Pillow cannot write a drawing as {what}; end its name with ")
+        taken = err.split("end its name with one of ")[1].strip().split(", ")
+        assert {".jpg", ".png", ".webp"} <= set(taken) and ".xbm" not in taken
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drawings"] and not any(folder.iterdir())
+
+
 @pytest.mark.parametrize("args", [["--strict"], ["--mode", "slow"], ["--mode", "fast", "--no-loop-guard"]])
 def test_modes_and_strict(cli, args):
     code, out, err = cli("--query", "red box", "--json", *args)

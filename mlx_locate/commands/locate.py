@@ -20,9 +20,8 @@ import os
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from ..draw import draw_objects
+from ..draw import check_drawing_path, draw_objects
 from ..preprocess import FORMATS, load_image, photo_notes
 from ..prompts import task_text
 from ..request import DEFAULT_TASK, Result, prepare_image
@@ -160,8 +159,9 @@ def run(args: argparse.Namespace) -> str:
     image = load_image(args.image, args.max_pixels, args.orientation)
     for warning in photo_notes(image).warnings:
         print(f"warning: {args.image}: {warning}", file=sys.stderr)
-    if args.draw and Path(args.draw).exists() and not args.overwrite:
-        raise FileExistsError(f"{args.draw} already exists; pass --overwrite to replace it")
+    if args.draw is not None:
+        flags.check_new_file(args.draw, "--draw", "out.png", args.overwrite)
+        check_drawing_path(args.draw)
     # The image is resized and cut into patches on a thread while the model loads.
     with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-image") as pool:
         folder = resolve(args.model)
