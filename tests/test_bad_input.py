@@ -328,6 +328,8 @@ def test_max_tokens_reached_mid_box(cli):
         (["--temperature", "nan"], "argument --temperature: expected a finite number, got 'nan'"),
         (["--seed", "-1"], "argument --seed: must be between 0 and 2**64 - 1, got -1"),
         (["--max-pixels", "0"], "argument --max-pixels: must be at least 1, got 0"),
+        (["--image-tokens", "1"], "argument --image-tokens: must be at least 4 patches, got 1"),
+        (["--image-tokens", "257"], "error: --image-tokens 257: the model takes at most 256 patches (its own budget)"),
     ],
 )
 def test_bad_options(cli, args, message):

@@ -435,6 +435,10 @@ def test_cli_and_folder_answer_in_the_displayed_frame(use_demo, shown, tmp_path,
     (answer,) = line["results"]
     assert answer["image_size"] == data["image_size"] and answer["orientation"] == "exif"
     assert [o["box"] for o in answer["objects"]] == [o["box"] for o in data["objects"]]
+    big = ["--images", str(folder), "--query", "square", "--out", str(tmp_path / "big.jsonl"), "--image-tokens", "257"]
+    code = batch.main(big)
+    assert code == 2 and "error: --image-tokens 257: the model takes at most 256 patches" in capsys.readouterr().err
+    assert not (tmp_path / "big.jsonl").exists()  # not a line per image, each with the API's error
 
 
 def test_cli_warns_of_a_multi_frame_file(use_demo, shown, tmp_path, capsys):

@@ -21,7 +21,7 @@ from ..decide import MODE_NAMES, Guards
 from ..locate import load
 from ..preprocess import DEFAULT_MAX_PIXELS, ORIENTATIONS
 from ..prompts import RENDERINGS, TASKS
-from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, Request
+from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, MIN_IMAGE_TOKENS, Request
 from ..sampling import Sampling
 from ..tiles import check_tiling, parse_tiles
 from ..weights.checkpoint import DEMO_IMAGE, DTYPES
@@ -84,6 +84,13 @@ def output_path(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("expected a path, got an empty string")
     return text
+
+
+def image_tokens(text: str) -> int:
+    value = _integer(text)
+    if value < MIN_IMAGE_TOKENS:  # the engine's bound (`request.check_image_options`)
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_IMAGE_TOKENS} patches, got {value}")
+    return value
 
 
 def seed_int(text: str) -> int:
@@ -154,11 +161,16 @@ def add_json(p, what: str = "print one JSON object instead of text", path: bool 
 
 def load_model(args: argparse.Namespace, folder: Path | None = None):
     """The model `add_model`'s flags name (a `locate.LocateModel`), within --memory-limit where given; from
-    `folder` where the caller has resolved --model already (a hub id is then not looked up twice)."""
+    `folder` where the caller has resolved --model already (a hub id is then not looked up twice). An
+    --image-tokens over the model's own patch budget raises `ValueError` naming the flag."""
     apply_memory_limit(args)
     tune = {"tune": False} if getattr(args, "tune", None) is False else {}  # --no-tune; else MLX_LOCATE_TUNE decides
     where = args.model if folder is None else folder
-    return load(where, dtype=args.dtype, adapter_path=getattr(args, "adapter", None), **tune)
+    model = load(where, dtype=args.dtype, adapter_path=getattr(args, "adapter", None), **tune)
+    tokens, limit = getattr(args, "max_image_tokens", None), model.runtime.in_token_limit
+    if tokens is not None and tokens > limit:
+        raise ValueError(f"--image-tokens {tokens}: the model takes at most {limit:,} patches (its own budget)")
+    return model
 
 
 # --- questions ---
@@ -395,7 +407,7 @@ def add_image_options(p: argparse.ArgumentParser, orientation: str = "exif") -> 
     p.add_argument(
         "--image-tokens",
         dest="max_image_tokens",
-        type=positive_int,
+        type=image_tokens,
         metavar="N",
         help="scale images to at most N patches, below the model's own budget: faster vision and less memory on "
         "large photos, at some cost in small objects (default: the model's)",
