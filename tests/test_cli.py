@@ -269,6 +269,22 @@ def test_a_hub_id_is_looked_up_once(cli, golden_dir, monkeypatch):
     assert calls == ["someone/tiny"] and len(json.loads(out)["objects"]) == 1
 
 
+def test_a_hub_id_that_cannot_be_fetched_is_one_error_line(cli, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(**kwargs):
+        raise LocalEntryNotFoundError("Got: ConnectError\nAn error happened while trying to locate the files.")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    code, out, err = cli("--query", "red box", model="someone/tiny")
+    assert code == 2 and out == ""
+    assert err == (
+        "error: model 'someone/tiny' is not a local folder and could not be downloaded from the Hugging Face hub "
+        "(LocalEntryNotFoundError: Got: ConnectError An error happened while trying to locate the files.)\n"
+    )
+
+
 def test_default_model_is_the_bundled_demo_and_demo_example_its_image_from_any_folder(capsys, tmp_path, monkeypatch):
     demo = Path(mlx_locate.__file__).parent / "demo"
     code = generate.main(["--image", str(demo / "example.png"), "--query", "square", "--max-tokens", "24", "--json"])

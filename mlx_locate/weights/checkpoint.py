@@ -44,9 +44,10 @@ def resolve(path_or_id: str | Path) -> Path:
     try:
         return Path(snapshot_download(repo_id=name, allow_patterns=HF_WEIGHT_PATTERNS))
     except Exception as e:  # the hub's errors (offline, unknown repo, gated) have no common base class
+        words = " ".join(str(e).split())  # on one line: the hub's messages run over several
         raise FileNotFoundError(
             f"model {name!r} is not a local folder and could not be downloaded from the Hugging Face hub "
-            f"({type(e).__name__}: {e})"
+            f"({type(e).__name__}: {words})"
         ) from e
 
 
