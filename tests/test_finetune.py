@@ -150,10 +150,13 @@ def test_adapter_loads_merged_kept_and_peft(tmp_path):
     layer, plain_layer = (m.runtime.network.language_model.model.layers[0] for m in (merged, plain))
     assert type(layer.self_attn.qkv_proj) is type(plain_layer.self_attn.qkv_proj)  # merged, then fused as plain
     for mode in ("slow", "fast", "hybrid"):
-        want = trained.locate(IMAGE, "square", mode=mode, max_tokens=48).token_ids
-        assert merged.locate(IMAGE, "square", mode=mode, max_tokens=48).token_ids == want, mode
-        assert peft.locate(IMAGE, "square", mode=mode, max_tokens=48).token_ids == want, mode
-    assert plain.locate(IMAGE, "square", max_tokens=48).token_ids != want  # the adapter changes the answer
+        want = trained.locate(IMAGE, "square", mode=mode, max_tokens=48)
+        assert merged.locate(IMAGE, "square", mode=mode, max_tokens=48).token_ids == want.token_ids, mode
+        assert peft.locate(IMAGE, "square", mode=mode, max_tokens=48).token_ids == want.token_ids, mode
+    # The adapter is applied: it moves the answer's probabilities (a small one need not change a token; whether
+    # it does may turn on the last bits of the kernels the tuner chose).
+    adapted, base_answer = (m.locate(IMAGE, "square", max_tokens=48) for m in (merged, plain))
+    assert (adapted.token_ids, adapted.token_probs) != (base_answer.token_ids, base_answer.token_probs)
     assert hashlib.sha256((DEMO_DIR / "model.safetensors").read_bytes()).hexdigest() == before
 
 
