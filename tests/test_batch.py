@@ -645,7 +645,8 @@ def test_merge_prefers_an_answer_to_an_error_line(run, finished, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--images", "/nonexistent/*.png", "--out", "o.jsonl"], "no image files"),
+        (["--images", "/nonexistent/*.png", "--out", "o.jsonl"], "no image files in '/nonexistent/*.png'"),
+        (["--images", "/nonexistent", "--out", "o.jsonl"], "'/nonexistent' does not exist; give a folder"),
         (["--images", ".", "--out", "o.jsonl", "--task", "ocr"], "takes no query"),
         (["--images", ".", "--out", "o.jsonl", "--prompt", "x"], "cannot be combined with --task or --query"),
         (["--images", "."], "--images and --out are required"),
@@ -661,3 +662,12 @@ def test_user_errors_exit_2(run, args, message):
     except SystemExit as e:  # argparse's own errors
         code, err = e.code, run.capfd.readouterr().err
     assert code == 2 and "error:" in err and message in err, err
+
+
+def test_a_file_given_as_the_drawings_folder_is_named(run, folder, tmp_path):
+    taken = tmp_path / "exists.png"
+    taken.write_bytes(b"mine")
+    for draw, says in ((taken, "is a file"), (taken / "sub", f"lies under {taken}, which is a file")):
+        code, err = run("--images", str(folder), "--out", str(tmp_path / "o.jsonl"), "--draw", str(draw))
+        assert code == 2 and err == f"error: --draw {draw} {says}; it needs a folder\n"
+    assert taken.read_bytes() == b"mine" and run.loads == []

@@ -456,6 +456,8 @@ def test_compare_prints_the_differences(tmp_path, capsys):
         (["--predictions", "ok.jsonl", "--compare", "a", "b"], "give one of"),
         (["--predictions", "ok.jsonl", "--data", "ok.jsonl"], "COCO instances JSON"),
         (["--predictions", "ok.jsonl", "--out", "done"], "--overwrite"),
+        (["--synthetic", "1", "--out", "ok.jsonl"], "--out ok.jsonl is a file; it needs a folder"),
+        (["--export", "ok.jsonl/bench"], "--export ok.jsonl/bench lies under ok.jsonl, which is a file"),
         ([], "give one of"),
     ],
 )

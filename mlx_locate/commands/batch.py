@@ -196,6 +196,9 @@ def settings_of(args: argparse.Namespace) -> AnnotateSettings:
 def list_images(spec: str) -> list[str]:
     """The images of a folder (files with an image suffix), a glob pattern or a .jsonl list; sorted, unique."""
     source = Path(spec).expanduser()
+    kinds = "give a folder, a glob such as 'photos/*.jpg' or a .jsonl list of paths"
+    if not source.exists() and glob.escape(str(source)) == str(source):  # a path, not a pattern
+        raise FileNotFoundError(f"{spec!r} does not exist; {kinds}")
     if source.is_dir():
         found = [p for p in source.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
     elif source.suffix == ".jsonl" and source.is_file():
@@ -203,9 +206,7 @@ def list_images(spec: str) -> list[str]:
     else:
         found = [Path(p) for p in glob.glob(str(source), recursive=True) if Path(p).is_file()]
     if not found:
-        raise FileNotFoundError(
-            f"no image files in {spec!r}; give a folder, a glob such as 'photos/*.jpg' or a .jsonl list of paths"
-        )
+        raise FileNotFoundError(f"no image files in {spec!r}; {kinds}")
     return [str(p) for p in sorted(set(found))]
 
 
@@ -364,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
     if set(exports.FOLDERS) & set(targets):
         exports.flat_names(images, exports.images_root(images))  # names that clash: refused now, not after the run
     if args.draw:
+        flags.check_folder("--draw", Path(args.draw))
         names: dict[Path, str] = {}
         for p in part:
             if (other := names.setdefault(drawing_path(args.draw, p), p)) != p:

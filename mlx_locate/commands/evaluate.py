@@ -78,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
             "give one of --data (or --synthetic), --predictions, --compare or --export (--data or --synthetic "
             "with --predictions names the COCO file of the answers)"
         )
+    for flag in ("export", "out"):
+        if getattr(args, flag):
+            flags.check_folder(f"--{flag}", Path(getattr(args, flag)))
     if args.export:
         paths = export_benchmark(args.export, args.n, args.seed, args.overwrite)
         print("\n".join(str(p) for p in paths.values()))

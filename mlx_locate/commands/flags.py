@@ -125,6 +125,16 @@ def add_overwrite(p, what: str) -> None:
     p.add_argument("--overwrite", "--force", dest="overwrite", action="store_true", help=f"replace {what}")
 
 
+def check_folder(flag: str, path: Path) -> None:
+    """Refuse, before any work, a folder to write into (`flag`'s) that is a file or lies under one."""
+    above = path
+    while not above.exists() and above.parent != above:
+        above = above.parent
+    if above.exists() and not above.is_dir():
+        where = "is a file" if above == path else f"lies under {above}, which is a file"
+        raise NotADirectoryError(f"{flag} {path} {where}; it needs a folder")
+
+
 def add_json(p, what: str = "print one JSON object instead of text", path: bool = False) -> None:
     """--json: a switch, or with `path` the file a command writes its JSON to."""
     p.add_argument("--json", **({"metavar": "PATH"} if path else {"action": "store_true"}), help=what)
