@@ -1,9 +1,11 @@
 """JSON Lines files: each line's value with errors that name the line, the cut of a last line that an
 interrupted write left without its newline (so a resumed run appends after whole lines; a file a command resumes
-is checked before anything is cut: `complete_text`, then `cut_unfinished`), and a header line rewritten in place."""
+is checked before anything is cut: `complete_text`, then `cut_unfinished`), a header line rewritten in place, and
+the settings a file records compared with a run's (`check_settings`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -91,3 +93,37 @@ def set_first_line(path: Path, value: object) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(staged, path)
+
+
+def plain(value: object) -> object:
+    """`value` as JSON gives it back (dataclasses as objects, tuples as lists), so that settings made now compare
+    equal to the same settings read from a file."""
+    return json.loads(json.dumps(value, default=dataclasses.asdict))
+
+
+def check_settings(path: Path | str, recorded: dict, wanted: dict, hint: str, against: str = "now") -> list[str]:
+    """Raise `ValueError` naming every setting that `recorded` (read from `path`) gives another value than
+    `wanted` (`plain` values; objects compared key by key, named `sampling.top_p`), followed by `hint`. Returns
+    the names of the settings the file does not record (written before they were), which are not compared."""
+    changed, unrecorded = [], []
+
+    def compare(old: dict, new: dict, prefix: str) -> None:
+        for key in sorted(old.keys() | new.keys()):
+            name, value = prefix + key, new.get(key)
+            if key not in old:
+                unrecorded.append(name)
+            elif isinstance(old[key], dict) and isinstance(value, dict):
+                compare(old[key], value, name + ".")
+            elif old[key] != value:
+                changed.append(f"{name}: {json.dumps(old[key])} in the file, {json.dumps(value)} {against}")
+
+    compare(recorded, wanted, "")
+    if changed:
+        raise ValueError(f"{path} was written with other settings ({'; '.join(changed)}){hint}")
+    return unrecorded
+
+
+def unrecorded_note(lines: int, where: Path | str, then: str = "resumed as made with this run's settings") -> str:
+    """The note for `lines` lines of `where` that lack settings `check_settings` compares (an earlier version's)."""
+    some = f"{lines} line{'s' * (lines != 1)} of {where} lack{'s' * (lines == 1)}"
+    return f"note: {some} settings that this version records (written by an earlier one); {then}"

@@ -146,9 +146,12 @@ def test_lines_errors_and_lean_output(run, model, folder, finished, tmp_path):
     wide = tmp_path / "wide.jsonl"  # 12 rows: every image in flight at once, the error lines written first
     assert run("--images", str(folder), "--out", str(wide), "--batch-size", "12")[0] == 0
     assert list(answers(wide)) == list(lines)  # finished: in the images' sorted order all the same
+    settings = lines[str(folder / GOOD[0])]["settings"]
+    assert settings["model"] == "demo" and settings["mode"] == "fast" and settings["max_tokens"] == 16
     for name, message in BAD.items():
         line = lines[str(folder / name)]
-        assert set(line) == {"image", "error"} and message in line["error"] and name in line["error"]
+        assert set(line) == {"image", "error", "settings"} and message in line["error"] and name in line["error"]
+        assert line["settings"] == settings
     for name in GOOD:
         line = lines[str(folder / name)]
         assert line["size"] == list(Image.open(IMAGE).size)
@@ -365,6 +368,64 @@ def test_resume_refuses_other_questions_and_foreign_lines(run, folder, finished,
     assert out.read_bytes() == before + b'{"image": "x"}\n'
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (
+            ["--mode", "slow", "--max-tokens", "6"],
+            'max_tokens: 16 in the file, 6 now; mode: "fast" in the file, "slow" now',
+        ),
+        (
+            ["--temperature", "0.5", "--seed", "3"],
+            "sampling.temperature: 0.0 in the file, 0.5 now; seed: 0 in the file, 3",
+        ),
+        (["--no-loop-guard"], "guards.loop_guard: true in the file, false now"),
+        (["--tiles", "2x2"], "tiles: null in the file, [2, 2] now"),
+        (
+            ["--image-tokens", "64", "--orientation", "stored"],
+            "max_image_tokens: null in the file, 64 now; orientation",
+        ),
+        (["--dtype", "float16"], 'dtype: null in the file, "float16" now'),
+        (["--model", "MODEL"], 'model: "demo" in the file, "MODEL" now'),
+        (["--adapter", "MODEL"], 'adapter: null in the file, "MODEL" now'),
+    ],
+)
+def test_resume_refuses_other_settings_before_the_model_loads(run, folder, finished, tmp_path, flags, named):
+    out = tmp_path / "results.jsonl"
+    kept = "".join(finished[0].read_text().splitlines(keepends=True)[:3])  # answered with RUN: fast, 16 tokens
+    out.write_text(kept)
+    model = tmp_path / "model"  # a local folder is named by its absolute path, wherever it is given from
+    model.mkdir()
+    flags = [str(model) if f == "MODEL" else f for f in flags]
+    code, err = run("--images", str(folder), "--out", str(out), *flags)
+    assert code == 2 and "written with other settings (" in err and named.replace("MODEL", str(model)) in err, err
+    assert "use another --out" in err and out.read_text() == kept and run.loads == []
+
+
+def test_settings_that_change_no_answer_resume(run, folder, finished, tmp_path):
+    out = tmp_path / "results.jsonl"
+    shutil.copy(finished[0], out)
+    code, err = run(
+        *("--images", str(folder), "--out", str(out), "--batch-size", "3", "--no-progress", "--full"),
+        *("--max-pixels", "100000000", "--coco", str(tmp_path / "c.json"), "--draw", str(tmp_path / "d")),
+    )
+    assert code == 0 and "(0 run now)" in err and out.read_bytes() == finished[0].read_bytes()
+
+
+def test_lines_without_settings_are_resumed_with_a_note(run, folder, finished, tmp_path):
+    """An earlier version's JSONL records no settings: its lines are taken as made with the run's, and said so."""
+    out = tmp_path / "results.jsonl"
+    lines = lines_of(finished[0])
+    for line in lines:
+        del line["settings"]
+    old = "".join(json.dumps(line) + "\n" for line in lines[1:])
+    out.write_text(old)
+    code, err = run("--images", str(folder), "--out", str(out))
+    assert code == 0 and "(1 run now)" in err, err
+    assert f"note: {len(lines) - 1} lines of {out} lack settings that this version records" in err
+    assert out.read_text().endswith(old) and lines_of(out)[0]["settings"] == lines_of(finished[0])[0]["settings"]
+
+
 def test_an_output_that_cannot_be_read_is_an_error(run, folder, tmp_path):
     code, err = run("--images", str(folder), "--out", str(tmp_path))
     assert code == 2 and err == f"error: --out {tmp_path} is a folder; it needs a file name such as results.jsonl\n"
@@ -546,6 +607,29 @@ def test_merge_writes_the_single_run_byte_for_byte(run, finished, tmp_path):
     assert dataset.read_bytes() == finished[1].with_name("dataset.json").read_bytes()
 
 
+def test_merge_refuses_parts_of_other_settings(run, finished, tmp_path):
+    lines = finished[0].read_text().splitlines(keepends=True)
+    parts = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    parts[0].write_text("".join(lines[:3]))
+    other = json.loads(lines[3])
+    other["settings"]["mode"] = "slow"
+    parts[1].write_text(lines[4] + json.dumps(other) + "\n")
+    merged = tmp_path / "merged.jsonl"
+    code, err = run("--merge", str(merged), *map(str, parts), questions=[])
+    assert code == 2 and not merged.exists()
+    assert f'{parts[1]} was written with other settings (mode: "slow" in the file, "fast" in {parts[0]})' in err
+    parts[1].write_text(lines[4])
+    assert run("--merge", str(merged), *map(str, parts), questions=[])[0] == 0
+
+    # Parts of an earlier version, without settings, merge as they are, with a note.
+    old = tmp_path / "old.jsonl"
+    old.write_text(
+        "".join(json.dumps({k: v for k, v in json.loads(line).items() if k != "settings"}) + "\n" for line in lines[5:])
+    )
+    code, err = run("--merge", str(tmp_path / "all.jsonl"), *map(str, parts), str(old), questions=[])
+    assert code == 0 and f"note: {len(lines) - 5} lines of the parts lack settings that this version records" in err
+
+
 def test_merge_prefers_an_answer_to_an_error_line(run, finished, tmp_path):
     lines = finished[0].read_text().splitlines(keepends=True)
     answered = next(line for line in lines if '"results"' in line)
@@ -561,7 +645,8 @@ def test_merge_prefers_an_answer_to_an_error_line(run, finished, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--images", "/nonexistent/*.png", "--out", "o.jsonl"], "no image files"),
+        (["--images", "/nonexistent/*.png", "--out", "o.jsonl"], "no image files in '/nonexistent/*.png'"),
+        (["--images", "/nonexistent", "--out", "o.jsonl"], "'/nonexistent' does not exist; give a folder"),
         (["--images", ".", "--out", "o.jsonl", "--task", "ocr"], "takes no query"),
         (["--images", ".", "--out", "o.jsonl", "--prompt", "x"], "cannot be combined with --task or --query"),
         (["--images", "."], "--images and --out are required"),
@@ -577,3 +662,12 @@ def test_user_errors_exit_2(run, args, message):
     except SystemExit as e:  # argparse's own errors
         code, err = e.code, run.capfd.readouterr().err
     assert code == 2 and "error:" in err and message in err, err
+
+
+def test_a_file_given_as_the_drawings_folder_is_named(run, folder, tmp_path):
+    taken = tmp_path / "exists.png"
+    taken.write_bytes(b"mine")
+    for draw, says in ((taken, "is a file"), (taken / "sub", f"lies under {taken}, which is a file")):
+        code, err = run("--images", str(folder), "--out", str(tmp_path / "o.jsonl"), "--draw", str(draw))
+        assert code == 2 and err == f"error: --draw {draw} {says}; it needs a folder\n"
+    assert taken.read_bytes() == b"mine" and run.loads == []

@@ -119,6 +119,9 @@ def test_interrupted_then_resumed_with_a_worker_killed_it_ends_as_one_process_do
         sorted(json.loads(single[1].read_text()), key=json.dumps)
     )
     assert sorted(p.name for p in drawings.iterdir()) == sorted(f"{i}.png" for i in range(8))
+    # The lines the workers made record the run's settings: a resume with others is refused, as a local one is.
+    assert main("--images", str(folder), "--out", str(out), "--mode", "slow", *RAY) == 2
+    assert 'mode: "fast" in the file, "slow" now' in capfd.readouterr().err
 
 
 def test_a_good_run_logs_no_error_and_keeps_the_token_private(folder, single):

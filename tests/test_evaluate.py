@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from mlx_locate import RequestError, load, metrics
+from mlx_locate.commands import evaluate as predict_cli
 from mlx_locate.commands.evaluate import main
 from mlx_locate.evaluation import formats, predict, score, synthetic
+from mlx_locate.evaluation.report import REPORT_FILES
 from mlx_locate.parse import LocatedObject
 from mlx_locate.synthetic.scenes import make_sample
 
@@ -306,10 +308,72 @@ def test_resume_skips_answered_samples_and_redoes_a_cut_line(run, bench, tmp_pat
     assert resumed[:-1] == original[:-1]  # untouched, byte for byte (their wall seconds would differ if redone)
     last, again = json.loads(original[-1]), json.loads(resumed[-1])
     assert again["extracted_predictions"] == last["extracted_predictions"] and len(resumed) == N_SCENES
-    # An answer file of another benchmark is refused before the model loads.
+    # An answer file of another benchmark is refused before the model loads (the report is not written yet).
+    for name in REPORT_FILES:
+        (tmp_path / name).unlink()
     shutil.copy(out / "synthetic_screenspot_hybrid.jsonl", tmp_path / "synthetic_hybrid.jsonl")
-    code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(tmp_path), "--overwrite"])
+    code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(tmp_path)])
     assert code == 2
+
+
+def test_answer_files_record_their_settings_and_resume_only_with_them(run, bench, tmp_path, monkeypatch, capsys):
+    out, _ = run
+    original = (out / "synthetic_hybrid.jsonl").read_bytes()
+    (tmp_path / "synthetic_hybrid.jsonl").write_bytes(original)
+    settings = json.loads(original.splitlines()[0])["settings"]
+    assert settings["model"] == "demo" and settings["mode"] == "hybrid" and settings["max_tokens"] == 4096
+    assert settings["sampling"]["temperature"] == 0 and "max_rows" not in settings and "limit" not in settings
+    argv = [*data_args(bench, DATA[:1]), "--out", str(tmp_path)]
+    with monkeypatch.context() as mp:  # other settings are refused, naming them, before the model loads
+        mp.setattr(predict_cli.flags, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+        for flags, named in (
+            (["--max-tokens", "2"], "max_tokens: 4096 in the file, 2 now"),
+            (["--sampling", "official"], "sampling.temperature: 0.0 in the file, 0.7 now"),
+            (["--model", str(bench)], f'model: "demo" in the file, "{bench}" now'),
+            (["--image-tokens", "64"], "max_image_tokens: null in the file, 64 now"),
+        ):
+            code, _ = run_main([*argv, *flags])
+            err = capsys.readouterr().err
+            assert code == 2 and "written with other settings (" in err and named in err, err
+            assert "--overwrite" in err
+        first = json.loads(original.splitlines()[0])  # an answer to other data (another --seed's scene)
+        (tmp_path / "synthetic_hybrid.jsonl").write_text(json.dumps({**first, "gt": {"ring": []}}) + "\n")
+        code, _ = run_main(argv)
+        assert (
+            code == 2 and f"is not an answer to synthetic (sample {first['sample_index']})" in capsys.readouterr().err
+        )
+        (tmp_path / "synthetic_hybrid.jsonl").write_bytes(original)
+    code, _ = run_main([*argv, "--max-rows", "3", "--limit", "2"])  # these change no answer: resumed
+    assert (tmp_path / "synthetic_hybrid.jsonl").read_bytes() == original
+
+    # --overwrite answers again: as a run in a new folder does.
+    code, _ = run_main([*argv, "--max-tokens", "2", "--overwrite", "--no-progress"])
+    assert code == 0
+    fresh = tmp_path / "fresh"
+    assert run_main([*data_args(bench, DATA[:1]), "--out", str(fresh), "--max-tokens", "2"])[0] == 0
+    redone, expected = (formats.read_answers(f / "synthetic_hybrid.jsonl") for f in (tmp_path, fresh))
+    for line in (*redone, *expected):
+        del line["stats"]["wall_s"]
+    assert redone == expected and all(line["settings"]["max_tokens"] == 2 for line in redone)
+    rows = [json.loads((f / "report.json").read_text())["rows"] for f in (tmp_path, fresh)]
+    assert [[{k: v for k, v in r.items() if k not in TIMINGS} for r in report] for report in rows] == [
+        [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows[1]]
+    ] * 2
+
+
+def test_answer_lines_without_settings_are_resumed_with_a_note(run, bench, tmp_path, capsys):
+    out, _ = run
+    lines = [json.loads(line) for line in (out / "synthetic_hybrid.jsonl").read_text().splitlines()]
+    for line in lines:
+        del line["settings"]  # as an earlier version wrote them
+    old = "".join(json.dumps(line) + "\n" for line in lines)
+    (tmp_path / "synthetic_hybrid.jsonl").write_text(old)
+    code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(tmp_path), "--max-tokens", "2"])
+    assert code == 0 and (tmp_path / "synthetic_hybrid.jsonl").read_text() == old
+    assert (
+        f"note: {N_SCENES} lines of {tmp_path / 'synthetic_hybrid.jsonl'} lack settings that this version records"
+        in (capsys.readouterr().err)
+    )
 
 
 def test_no_progress_hides_the_bar(run, bench, tmp_path, capsys):
@@ -392,6 +456,8 @@ def test_compare_prints_the_differences(tmp_path, capsys):
         (["--predictions", "ok.jsonl", "--compare", "a", "b"], "give one of"),
         (["--predictions", "ok.jsonl", "--data", "ok.jsonl"], "COCO instances JSON"),
         (["--predictions", "ok.jsonl", "--out", "done"], "--overwrite"),
+        (["--synthetic", "1", "--out", "ok.jsonl"], "--out ok.jsonl is a file; it needs a folder"),
+        (["--export", "ok.jsonl/bench"], "--export ok.jsonl/bench lies under ok.jsonl, which is a file"),
         ([], "give one of"),
     ],
 )
@@ -413,7 +479,7 @@ def test_a_failed_request_is_an_error_line_left_out_of_the_scores():
     sample = formats.BenchSample(0, "gone.png", ["cat"], {"cat": [[0, 0, 10, 10]]}, "common_object_detection", "Toy")
     asked = predict.queries(sample)
     assert asked == [predict.Query("detect", "cat", None)]
-    line = predict.answer_line(sample, asked, [RequestError("cannot read gone.png")], "hybrid", 0.01)
+    line = predict.answer_line(sample, asked, [RequestError("cannot read gone.png")], predict.RunOptions(), 0.01)
     assert line["error"] == "cannot read gone.png" and line["extracted_predictions"] == {}
     good = {**line, "extracted_predictions": {"cat": [[0, 0, 10, 10]]}}
     del good["error"]

@@ -1,10 +1,12 @@
-"""JSON Lines: numbered values, errors naming the line, the cut of an unfinished last line, the first line rewritten."""
+"""JSON Lines: numbered values, errors naming the line, the cut of an unfinished last line, the first line rewritten,
+recorded settings compared."""
 
 from __future__ import annotations
 
 import pytest
 
 from mlx_locate import jsonl
+from mlx_locate.sampling import Sampling
 
 
 def test_values_skip_blank_lines_and_keep_numbers():
@@ -56,3 +58,16 @@ def test_set_first_line_in_place_or_by_rewriting(tmp_path):
     jsonl.set_first_line(path, {"complete": False, "video": "v.mp4"})  # longer: the file is rewritten
     assert path.read_text() == '{"complete": false, "video": "v.mp4"}\n{"frame": 0}\n'
     assert not (tmp_path / "out.jsonl.partial").exists()
+
+
+def test_settings_are_compared_key_by_key_and_those_not_recorded_are_named():
+    wanted = jsonl.plain({"mode": "slow", "sampling": Sampling(), "tiles": (2, 2), "dtype": None})
+    assert wanted["sampling"]["top_p"] == 1.0 and wanted["tiles"] == [2, 2]
+    assert jsonl.check_settings("f.jsonl", wanted, wanted, "; hint") == []
+    assert jsonl.check_settings("f.jsonl", {"mode": "slow"}, wanted, "; hint") == ["dtype", "sampling", "tiles"]
+    recorded = {**wanted, "mode": "fast", "sampling": {**wanted["sampling"], "top_p": 0.9}, "old": 1}
+    message = 'f.jsonl was written with other settings (mode: "fast" in the file, "slow" in p.jsonl; old: 1 in '
+    message += "the file, null in p.jsonl; sampling.top_p: 0.9 in the file, 1.0 in p.jsonl); hint"
+    with pytest.raises(ValueError) as e:
+        jsonl.check_settings("f.jsonl", recorded, wanted, "; hint", against="in p.jsonl")
+    assert str(e.value) == message

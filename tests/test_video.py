@@ -212,8 +212,21 @@ def test_resume_redoes_only_missing_frames(tracked, run, clip, tmp_path):
     code, err = run(*cli(clip, out))  # nothing left to do: the file stays as it is
     assert code == 0 and "0 frames located, 6 resumed" in err and out.read_text() == "".join(full)
     code, err = run(*cli(clip, out, query="circle"))
-    assert code == 2 and "written with other settings (queries differ)" in err
-    assert out.read_text() == "".join(full)
+    assert code == 2 and 'written with other settings (queries: ["square"] in the file, ["circle"] now)' in err
+    code, err = run(*cli(clip, out, "--model", str(tmp_path), "--temperature", "0.5"))
+    assert (
+        code == 2
+        and f'(decoding.sampling.temperature: 0.0 in the file, 0.5 now; model: "demo" in the file, "{tmp_path}"' in err
+    )
+    assert out.read_text() == "".join(full) and run.loads == 2
+
+    # A header of an earlier version, without the model: resumed with a note, and then it records the model.
+    header, *frames = full
+    old = {k: v for k, v in json.loads(header).items() if k not in ("model", "adapter", "dtype")}
+    out.write_text(json.dumps(old) + "\n" + "".join(frames))
+    code, err = run(*cli(clip, out))
+    assert code == 0 and f"note: 1 line of {out} lacks settings that this version records" in err
+    assert out.read_text().splitlines(keepends=True)[1:] == frames and read_jsonl(out)[0] == json.loads(header)
 
 
 def test_bad_input_is_a_clear_error(run, clip, tmp_path):

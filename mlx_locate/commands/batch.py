@@ -10,9 +10,11 @@
   "query": Q} or {"prompt": P}, ...Result.to_dict()}, ...]}`, results in the order of the questions (lean:
   without `prompt_ids` and `token_probs` unless `--full`). An image that cannot be read, decoded or
   preprocessed, or whose prompt does not fit, gets `{"image": PATH, "error": "..."}` and the run goes on;
-  only a failure of the model or of the output stops it (exit 2; every line written stays). Rerunning with
-  the same `--out` resumes by image path: images already in the file are skipped; a last line cut short by
-  an interruption is dropped and its image done again. Delete an error line to retry that image.
+  only a failure of the model or of the output stops it (exit 2; every line written stays). Every line ends
+  with `"settings"`, what its answers were made with (`AnnotateSettings.record`). Rerunning with the same
+  `--out` resumes by image path: images already in the file are skipped; a last line cut short by an
+  interruption is dropped and its image done again; a file made with other settings is refused, naming them.
+  Delete an error line to retry that image.
 - Exports (`commands/exports.py`), written once the run is done from the whole JSONL, so a resumed run and `--merge`
   write them complete: `--coco F` a COCO dataset (images, categories in the order asked, annotations with
   scores), `--coco-results F` COCO detection results in the same ids, `--yolo DIR` a YOLO dataset, `--voc
@@ -24,9 +26,10 @@
   whose drawing is missing are drawn from their JSONL line, without the model.
 
 Many machines: `--shard I/N` runs the I-th of N disjoint parts (a stable hash of each path), `--merge OUT
-PART...` joins the parts' JSONL files, and `--ray [ADDRESS]` spreads the images over a Ray cluster
-(`commands/cluster.py`). Exports a run wrote are listed in `OUT.exports.json` and rewritten by its reruns; `--overwrite`
-lets exports and `--draw` replace other existing files; a JSONL is never overwritten.
+PART...` joins the parts' JSONL files (of one run's questions and settings), and `--ray [ADDRESS]` spreads the
+images over a Ray cluster (`commands/cluster.py`). Exports a run wrote are listed in `OUT.exports.json` and
+rewritten by its reruns; `--overwrite` lets exports and `--draw` replace other existing files; a JSONL is never
+overwritten.
 """
 
 from __future__ import annotations
@@ -57,7 +60,6 @@ from .folders import (
     Question,
     annotate,
     output_lines,
-    question_keys,
     read_image,
     scan_output,
     write_sorted,
@@ -207,12 +209,16 @@ def settings_of(args: argparse.Namespace) -> AnnotateSettings:
         max_pixels=args.max_pixels,
         full=args.full,
         max_rows=args.max_rows,
+        model=flags.model_settings(args),
     )
 
 
 def list_images(spec: str) -> list[str]:
     """The images of a folder (files with an image suffix), a glob pattern or a .jsonl list; sorted, unique."""
     source = Path(spec).expanduser()
+    kinds = "give a folder, a glob such as 'photos/*.jpg' or a .jsonl list of paths"
+    if not source.exists() and glob.escape(str(source)) == str(source):  # a path, not a pattern
+        raise FileNotFoundError(f"{spec!r} does not exist; {kinds}")
     if source.is_dir():
         found = [p for p in source.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
     elif source.suffix == ".jsonl" and source.is_file():
@@ -220,9 +226,7 @@ def list_images(spec: str) -> list[str]:
     else:
         found = [Path(p) for p in glob.glob(str(source), recursive=True) if Path(p).is_file()]
     if not found:
-        raise FileNotFoundError(
-            f"no image files in {spec!r}; give a folder, a glob such as 'photos/*.jpg' or a .jsonl list of paths"
-        )
+        raise FileNotFoundError(f"no image files in {spec!r}; {kinds}")
     return [str(p) for p in sorted(set(found))]
 
 
@@ -373,12 +377,16 @@ def run(args: argparse.Namespace) -> int:
     owned = owned_exports([out])
     images = inputs_of(list_images(args.images), targets, owned, args.draw)
     part = images if args.shard is None else [p for p in images if shard_of(p, args.shard[1]) == args.shard[0]]
-    done = scan_output(out, settings.questions)
+    scan = scan_output(out, [q.key() for q in settings.questions], settings.record())
+    if scan.unrecorded:
+        print(jsonl.unrecorded_note(scan.unrecorded, out), file=sys.stderr)
+    done = scan.done
     pending = [p for p in part if p not in done]
     exports.check_targets(targets, owned, args.overwrite, [out])
     if set(exports.FOLDERS) & set(targets):
         exports.flat_names(images, exports.images_root(images))  # names that clash: refused now, not after the run
     if args.draw:
+        flags.check_folder("--draw", Path(args.draw))
         names: dict[Path, str] = {}
         for p in part:
             if (other := names.setdefault(drawing_path(args.draw, p), p)) != p:
@@ -474,16 +482,15 @@ def merge(out: Path, parts: list[Path], targets: dict[str, Path], overwrite: boo
         if not part.is_file():
             raise FileNotFoundError(f"no such JSONL file: {part}")
     exports.check_targets(targets, owned_exports([out, *parts]), overwrite, [out, *parts])
-    questions = None
-    for part in parts:
-        scan_output(part, None, repair=False)
-        for line in output_lines(part):
-            if "results" in line:
-                if questions is None:
-                    questions, first = question_keys(line), part
-                elif question_keys(line) != questions:
-                    raise ValueError(f"{part} answers {question_keys(line)}, {first} answers {questions}")
-                break
+    questions = settings = first = None
+    unrecorded = 0
+    for part in parts:  # every line as the first part's that says: one run's questions and settings
+        against = "on its first line" if first is None else f"in {first}"
+        scan = scan_output(part, questions, settings, False, against, "; merge the parts of one run")
+        first = first or (part if scan.settings is not None else None)
+        questions, settings, unrecorded = scan.questions, scan.settings, unrecorded + scan.unrecorded
+    if unrecorded:
+        print(jsonl.unrecorded_note(unrecorded, "the parts", "merged as they are"), file=sys.stderr)
     if set(exports.FOLDERS) & set(targets):
         images = sorted({line["image"] for part in parts for line in output_lines(part)})
         exports.flat_names(images, exports.images_root(images))  # names that clash: refused before `out` is written

@@ -9,7 +9,8 @@
 `python -m mlx_locate.commands.evaluate` runs the same `main`. Data: benchmark files (`--data`, repeatable; formats in
 `evaluation.formats`, images under `--images`, by default the data file's folder) and the synthetic scenes
 (`--synthetic N`, `evaluation.synthetic`). The model answers each sample (`evaluation.predict`) in every `--modes`
-mode, into `OUT/<data>_<mode>.jsonl`; a rerun continues those files. The report (`evaluation.score`,
+mode, into `OUT/<data>_<mode>.jsonl`, each line with the settings it was made with; a rerun continues those
+files, refused if made with other settings (`--overwrite` answers again). The report (`evaluation.score`,
 `evaluation.report`; printed, and with `--out` also `report.json`, `report.md` and `f1_vs_iou.png`) has one row
 per dataset and mode.
 """
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", type=flags.output_path, help="folder for answer files and report.json, report.md, f1_vs_iou.png"
     )
-    flags.add_overwrite(p, "existing report (or exported) files")
+    flags.add_overwrite(p, "existing answer and report files, answering again (or exported files)")
     p.add_argument("--n", type=flags.positive_int, default=100, help="--export: scenes (default: %(default)s)")
     p.add_argument(
         "--seed", type=flags.seed_int, default=0, help="--synthetic, --export: seed of the held-out stream (default: 0)"
@@ -81,6 +82,9 @@ def run(args: argparse.Namespace) -> int:
             "give one of --data (or --synthetic), --predictions, --compare or --export (--data or --synthetic "
             "with --predictions names the COCO file of the answers)"
         )
+    for flag in ("export", "out"):
+        if getattr(args, flag):
+            flags.check_folder(f"--{flag}", Path(getattr(args, flag)))
     if args.export:
         paths = export_benchmark(args.export, args.n, args.seed, args.overwrite)
         print("\n".join(str(p) for p in paths.values()))
@@ -106,8 +110,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("with --predictions, --data names the COCO instances JSON of the answers")
         rows, sources = score_answers([Path(p) for p in args.predictions], coco)
     else:
-        check_answer_files(out, benches, args.modes)  # an answer file of another benchmark fails before loading
-        model = flags.load_model(args)
         options = RunOptions(
             max_tokens=args.max_tokens,
             sampling=SAMPLINGS[args.sampling],
@@ -118,8 +120,13 @@ def run(args: argparse.Namespace) -> int:
             gui_task=args.gui_task,
             limit=args.limit,
             split_categories=args.split_categories,
+            model=flags.model_settings(args),
         )
-        rows, sources = evaluate(model, benches, out, args.modes, options, progress=not args.no_progress)
+        if not args.overwrite:  # an answer file of another benchmark or other settings fails before loading
+            for note in check_answer_files(out, benches, args.modes, options):
+                print(note, file=sys.stderr)
+        model = flags.load_model(args)
+        rows, sources = evaluate(model, benches, out, args.modes, options, not args.no_progress, args.overwrite)
     report = build_report(rows, sources, **about)
     print(report_text(report["rows"]))
     if out is not None:

@@ -26,6 +26,7 @@ from PIL import Image
 
 from ..parse import PIXEL_DECIMALS, json_pixels
 from ..preprocess import displayed_size, displayed_xy, load_image, open_header, photo_notes, to_rgb
+from .flags import check_folder
 
 FLAGS = {  # export -> its flag
     "coco": "--coco",
@@ -410,8 +411,7 @@ def check_targets(targets: dict[str, Path], owned: Manifest, overwrite: bool, js
     for kind, target in targets.items():
         flag = FLAGS[kind]
         if kind in FOLDERS:
-            if target.exists() and not target.is_dir():
-                raise NotADirectoryError(f"{flag} {target} is a file; it needs a folder")
+            check_folder(flag, target)
             writable(target, target)
             found = sorted(p for p in target.rglob("*") if not p.is_dir()) if target.is_dir() else []
             for sub in [target, *(p for p in target.rglob("*") if p.is_dir())] if target.is_dir() else []:

@@ -24,7 +24,7 @@ from ..prompts import RENDERINGS, TASKS
 from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, MIN_IMAGE_TOKENS, Request
 from ..sampling import Sampling
 from ..tiles import check_tiling, parse_tiles
-from ..weights.checkpoint import DEMO_IMAGE, DTYPES
+from ..weights.checkpoint import DEMO_IMAGE, DEMO_NAME, DTYPES
 
 DEFAULT_MODEL = "demo"  # the bundled demo model (synthetic shapes); pass a folder or hub id for real images
 DEMO_IMAGE_NAME = "demo:example"  # the bundled example image (checkpoint.DEMO_IMAGE), from any folder
@@ -153,6 +153,16 @@ def check_new_file(path: str | Path, flag: str, example: str, overwrite: bool) -
         raise FileExistsError(f"{path} already exists; pass --overwrite to replace it")
 
 
+def check_folder(flag: str, path: Path) -> None:
+    """Refuse, before any work, a folder to write into (`flag`'s) that is a file or lies under one."""
+    above = path
+    while not above.exists() and above.parent != above:
+        above = above.parent
+    if above.exists() and not above.is_dir():
+        where = "is a file" if above == path else f"lies under {above}, which is a file"
+        raise NotADirectoryError(f"{flag} {path} {where}; it needs a folder")
+
+
 def add_json(p, what: str = "print one JSON object instead of text", path: bool = False) -> None:
     """--json: a switch, or with `path` the file a command writes its JSON to."""
     kind = {"metavar": "PATH", "type": output_path} if path else {"action": "store_true"}
@@ -171,6 +181,19 @@ def load_model(args: argparse.Namespace, folder: Path | None = None):
     if tokens is not None and tokens > limit:
         raise ValueError(f"--image-tokens {tokens}: the model takes at most {limit:,} patches (its own budget)")
     return model
+
+
+def model_settings(args: argparse.Namespace) -> dict:
+    """The model `add_model`'s flags name, as a resumable run's files record it (`jsonl.check_settings`): --model
+    and --adapter (a local folder by its absolute path, so the same folder named from elsewhere is the same) and
+    --dtype."""
+
+    def identity(name: str | None) -> str | None:
+        if name is None or name == DEMO_NAME or not Path(name).expanduser().is_dir():
+            return name  # the demo, a hub id, or a path that loading will refuse
+        return str(Path(name).expanduser().resolve())
+
+    return {"model": identity(args.model), "adapter": identity(getattr(args, "adapter", None)), "dtype": args.dtype}
 
 
 # --- questions ---
@@ -376,9 +399,10 @@ def check_tiling_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def tiling_of(args: argparse.Namespace) -> dict:
-    """The `Request` fields of the tiling group ({} without --tiles); `ValueError` for a bad grid or overlap."""
+    """The `Request` fields of the tiling group (without --tiles: `tiles` None, the others their defaults);
+    `ValueError` for a bad grid or overlap."""
     if args.tiles is None:
-        return {}
+        return {"tiles": None, "tile_overlap": Request.tile_overlap, "tile_whole": Request.tile_whole}
     overlap = Request.tile_overlap if args.tile_overlap is None else args.tile_overlap
     check_tiling(args.tiles, overlap)
     return {"tiles": args.tiles, "tile_overlap": overlap, "tile_whole": not args.no_tile_whole}

@@ -3,8 +3,10 @@
 flushed and fsynced at once; read back to resume; sorted by image path once a run is done, `write_sorted`).
 
 A line is `{"image": PATH, "size": [W, H], "results": [{"task": T, "query": Q} or {"prompt": P},
-...Result.to_dict()}, ...]}`, results in the order of the questions (lean: without LEAN_DROPPED unless `full`),
-or `{"image": PATH, "error": "..."}` for an image that cannot be read or a request that cannot run.
+...Result.to_dict()}, ...], "settings": {...}}`, results in the order of the questions (lean: without
+LEAN_DROPPED unless `full`), or `{"image": PATH, "error": "...", "settings": {...}}` for an image that cannot be
+read or a request that cannot run; `settings` (`AnnotateSettings.record`) are what the answers depend on besides
+the questions, compared on resume and merge (`scan_output`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ class AnnotateSettings:
     max_pixels: int | None = None
     full: bool = False  # keep LEAN_DROPPED
     max_rows: int | None = None  # engine rows; None: sized for the device
+    model: dict = dataclasses.field(default_factory=dict)  # the model's identity (`flags.model_settings`)
+
+    def record(self) -> dict:
+        """The settings each line records: the model and the `Request` options (not the rows, `full` nor
+        `max_pixels`, which change no answer)."""
+        return jsonl.plain({**self.model, **self.options})
 
     def requests(self, image: Image.Image, path: str) -> list[Request]:
         return [
@@ -91,27 +99,52 @@ def question_keys(entry: dict) -> list[dict]:
     return [{k: r[k] for k in QUESTION_KEYS if k in r} for r in entry["results"]]
 
 
-def scan_output(path: Path, questions: tuple[Question, ...] | None, repair: bool = True) -> dict[str, bool]:
-    """The images already in the JSONL at `path`, each mapped to whether it was answered (False: error line).
+class Scan(NamedTuple):
+    done: dict[str, bool]  # image -> whether it was answered (False: an error line)
+    questions: list[dict] | None  # what its answered lines answer (`Question.key()`s); None: no answered line
+    settings: dict | None  # what its lines record (`AnnotateSettings.record`); None: no line records settings
+    unrecorded: int  # lines without every setting (written by an earlier version): taken as made with `settings`
 
-    A complete line that is not JSON or not ours, or that answers other questions than `questions`, raises
-    `ValueError` and nothing is changed. Then a last line of ours cut short (an interrupted write) is cut off
-    the file (`repair`) or ignored."""
+
+def scan_output(
+    path: Path,
+    questions: list[dict] | None,
+    settings: dict | None,
+    repair: bool = True,
+    against: str = "now",
+    hint: str = "; use another --out to start over",
+) -> Scan:
+    """The lines already in the JSONL at `path`, as a run resumes it or `--merge` joins it.
+
+    Every line must answer `questions` with `settings`; where None, the same as the first line that says (a
+    file is one run's). A complete line that is not JSON or not ours, or that answers other questions or with
+    other settings (named, their values in the file and `against`, then `hint`), raises `ValueError` and nothing
+    is changed. Then a last line of ours cut short (an interrupted write) is cut off the file (`repair`) or
+    ignored."""
     if not path.exists():
-        return {}
+        return Scan({}, questions, settings, 0)
     text, tail = jsonl.complete_text(path, "mlx-locate-batch")
-    expected = None if questions is None else [q.key() for q in questions]
-    done = {}
+    done, unrecorded = {}, 0
     for number, entry in jsonl.values(text, path, jsonl.RESUME_HINT):
-        if not isinstance(entry, dict) or "image" not in entry or not ("results" in entry or "error" in entry):
+        if (
+            not isinstance(entry, dict)
+            or "image" not in entry
+            or not ("results" in entry or "error" in entry)
+            or not isinstance(entry.get("settings", {}), dict)
+        ):
             raise ValueError(f"{path}:{number} is not a line of mlx-locate-batch; use another --out")
-        if "results" in entry and expected is not None and question_keys(entry) != expected:
-            raise ValueError(
-                f"{path} holds answers to {question_keys(entry)}, not {expected}; use another --out to start over"
-            )
+        if "results" in entry:
+            if questions is None:
+                questions = question_keys(entry)
+            elif question_keys(entry) != questions:
+                raise ValueError(f"{path} holds answers to {question_keys(entry)}, not {questions}{hint}")
+        if settings is None and "settings" in entry:
+            settings = entry["settings"]
+        recorded = entry.get("settings", {})
+        unrecorded += bool(settings is None or jsonl.check_settings(path, recorded, settings, hint, against))
         done[entry["image"]] = "results" in entry
     jsonl.cut_unfinished(path, tail, (LINE_START,), "mlx-locate-batch", cut=repair)
-    return done
+    return Scan(done, questions, settings, unrecorded)
 
 
 def output_lines(path: Path) -> Iterator[dict]:
@@ -158,7 +191,7 @@ def annotate(model: LocateModel, paths: Iterable[str], settings: AnnotateSetting
         while len(flight) < window and (path := next(paths, None)) is not None:
             image = read_image(path, settings.max_pixels, settings.options.get("orientation", "exif"))
             if isinstance(image, dict):
-                yield Annotated(image, None)
+                yield made(image, None, settings)
                 continue
             flight[path] = (image, [None] * len(settings.questions))
             for request in settings.requests(image, path):
@@ -183,9 +216,14 @@ def image_line(path: str, image: Image.Image, answers: list, settings: AnnotateS
     for question, answer in zip(settings.questions, answers, strict=True):
         if not isinstance(answer, Result):
             where = f"{question.name()!r}: " if len(settings.questions) > 1 else ""
-            return Annotated(error_line(path, ValueError(f"{where}{answer}")), None)
+            return made(error_line(path, ValueError(f"{where}{answer}")), None, settings)
     results = [result_entry(q, r, settings.full) for q, r in zip(settings.questions, answers, strict=True)]
-    return Annotated({"image": path, "size": list(answers[0].image_size), "results": results}, image)
+    return made({"image": path, "size": list(answers[0].image_size), "results": results}, image, settings)
+
+
+def made(line: dict, image: Image.Image | None, settings: AnnotateSettings) -> Annotated:
+    """An image's finished line, recording the settings it was made with."""
+    return Annotated({**line, "settings": settings.record()}, image)
 
 
 class Jsonl:

@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> str:
         folder = resolve(args.model)
         settings = image_settings(folder)
         frame = (args.orientation, args.max_image_tokens)
-        prepared = None if tiling else pool.submit(prepare_image, image, args.max_pixels, *settings, *frame)
+        prepared = None if tiling["tiles"] else pool.submit(prepare_image, image, args.max_pixels, *settings, *frame)
         model = flags.load_model(args, folder)
-    if tiling:
+    if tiling["tiles"]:
         results = model.locate(image, queries, **tiling, **options)
     else:
         rendering = options.pop("rendering")

@@ -6,13 +6,13 @@ frame for timestamp rounding), decoded to RGB by
 PyAV (the `[video]` extra) and sent through one batched engine, a bounded window of frames in flight.
 `python -m mlx_locate.commands.video` runs the same `main`.
 
-- `--out`: JSONL. The first line describes the run (`video`, `size`, `fps`, the questions, and `complete`: false
-  until every sampled frame of the video has its line, then rewritten in place to true); then one line per
-  sampled frame, in order, written, flushed and fsynced at once: `{"frame": i, "time": t, "results":
-  [{"query": Q, "objects": [{..., "track": id}], "empty_labels": [...]}]}`, `frame` being the index of the
-  decoded frame and `time` its timestamp in seconds. Rerunning resumes: frames already in the file are not
-  decoded by the model again, a last line cut by an interruption is redone, and a file written with other
-  settings is refused.
+- `--out`: JSONL. The first line describes the run (`video`, `size`, the model, `fps`, the questions, the
+  decoding settings, and `complete`: false until every sampled frame of the video has its line, then rewritten
+  in place to true); then one line per sampled frame, in order, written, flushed and fsynced at once:
+  `{"frame": i, "time": t, "results": [{"query": Q, "objects": [{..., "track": id}], "empty_labels": [...]}]}`,
+  `frame` being the index of the decoded frame and `time` its timestamp in seconds. Rerunning resumes: frames
+  already in the file are not decoded by the model again, a last line cut by an interruption is redone, and a
+  file written with other settings is refused, naming them (`jsonl.check_settings`).
 - A truncated or damaged video (`Sampler`) is decoded as far as it goes: packets that do not decode are
   skipped, and the frames read are located and written; a warning says what was not read and the header
   keeps `"complete": false`.
@@ -37,7 +37,7 @@ import os
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
@@ -336,14 +336,11 @@ class VideoSettings:
             for i, q in enumerate(self.queries)
         ]
 
-    def header(self, video: str | Path, size: tuple[int, int]) -> dict:
-        """The JSONL's first line, `complete` false until every sampled frame of the video has its line."""
+    def header(self, video: str | Path, size: tuple[int, int], model: dict) -> dict:
+        """The JSONL's first line: the video, the model (`flags.model_settings`) and these settings, `complete`
+        false until every sampled frame of the video has its line."""
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        fields["queries"] = list(self.queries)
-        if isinstance(self.tiles, tuple):
-            fields["tiles"] = list(self.tiles)
-        fields["decoding"] = {k: asdict(v) if is_dataclass(v) else v for k, v in self.decoding.items()}
-        return {"video": str(video), "size": list(size), **fields, "complete": False}
+        return jsonl.plain({"video": str(video), "size": size, **model, **fields, "complete": False})
 
 
 def frame_detections(line: dict) -> list[tuple[tuple, tuple[float, ...]]]:
@@ -513,15 +510,15 @@ def mot_rows(line: dict) -> Iterator[str]:
 # --- Resuming ---------------------------------------------------------------------------------------------
 
 
-def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
-    """The frame lines of an earlier run at `path` (index -> line, track ids removed) and whether the file
-    has its header. A file that is not ours, a header from other settings or a line that is not a frame line
-    raises `ValueError`, the file unchanged; then a last line of ours cut short (an interrupted write) is cut off
-    the file."""
+def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool, list[str]]:
+    """The frame lines of an earlier run at `path` (index -> line, track ids removed), whether the file has its
+    header, and the settings that header does not record (`jsonl.check_settings`). A file that is not ours, a
+    header from other settings or a line that is not a frame line raises `ValueError`, the file unchanged; then a
+    last line of ours cut short (an interrupted write) is cut off the file."""
     if not path.exists():
-        return {}, False
+        return {}, False, []
     text, tail = jsonl.complete_text(path, WHAT)
-    done = {}
+    done, unrecorded = {}, []
     if text.strip():
         lines = jsonl.values(text, path, jsonl.RESUME_HINT)
         try:
@@ -530,11 +527,8 @@ def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
             first = None
         if not isinstance(first, dict) or "video" not in first:
             raise ValueError(f"{path} is not a JSONL of {WHAT}; use another --out")
-        changed = sorted(k for k in {*first, *header} - {"complete"} if first.get(k) != header.get(k))
-        if changed:
-            raise ValueError(
-                f"{path} was written with other settings ({', '.join(changed)} differ); use another --out to start over"
-            )
+        recorded, wanted = ({k: v for k, v in h.items() if k != "complete"} for h in (first, header))
+        unrecorded = jsonl.check_settings(path, recorded, wanted, "; use another --out to start over")
         for number, line in lines:
             if not isinstance(line, dict) or "frame" not in line or "results" not in line:
                 raise ValueError(f"{path}:{number} is not a frame line of {WHAT}; use another --out")
@@ -543,7 +537,7 @@ def read_done(path: Path, header: dict) -> tuple[dict[int, dict], bool]:
                     o.pop("track", None)
             done[line["frame"]] = line
     jsonl.cut_unfinished(path, tail, LINE_STARTS, WHAT)
-    return done, bool(text.strip())
+    return done, bool(text.strip()), unrecorded
 
 
 # --- Command line -----------------------------------------------------------------------------------------
@@ -588,7 +582,7 @@ def settings_of(args: argparse.Namespace) -> VideoSettings:
         for query in queries:
             task_text(task, query)
     decoding = flags.request_options(args)
-    tiling = flags.tiling_of(args) or {"tiles": None, "tile_overlap": Request.tile_overlap, "tile_whole": True}
+    tiling = flags.tiling_of(args)
     return VideoSettings(
         task=task,
         queries=queries if args.prompt is None else (None,),
@@ -616,8 +610,10 @@ def main(argv: list[str] | None = None) -> int:
                 flags.check_new_file(path, flag, example, args.overwrite)
         info = video_info(args.video)
         out = Path(args.out)
-        header = settings.header(args.video, info.size)
-        done, has_header = read_done(out, header)
+        header = settings.header(args.video, info.size, flags.model_settings(args))
+        done, has_header, unrecorded = read_done(out, header)
+        if unrecorded:
+            print(jsonl.unrecorded_note(1, out), file=sys.stderr)  # the header
         rate = Fraction(args.fps).limit_denominator(1001)
         if info.rate:
             rate = min(rate, Fraction(info.rate))

@@ -69,6 +69,10 @@ class BenchSample:
     dataset_name: str
     fields: dict = field(default_factory=dict)  # GUI: id, ui_type, application, group, platform
 
+    def answer_gt(self) -> dict | list:
+        """The ground truth as an answer line gives it (pointing: the masks of `gt_mask`)."""
+        return self.gt["gt_mask"] if isinstance(self.gt, dict) and "gt_mask" in self.gt else self.gt
+
 
 @dataclass(frozen=True)
 class Benchmark:
@@ -211,20 +215,26 @@ def screenspot_benchmark(
 # --- Answer files -----------------------------------------------------------------------------------------
 
 
-def resume_lines(path: Path, bench: Benchmark) -> set[int]:
-    """Sample indexes already answered in `path`; a last line cut by an interruption is cut off the file."""
+def resume_lines(path: Path, bench: Benchmark, settings: dict) -> tuple[set[int], int]:
+    """Sample indexes already answered in `path`, and how many of its lines do not record every setting
+    (`jsonl.check_settings`; an earlier version's, taken as made with `settings`). A line that answers another
+    sample (its image, task, categories or ground truth differ) or was made with other settings raises
+    `ValueError`; a last line cut by an interruption is cut off the file."""
     if not path.exists():
-        return set()
-    done = set()
+        return set(), 0
+    done, unrecorded = set(), 0
+    hint = "; use another --out, or pass --overwrite to answer again"
     for number, entry in jsonl.values(jsonl.whole_lines(path), path, jsonl.RESUME_HINT):
         i = entry.get("sample_index") if isinstance(entry, dict) else None
         s = bench.samples[i] if isinstance(i, int) and 0 <= i < len(bench.samples) else None
-        if s is None or (s.image_path, s.task_name, s.dataset_name, s.categories) != tuple(
-            entry.get(k) for k in ("image_path", "task_name", "dataset_name", "categories")
-        ):
-            raise ValueError(f"{path}:{number} is not an answer to {bench.name} (sample {i}); use another --out")
+        if s is None or jsonl.plain([s.image_path, s.task_name, s.dataset_name, s.categories, s.answer_gt()]) != [
+            entry.get(k) for k in ("image_path", "task_name", "dataset_name", "categories", "gt")
+        ]:
+            raise ValueError(f"{path}:{number} is not an answer to {bench.name} (sample {i}){hint}")
+        recorded = entry.get("settings", {})
+        unrecorded += bool(jsonl.check_settings(path, recorded if isinstance(recorded, dict) else {}, settings, hint))
         done.add(i)
-    return done
+    return done, unrecorded
 
 
 def read_answers(path: str | Path) -> list[dict]:

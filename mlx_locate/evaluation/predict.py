@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
+from .. import jsonl
 from ..engine import EventKind
 from ..prompts import CATEGORY_SEPARATOR, task_text
 from ..request import Request, RequestError
@@ -29,6 +30,7 @@ DEFAULT_MAX_TOKENS = 4096  # the paper's evaluation budget; clipped to what the 
 # "greedy" is the product default (with its guards); "official" samples as the model card and evaluation do.
 SAMPLINGS = {"greedy": Sampling(), "nucleus": Sampling(top_p=0.9), "official": Sampling.OFFICIAL}
 SINGLE_INSTANCE_PREFIX = "refcoco"  # datasets asked with the single-instance template
+UNRECORDED = ("max_rows", "limit")  # `RunOptions` fields that change no answer
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,30 @@ def queries(sample: BenchSample, gui_task: str = "point") -> list[Query]:
     return [Query("detect", CATEGORY_SEPARATOR.join(cats), None)]
 
 
-def answer_line(sample: BenchSample, asked: list[Query], outcomes: list, mode: str, wall_s: float) -> dict:
-    """The answer-file line of one sample from its requests' results (or `RequestError`s)."""
+@dataclass(frozen=True)
+class RunOptions:
+    mode: str = "hybrid"
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: Sampling = Sampling()
+    rendering: str = "A"
+    max_rows: int | None = None
+    orientation: str = "exif"  # the benchmark's labels' frame: "stored" where they were made on stored pixels
+    max_image_tokens: int | None = None
+    gui_task: str = "point"
+    limit: int | None = None
+    split_categories: bool = False  # a detect sample's categories one per row (default: one joint prompt, the paper's)
+    model: dict = field(default_factory=dict)  # the model's identity (`flags.model_settings`)
+
+    def settings(self) -> dict:
+        """What an answer line records of how it was made, compared on resume: the model and every option but
+        those that change no answer (`UNRECORDED`)."""
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in UNRECORDED}
+        return jsonl.plain({**fields.pop("model"), **fields})
+
+
+def answer_line(sample: BenchSample, asked: list[Query], outcomes: list, options: RunOptions, wall_s: float) -> dict:
+    """The answer-file line of one sample from its requests' results (or `RequestError`s), with the settings
+    they were made with (`RunOptions.settings`)."""
     preds: dict[str, list] = {}
     scores: dict[str, list] = {}
     texts, errors, passes, objects, capped = [], [], 0, 0, 0
@@ -71,38 +95,30 @@ def answer_line(sample: BenchSample, asked: list[Query], outcomes: list, mode: s
             key = q.key if q.key is not None else (o.label or "")
             preds.setdefault(key, []).append(list(o.box if o.box is not None else o.point))
             scores.setdefault(key, []).append(o.confidence)
-    gt = sample.gt["gt_mask"] if isinstance(sample.gt, dict) and "gt_mask" in sample.gt else sample.gt
     line = {
         "sample_index": sample.index,
         "image_path": sample.image_path,
         "question": "\n".join(task_text(q.task, q.query) for q in asked),
         "raw_response": "\n".join(texts),
         "extracted_predictions": preds,
-        "gt": gt,
+        "gt": sample.answer_gt(),
         "task_name": sample.task_name,
         "dataset_name": sample.dataset_name,
         "categories": sample.categories,
         **sample.fields,
         "scores": scores,
-        "stats": {"mode": mode, "forward_passes": passes, "objects": objects, "capped": capped, "wall_s": wall_s},
+        "stats": {
+            "mode": options.mode,
+            "forward_passes": passes,
+            "objects": objects,
+            "capped": capped,
+            "wall_s": wall_s,
+        },
+        "settings": options.settings(),
     }
     if errors:
         line["error"] = "; ".join(errors)
     return line
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    mode: str = "hybrid"
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    sampling: Sampling = Sampling()
-    rendering: str = "A"
-    max_rows: int | None = None
-    orientation: str = "exif"  # the benchmark's labels' frame: "stored" where they were made on stored pixels
-    max_image_tokens: int | None = None
-    gui_task: str = "point"
-    limit: int | None = None
-    split_categories: bool = False  # a detect sample's categories one per row (default: one joint prompt, the paper's)
 
 
 def predict(model, bench: Benchmark, path: Path, options: RunOptions, progress: bool = False) -> int:
@@ -110,7 +126,7 @@ def predict(model, bench: Benchmark, path: Path, options: RunOptions, progress: 
 
     Returns the number of samples answered now. Requests go through one engine, all submitted at once."""
     samples = bench.samples[: options.limit]
-    done = resume_lines(path, bench)
+    done, _ = resume_lines(path, bench, options.settings())
     todo = [s for s in samples if s.index not in done]
     engine = model.engine(options.max_rows)
     asked = {s.index: queries(s, options.gui_task) for s in todo}
@@ -147,7 +163,7 @@ def predict(model, bench: Benchmark, path: Path, options: RunOptions, progress: 
                 if any(o is None for o in outcomes[i]):
                     continue
                 now = time.perf_counter()
-                line = answer_line(bench.samples[i], asked[i], outcomes.pop(i), options.mode, now - last)
+                line = answer_line(bench.samples[i], asked[i], outcomes.pop(i), options, now - last)
                 last = now
                 f.write(json.dumps(line) + "\n")
                 f.flush()
@@ -160,22 +176,37 @@ def answer_path(out: Path, bench: Benchmark, mode: str) -> Path:
     return out / f"{bench.name}_{mode}.jsonl"
 
 
-def check_answer_files(out: Path, benches: list[Benchmark], modes: list[str]) -> None:
-    """Refuse an answer file under `out` that belongs to another benchmark (before a model is loaded)."""
+def check_answer_files(out: Path, benches: list[Benchmark], modes: list[str], options: RunOptions) -> list[str]:
+    """Refuse an answer file under `out` of another benchmark or made with other settings (before a model is
+    loaded); the notes for files whose lines do not record every setting (an earlier version's)."""
+    notes = []
     for bench in benches:
         for mode in modes:
-            resume_lines(answer_path(out, bench, mode), bench)
+            path = answer_path(out, bench, mode)
+            _, unrecorded = resume_lines(path, bench, replace(options, mode=mode).settings())
+            if unrecorded:
+                notes.append(jsonl.unrecorded_note(unrecorded, path))
+    return notes
 
 
 def evaluate(
-    model, benches: list[Benchmark], out: Path, modes: list[str], options: RunOptions, progress: bool = False
+    model,
+    benches: list[Benchmark],
+    out: Path,
+    modes: list[str],
+    options: RunOptions,
+    progress: bool = False,
+    overwrite: bool = False,
 ) -> tuple[list[Row], list[dict]]:
-    """Answer every benchmark in every mode (continuing the answer files under `out`) and score the answers."""
+    """Answer every benchmark in every mode (continuing the answer files under `out`, or with `overwrite`
+    answering again from the start) and score the answers."""
     out.mkdir(parents=True, exist_ok=True)
     rows, sources = [], []
     for bench in benches:
         for mode in modes:
             path = answer_path(out, bench, mode)
+            if overwrite:
+                path.unlink(missing_ok=True)
             predict(model, bench, path, replace(options, mode=mode), progress)
             lines = read_answers(path)
             rows += score_lines(lines, mode, bench.coco)
