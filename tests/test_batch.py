@@ -23,7 +23,7 @@ from mlx_locate.engine import Engine, EngineEvent, EventKind, Handle
 from mlx_locate.locate import load
 from mlx_locate.parse import LocatedObject
 from mlx_locate.prompts import task_text
-from mlx_locate.weights.checkpoint import DEMO_DIR
+from mlx_locate.weights.checkpoint import DEMO_DIR, content_id
 
 IMAGE = DEMO_DIR / "example.png"
 QUERIES = ["square", "circle"]  # the demo model finds both on IMAGE
@@ -394,12 +394,24 @@ def test_resume_refuses_other_settings_before_the_model_loads(run, folder, finis
     out = tmp_path / "results.jsonl"
     kept = "".join(finished[0].read_text().splitlines(keepends=True)[:3])  # answered with RUN: fast, 16 tokens
     out.write_text(kept)
-    model = tmp_path / "model"  # a local folder is named by its absolute path, wherever it is given from
+    model = tmp_path / "model"  # a local folder is named by its content, wherever it is
     model.mkdir()
     flags = [str(model) if f == "MODEL" else f for f in flags]
     code, err = run("--images", str(folder), "--out", str(out), *flags)
-    assert code == 2 and "written with other settings (" in err and named.replace("MODEL", str(model)) in err, err
+    named = named.replace("MODEL", content_id(model))
+    assert code == 2 and "written with other settings (" in err and named in err, err
     assert "use another --out" in err and out.read_text() == kept and run.loads == []
+
+
+def test_a_local_model_is_the_same_at_any_path_and_another_once_retrained(tmp_path):
+    """Sharded runs on two machines name one model by different paths: its identity is its content."""
+    one, two, retrained = tmp_path / "one", tmp_path / "elsewhere" / "two", tmp_path / "retrained"
+    for folder in (one, two, retrained):
+        shutil.copytree(DEMO_DIR, folder, ignore=shutil.ignore_patterns("*.png"))
+    data = bytearray((retrained / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # one weight's last bit
+    (retrained / "model.safetensors").write_bytes(bytes(data))
+    assert content_id(one) == content_id(two) != content_id(retrained)
 
 
 def test_settings_that_change_no_answer_resume(run, folder, finished, tmp_path):

@@ -216,7 +216,7 @@ def test_resume_redoes_only_missing_frames(tracked, run, clip, tmp_path):
     code, err = run(*cli(clip, out, "--model", str(tmp_path), "--temperature", "0.5"))
     assert (
         code == 2
-        and f'(decoding.sampling.temperature: 0.0 in the file, 0.5 now; model: "demo" in the file, "{tmp_path}"' in err
+        and '(decoding.sampling.temperature: 0.0 in the file, 0.5 now; model: "demo" in the file, "local:' in err
     )
     assert out.read_text() == "".join(full) and run.loads == 2
 

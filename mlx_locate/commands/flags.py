@@ -24,7 +24,7 @@ from ..prompts import RENDERINGS, TASKS
 from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, MIN_IMAGE_TOKENS, Request
 from ..sampling import Sampling
 from ..tiles import check_tiling, parse_tiles
-from ..weights.checkpoint import DEMO_IMAGE, DEMO_NAME, DTYPES
+from ..weights.checkpoint import DEMO_IMAGE, DEMO_NAME, DTYPES, content_id
 
 DEFAULT_MODEL = "demo"  # the bundled demo model (synthetic shapes); pass a folder or hub id for real images
 DEMO_IMAGE_NAME = "demo:example"  # the bundled example image (checkpoint.DEMO_IMAGE), from any folder
@@ -185,13 +185,13 @@ def load_model(args: argparse.Namespace, folder: Path | None = None):
 
 def model_settings(args: argparse.Namespace) -> dict:
     """The model `add_model`'s flags name, as a resumable run's files record it (`jsonl.check_settings`): --model
-    and --adapter (a local folder by its absolute path, so the same folder named from elsewhere is the same) and
-    --dtype."""
+    and --adapter (a local folder by its content, `checkpoint.content_id`, so the same model at another path or
+    on another machine of a sharded run is the same) and --dtype."""
 
     def identity(name: str | None) -> str | None:
         if name is None or name == DEMO_NAME or not Path(name).expanduser().is_dir():
             return name  # the demo, a hub id, or a path that loading will refuse
-        return str(Path(name).expanduser().resolve())
+        return content_id(Path(name).expanduser())
 
     return {"model": identity(args.model), "adapter": identity(getattr(args, "adapter", None)), "dtype": args.dtype}
 

@@ -6,6 +6,7 @@ Only safetensors files are read; no code from a checkpoint folder is ever execut
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import threading
@@ -19,6 +20,7 @@ DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 HF_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.md"]
 
 DEMO_NAME = "demo"
+CONTENT_SAMPLE = 1 << 16  # bytes read at each end of a file by `content_id`
 DEMO_DIR = Path(__file__).parents[1] / "demo"
 DEMO_IMAGE = DEMO_DIR / "example.png"  # the demo's example scene, wherever the package is installed
 # config.json of NVIDIA's release (as the golden checkpoints have it): random checkpoints take its fields, and a
@@ -85,6 +87,21 @@ def check_safetensors(path: Path) -> None:
         raise ValueError(
             f"{path}: truncated safetensors file (tensors need {8 + header_len + end} bytes, file has {size})"
         )
+
+
+def content_id(folder: Path) -> str:
+    """What tells a local checkpoint or adapter folder from another whatever its path: a digest of its JSON and
+    safetensors files' names, sizes and first and last `CONTENT_SAMPLE` bytes (headers, and weights at both ends),
+    so the same model copied to another machine or path is the same, and a retrained one is not."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.suffix in (".json", ".safetensors") and p.is_file()):
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(CONTENT_SAMPLE))
+            f.seek(max(size - CONTENT_SAMPLE, 0))
+            digest.update(f.read(CONTENT_SAMPLE))
+    return f"local:{digest.hexdigest()[:16]}"
 
 
 def weight_files(folder: Path) -> list[Path]:
