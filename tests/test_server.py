@@ -282,6 +282,31 @@ def test_a_port_in_use_fails_before_the_model_loads(monkeypatch, capsys):
     assert f"error: cannot listen on 127.0.0.1:{port}: " in err and "--port" in err
 
 
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--port", "99999", "must be a port between 0 (any free port) and 65535, got 99999"),
+        ("--port", "-1", "must be a port between 0 (any free port) and 65535, got -1"),
+        ("--max-body-mb", "-1", "must be a positive number"),
+        ("--max-body-mb", "nan", "expected a finite number"),
+        ("--max-image-mb", "1e308", "must be at most 1.75922e+13, got 1e308"),
+        ("--memory-limit", "1e308", "must be at most 1.84467e+10, got 1e308"),
+    ],
+)
+def test_numbers_out_of_range_are_told_before_anything_starts(monkeypatch, capsys, flag, value, says):
+    """Each was a traceback (a port out of range, a size whose bytes overflow) or silently taken (-1, nan)."""
+
+    def never(host, port):
+        raise AssertionError(f"{flag} {value} was taken")
+
+    monkeypatch.setattr(server_cli, "listen", never)
+    with pytest.raises(SystemExit) as e:
+        server_cli.main([flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: argument {flag}: {says}" in err and "Traceback" not in err
+    assert server_cli.build_parser().parse_args(["--port", "0"]).port == 0  # any free port: "serving on" tells it
+
+
 def test_allow_origin_takes_origins_only():
     parse = server_cli.build_parser().parse_args
     assert parse(["--allow-origin", "http://localhost:5173/", "--allow-origin", "*"]).allow_origin == [

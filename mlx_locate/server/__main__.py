@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_flags(p)
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    p.add_argument(
+        "--port", type=flags.port_int, default=DEFAULT_PORT, help="port; 0: any free one (default: %(default)s)"
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (HTTP 401 otherwise)")
     p.add_argument(
         "--allowed-host",
@@ -75,11 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a host name clients may use besides localhost and the bound address (Host/Origin checks); repeatable",
     )
     p.add_argument(
-        "--max-body-mb", type=float, default=Settings.max_body_mb, help="largest request body (default: %(default)s)"
+        "--max-body-mb",
+        type=flags.byte_size(2**20),
+        default=Settings.max_body_mb,
+        help="largest request body (default: %(default)s)",
     )
     p.add_argument(
         "--max-image-mb",
-        type=flags.positive_float,
+        type=flags.byte_size(2**20),
         default=Settings.max_image_mb,
         help="megabytes of images the server holds, compressed while they wait and decoded once their turn comes; "
         "more are refused (HTTP 503) (default: %(default)s)",
