@@ -3,7 +3,7 @@
 Binds 127.0.0.1 by default; any other address prints a warning, since the model is then reachable from other
 machines (set --api-key, and --allowed-host for the names clients use). The port is bound before the model
 loads, so a port in use is reported at once; `/health` says "loading" (503) until the model is loaded and
-warmed up.
+warmed up, and then "serving on URL" is printed. A model that is missing or bad is one `error:` line, status 2.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..commands import flags
 from ..locate import load
 from ..weights.checkpoint import resolve
 from .protocol import DEFAULT_MAX_PIXELS, Settings
+from .worker import ModelError, WorkerError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -171,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     warning = bind_warning(args.host)
     if warning:
         print(warning, file=sys.stderr)
-    print(f"serving on {url_of(sock)}", file=sys.stderr)
     settings = Settings(
         model_name=args.model,
         host=args.host,
@@ -188,21 +188,26 @@ def main(argv: list[str] | None = None) -> int:
         warmup=not args.no_warmup,
     )
     app = create_app(load, settings)
+    worker, url = app.state.worker, url_of(sock)
     # Our access log (one line per request, with its rows and steps) replaces uvicorn's, while the server runs.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("mlx_locate.server")
     level = logger.level
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
-    failed = threading.Event()
+    # uvicorn's own lines wait for the model: a model that fails to load is told in one line.
+    uvicorn_logger = logging.getLogger("uvicorn.error")
+    uvicorn_level = uvicorn_logger.level
+    uvicorn_logger.setLevel(max(uvicorn_level, logging.WARNING))
 
     def watch_load() -> None:
         try:
-            app.state.worker.wait_ready()
-        except Exception as e:  # noqa: BLE001 - reported, then the server stops
-            print(f"error: {e}", file=sys.stderr)
-            failed.set()
+            worker.wait_ready()
+        except WorkerError:  # told once the server has stopped
             server.should_exit = True
+            return
+        uvicorn_logger.setLevel(uvicorn_level)
+        print(f"serving on {url}", file=sys.stderr)
 
     logger.addHandler(handler)
     logger.setLevel(args.log_level.upper())
@@ -213,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    return 1 if failed.is_set() else 0
+        uvicorn_logger.setLevel(uvicorn_level)
+    if worker.load_error is not None:
+        print(f"error: {worker.load_error}", file=sys.stderr)
+        return 2 if isinstance(worker.load_error, ModelError) else 1
+    return 0
 
 
 if __name__ == "__main__":
