@@ -17,6 +17,8 @@ from mcp.client.stdio import stdio_client
 from PIL import Image
 
 import mlx_locate
+from mlx_locate.server.mcp import main as mcp_main
+from mlx_locate.server.worker import Worker
 
 pytestmark = pytest.mark.slow  # the MCP server as a subprocess
 
@@ -112,3 +114,14 @@ def test_a_model_that_cannot_load_is_one_error_line_and_status_2(tmp_path, kind)
     )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.startswith(f"error: {folder}") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_ctrl_c_while_the_model_loads_stops_it_quietly(monkeypatch, capsys):
+    """Before, a KeyboardInterrupt traceback (as in the protocol's loop)."""
+
+    def interrupted(self, timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Worker, "wait_ready", interrupted)
+    assert mcp_main(["--model", "demo"]) == 130
+    assert capsys.readouterr() == ("", "")

@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -327,7 +328,7 @@ def test_a_load_that_fails_by_a_bug_logs_its_traceback_and_is_status_1(monkeypat
 
 
 @pytest.mark.slow  # the server as a subprocess
-def test_serving_on_is_said_once_ready():
+def test_serving_on_is_said_once_ready_and_ctrl_c_stops_it_quietly():
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlx_locate.server", "--port", "0"], stderr=subprocess.PIPE, text=True
     )
@@ -337,6 +338,9 @@ def test_serving_on_is_said_once_ready():
             lines.append(proc.stderr.readline())
             assert lines[-1], f"the server ended: {lines}"
         assert httpx.get(f"{lines[-1].split()[-1]}/health").json()["status"] == "ok"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        assert "Traceback" not in proc.stderr.read()
     finally:
         proc.kill()
         proc.stderr.close()

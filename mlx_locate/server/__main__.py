@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         with sock:
             threading.Thread(target=watch_load, name="watch-load", daemon=True).start()
             server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down, then raised the signal again for the exit status
+        return 130
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ModelError) else 1
+    except KeyboardInterrupt:  # Ctrl-C, loading or serving
+        return 130
     finally:
         worker.stop()
     return 0
