@@ -153,3 +153,15 @@ def demo_waiting_before_steps(wait: Callable[[], object]):
         return model
 
     return load
+
+
+BAD_MODELS = {"an empty folder": None, "a config.json that is not JSON": "{not json"}  # config.json's text
+
+
+def bad_model(root: Path, kind: str) -> Path:
+    """A model folder of `kind` (a key of BAD_MODELS) under `root`: one a server is given by mistake."""
+    folder = root / "model"
+    folder.mkdir()
+    if BAD_MODELS[kind] is not None:
+        (folder / "config.json").write_text(BAD_MODELS[kind])
+    return folder

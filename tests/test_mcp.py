@@ -6,16 +6,19 @@ import asyncio
 import base64
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import approx_tree
+from conftest import BAD_MODELS, approx_tree, bad_model
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from PIL import Image
 
 import mlx_locate
+from mlx_locate.server.mcp import main as mcp_main
+from mlx_locate.server.worker import Worker
 
 pytestmark = pytest.mark.slow  # the MCP server as a subprocess
 
@@ -96,3 +99,29 @@ def test_a_rotated_jpeg_in_the_displayed_frame(tmp_path):
     out = result.structured_content
     assert out["image"] == {"width": 224, "height": 168} and out["orientation"] == "exif" and out["warnings"] == []
     assert [o["box"] for o in out["objects"]] == approx_tree([list(o.box) for o in api.objects])
+
+
+@pytest.mark.parametrize("kind", BAD_MODELS)
+def test_a_model_that_cannot_load_is_one_error_line_and_status_2(tmp_path, kind):
+    """Before, an exception group's traceback of 99 lines and status 1; stdout, the protocol's channel, stays clean."""
+    folder = bad_model(tmp_path, kind)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_locate.server.mcp", "--model", str(folder)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.startswith(f"error: {folder}") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_ctrl_c_while_the_model_loads_stops_it_quietly(monkeypatch, capsys):
+    """Before, a KeyboardInterrupt traceback (as in the protocol's loop)."""
+
+    def interrupted(self, timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Worker, "wait_ready", interrupted)
+    assert mcp_main(["--model", "demo"]) == 130
+    assert capsys.readouterr() == ("", "")

@@ -15,8 +15,11 @@ import io
 import json
 import logging
 import re
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -25,7 +28,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from conftest import approx_tree, demo_waiting_before_steps
+from conftest import BAD_MODELS, approx_tree, bad_model, demo_waiting_before_steps
 from PIL import Image
 
 import mlx_locate
@@ -33,7 +36,7 @@ from mlx_locate import Request
 from mlx_locate.server import __main__ as server_cli
 from mlx_locate.server.app import create_app, serve_in_thread
 from mlx_locate.server.protocol import Settings, result_json
-from mlx_locate.server.worker import Job, QueueFull, Worker, WorkerError
+from mlx_locate.server.worker import Job, ModelError, QueueFull, Worker, WorkerError
 
 IMAGE = Path(mlx_locate.__file__).parent / "demo" / "example.png"
 ALONE = [  # (query, task, mode) asked alone through model.locate
@@ -260,8 +263,7 @@ def test_binds_localhost_by_default_and_warns_elsewhere(monkeypatch, capsys):
     port = free_port()
     assert server_cli.main(["--port", str(port)]) == 0
     assert bound[-1] == ("127.0.0.1", port)
-    err = capsys.readouterr().err
-    assert "warning" not in err and f"serving on http://127.0.0.1:{port}\n" in err
+    assert "warning" not in capsys.readouterr().err
     assert server_cli.main(["--host", "0.0.0.0", "--port", str(port)]) == 0
     assert bound[-1] == ("0.0.0.0", port)
     assert "warning: binding to 0.0.0.0" in capsys.readouterr().err
@@ -280,6 +282,68 @@ def test_a_port_in_use_fails_before_the_model_loads(monkeypatch, capsys):
         assert server_cli.main(["--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot listen on 127.0.0.1:{port}: " in err and "--port" in err
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--port", "99999", "must be a port between 0 (any free port) and 65535, got 99999"),
+        ("--port", "-1", "must be a port between 0 (any free port) and 65535, got -1"),
+        ("--max-body-mb", "-1", "must be a positive number"),
+        ("--max-body-mb", "nan", "expected a finite number"),
+        ("--max-image-mb", "1e308", "must be at most 1.75922e+13, got 1e308"),
+        ("--memory-limit", "1e308", "must be at most 1.84467e+10, got 1e308"),
+    ],
+)
+def test_numbers_out_of_range_are_told_before_anything_starts(monkeypatch, capsys, flag, value, says):
+    """Each was a traceback (a port out of range, a size whose bytes overflow) or silently taken (-1, nan)."""
+
+    def never(host, port):
+        raise AssertionError(f"{flag} {value} was taken")
+
+    monkeypatch.setattr(server_cli, "listen", never)
+    with pytest.raises(SystemExit) as e:
+        server_cli.main([flag, value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: argument {flag}: {says}" in err and "Traceback" not in err
+    assert server_cli.build_parser().parse_args(["--port", "0"]).port == 0  # any free port: "serving on" tells it
+
+
+@pytest.mark.parametrize("kind", BAD_MODELS)
+def test_a_model_that_cannot_load_is_one_error_line_and_status_2(tmp_path, capsys, kind):
+    folder = bad_model(tmp_path, kind)
+    assert server_cli.main(["--model", str(folder), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {folder}") and err.count("\n") == 1, err
+
+
+def test_a_load_that_fails_by_a_bug_logs_its_traceback_and_is_status_1(monkeypatch, capsys):
+    def bug():
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server_cli, "model_loader", lambda args: bug)
+    assert server_cli.main(["--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.endswith("error: the model failed to load: RuntimeError: a bug\n")
+
+
+@pytest.mark.slow  # the server as a subprocess
+def test_serving_on_is_said_once_ready_and_ctrl_c_stops_it_quietly():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_locate.server", "--port", "0"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("serving on ")):
+            lines.append(proc.stderr.readline())
+            assert lines[-1], f"the server ended: {lines}"
+        assert httpx.get(f"{lines[-1].split()[-1]}/health").json()["status"] == "ok"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stderr.close()
 
 
 def test_allow_origin_takes_origins_only():
@@ -551,13 +615,19 @@ def test_a_step_that_raises_fails_only_its_job_and_the_worker_goes_on():
         asyncio.run(ask(IMAGE))
 
 
-def test_a_model_that_fails_to_load_is_reported():
-    def fail():
+def test_a_model_that_fails_to_load_is_reported(caplog):
+    def missing():
         raise FileNotFoundError("no model here")
 
-    worker = Worker(fail).start()
-    with pytest.raises(WorkerError, match="no model here"):
-        worker.wait_ready(10)
+    def bug():
+        raise RuntimeError("a bug")
+
+    with pytest.raises(ModelError, match="^no model here$"):  # the user's error: one line, nothing logged
+        Worker(missing).start().wait_ready(10)
+    assert not caplog.records
+    with pytest.raises(WorkerError, match="failed to load: RuntimeError: a bug") as e:
+        Worker(bug).start().wait_ready(10)
+    assert not isinstance(e.value, ModelError) and caplog.records[0].exc_info is not None
 
 
 # -- issue 25: one client can never hurt another -------------------------------------------------------------

@@ -20,6 +20,7 @@ from mlx_locate.server.errors import validation_message
 from mlx_locate.server.mcp import build_server
 from mlx_locate.server.protocol import Settings
 from mlx_locate.server.schemas import ChatBody, Decoding, GroundBody, LocateBody
+from mlx_locate.server.worker import Worker
 
 SHARED = {  # option: where it is taken besides LocateBody
     "mode": ("GroundBody", "ChatBody", "mcp.locate", "mcp.ground"),
@@ -40,7 +41,7 @@ SHARED = {  # option: where it is taken besides LocateBody
 @pytest.fixture(scope="module")
 def schemas() -> dict[str, dict]:
     """The properties of every body's and every MCP tool's JSON schema, by name."""
-    tools = asyncio.run(build_server(lambda: None, Settings()).list_tools())
+    tools = asyncio.run(build_server(Worker(lambda: None), Settings()).list_tools())
     out = {m.__name__: m.model_json_schema()["properties"] for m in (LocateBody, GroundBody, ChatBody)}
     return {**out, **{f"mcp.{t.name}": t.input_schema["properties"] for t in tools}}
 

@@ -65,6 +65,23 @@ def positive_float(text: str) -> float:
     return value
 
 
+MAX_BYTES = 2**64 - 1  # the most bytes a size flag may name (MLX's memory limit is a 64-bit size)
+
+
+def byte_size(unit: float):
+    """The checked type of a size flag in `unit` bytes (2**20 for MB, 1e9 for GB): a positive number, at most
+    MAX_BYTES in all (beyond, its bytes do not fit the integer sizes they become)."""
+    most = MAX_BYTES / unit
+
+    def size(text: str) -> float:
+        value = positive_float(text)
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:.6g}, got {text}")
+        return value
+
+    return size
+
+
 def _integer(text: str) -> int:
     try:
         return int(text)
@@ -90,6 +107,14 @@ def image_tokens(text: str) -> int:
     value = _integer(text)
     if value < MIN_IMAGE_TOKENS:  # the engine's bound (`request.check_image_options`)
         raise argparse.ArgumentTypeError(f"must be at least {MIN_IMAGE_TOKENS} patches, got {value}")
+    return value
+
+
+def port_int(text: str) -> int:
+    """A TCP port: 1 to 65535, or 0 for a free one the system picks."""
+    value = _integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port between 0 (any free port) and 65535, got {value}")
     return value
 
 
@@ -461,7 +486,7 @@ def add_memory_limit(p: argparse.ArgumentParser) -> None:
     """--memory-limit: the memory one run may use (`apply_memory_limit` sets it before the model loads)."""
     p.add_argument(
         "--memory-limit",
-        type=positive_float,
+        type=byte_size(1e9),
         metavar="GB",
         help="memory this run may use (MLX's memory limit); rows, vision batches and prefill pieces are sized "
         "within it (default: what the device lends the GPU)",

@@ -3,7 +3,7 @@
 Binds 127.0.0.1 by default; any other address prints a warning, since the model is then reachable from other
 machines (set --api-key, and --allowed-host for the names clients use). The port is bound before the model
 loads, so a port in use is reported at once; `/health` says "loading" (503) until the model is loaded and
-warmed up.
+warmed up, and then "serving on URL" is printed. A model that is missing or bad is one `error:` line, status 2.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..commands import flags
 from ..locate import load
 from ..weights.checkpoint import resolve
 from .protocol import DEFAULT_MAX_PIXELS, Settings
+from .worker import ModelError, WorkerError
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
@@ -65,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_flags(p)
     p.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default: %(default)s)")
+    p.add_argument(
+        "--port", type=flags.port_int, default=DEFAULT_PORT, help="port; 0: any free one (default: %(default)s)"
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (HTTP 401 otherwise)")
     p.add_argument(
         "--allowed-host",
@@ -75,11 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a host name clients may use besides localhost and the bound address (Host/Origin checks); repeatable",
     )
     p.add_argument(
-        "--max-body-mb", type=float, default=Settings.max_body_mb, help="largest request body (default: %(default)s)"
+        "--max-body-mb",
+        type=flags.byte_size(2**20),
+        default=Settings.max_body_mb,
+        help="largest request body (default: %(default)s)",
     )
     p.add_argument(
         "--max-image-mb",
-        type=flags.positive_float,
+        type=flags.byte_size(2**20),
         default=Settings.max_image_mb,
         help="megabytes of images the server holds, compressed while they wait and decoded once their turn comes; "
         "more are refused (HTTP 503) (default: %(default)s)",
@@ -166,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     warning = bind_warning(args.host)
     if warning:
         print(warning, file=sys.stderr)
-    print(f"serving on {url_of(sock)}", file=sys.stderr)
     settings = Settings(
         model_name=args.model,
         host=args.host,
@@ -183,21 +188,26 @@ def main(argv: list[str] | None = None) -> int:
         warmup=not args.no_warmup,
     )
     app = create_app(load, settings)
+    worker, url = app.state.worker, url_of(sock)
     # Our access log (one line per request, with its rows and steps) replaces uvicorn's, while the server runs.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("mlx_locate.server")
     level = logger.level
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
-    failed = threading.Event()
+    # uvicorn's own lines wait for the model: a model that fails to load is told in one line.
+    uvicorn_logger = logging.getLogger("uvicorn.error")
+    uvicorn_level = uvicorn_logger.level
+    uvicorn_logger.setLevel(max(uvicorn_level, logging.WARNING))
 
     def watch_load() -> None:
         try:
-            app.state.worker.wait_ready()
-        except Exception as e:  # noqa: BLE001 - reported, then the server stops
-            print(f"error: {e}", file=sys.stderr)
-            failed.set()
+            worker.wait_ready()
+        except WorkerError:  # told once the server has stopped
             server.should_exit = True
+            return
+        uvicorn_logger.setLevel(uvicorn_level)
+        print(f"serving on {url}", file=sys.stderr)
 
     logger.addHandler(handler)
     logger.setLevel(args.log_level.upper())
@@ -205,10 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         with sock:
             threading.Thread(target=watch_load, name="watch-load", daemon=True).start()
             server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn has shut down, then raised the signal again for the exit status
+        return 130
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    return 1 if failed.is_set() else 0
+        uvicorn_logger.setLevel(uvicorn_level)
+    if worker.load_error is not None:
+        print(f"error: {worker.load_error}", file=sys.stderr)
+        return 2 if isinstance(worker.load_error, ModelError) else 1
+    return 0
 
 
 if __name__ == "__main__":

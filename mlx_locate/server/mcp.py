@@ -2,7 +2,8 @@
 
 An agent's MCP client starts it as a subprocess; both tools take the image as a local path or as base64 and
 answer in pixels of that image, with the same fields as the HTTP server's `/v1/locate` and `/v1/ground`. The
-model runs on the same single MLX worker thread as the HTTP server. stdout carries the protocol, so nothing
+model runs on the same single MLX worker thread as the HTTP server, and is loaded before the protocol starts (a
+model that is missing or bad is one `error:` line on stderr, status 2). stdout carries the protocol, so nothing
 else is printed there.
 """
 
@@ -10,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from ..locate import LocateModel
 from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK
 from .protocol import InputError, Settings, build_requests, ground_json, image_bytes, locate_json, open_image
-from .worker import Job, QueueFull, Worker, WorkerError
+from .worker import Job, ModelError, QueueFull, Worker, WorkerError
 
 try:
     import anyio
@@ -90,21 +88,10 @@ def read_image(image_path: str | None, image_base64: str | None, settings: Setti
     return open_image(data, settings.max_pixels)
 
 
-def build_server(load: Callable[[], LocateModel], settings: Settings | None = None) -> MCPServer:
-    """The MCP server; `load` runs on the worker thread when the server starts."""
+def build_server(worker: Worker, settings: Settings | None = None) -> MCPServer:
+    """The MCP server over `worker`, which the caller starts and stops."""
     settings = settings or Settings()
-    worker = Worker(load, max_queue=settings.max_queue, max_rows=settings.max_rows, warmup=settings.warmup)
-
-    @asynccontextmanager
-    async def lifespan(server: MCPServer):
-        worker.start()
-        await anyio.to_thread.run_sync(worker.wait_ready)
-        try:
-            yield {}
-        finally:
-            await anyio.to_thread.run_sync(worker.stop)
-
-    server = MCPServer("mlx-locate", instructions=INSTRUCTIONS, lifespan=lifespan)
+    server = MCPServer("mlx-locate", instructions=INSTRUCTIONS)
 
     async def answer(image_path, image_base64, asks: list[tuple[str | None, str]], decoding: Decoding):
         """The results of (query, task) questions about one image; any failure is a `ToolError`."""
@@ -186,7 +173,17 @@ def main(argv: list[str] | None = None) -> int:
         max_rows=args.max_rows,
         warmup=not args.no_warmup,
     )
-    build_server(load, settings).run("stdio")
+    worker = Worker(load, max_queue=settings.max_queue, max_rows=settings.max_rows, warmup=settings.warmup)
+    try:
+        worker.start().wait_ready()  # before the protocol starts: a model that fails to load is one line
+        build_server(worker, settings).run("stdio")
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ModelError) else 1
+    except KeyboardInterrupt:  # Ctrl-C, loading or serving
+        return 130
+    finally:
+        worker.stop()
     return 0
 
 

@@ -53,6 +53,11 @@ class WorkerError(RuntimeError):
     """The worker could not finish a request (the model failed to load, it stopped, or a step raised)."""
 
 
+class ModelError(WorkerError):
+    """The model named cannot be loaded: a missing or bad folder, config, weights or adapter (the loader's
+    `OSError` or `ValueError`). A user's error: told in one line, with no traceback logged."""
+
+
 class ModelLimits(NamedTuple):
     """What the handlers need to know of the loaded model (plain numbers: no MLX outside the worker)."""
 
@@ -144,7 +149,7 @@ class Worker:
         self.stats = WorkerStats()
         self.model: LocateModel | None = None
         self.limits: ModelLimits | None = None
-        self.load_error: BaseException | None = None
+        self.load_error: WorkerError | None = None
         self._load = load
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -160,11 +165,12 @@ class Worker:
         return self
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the model is loaded; raises `WorkerError` when loading failed."""
+        """Block until the model is loaded; raises `ModelError` for a missing or bad model, `WorkerError` when
+        loading failed otherwise."""
         if not self._ready.wait(timeout):
             raise WorkerError(f"the model did not load within {timeout} s")
         if self.load_error is not None:
-            raise WorkerError(f"the model failed to load: {self.load_error}") from self.load_error
+            raise self.load_error.with_traceback(None)
 
     @property
     def ready(self) -> bool:
@@ -267,26 +273,36 @@ class Worker:
             gc.collect()
             mx.clear_streams()
 
-    def _serve(self) -> None:
+    def _start(self):
+        """Load the model (`ModelError` for a missing or bad one) and warm it up; its engine."""
         try:
             model = self._load()
-            engine = model.engine(self.max_rows)
-            runtime = model.runtime
-            if self.warmup:
-                runtime.steps.compile_after = 0  # a server's steps are many: compiled in the warm-up, not eagerly run
-                t0 = time.perf_counter()
-                warm_up(engine)
-                self.stats.warmup_s = time.perf_counter() - t0
-                log.info("warm-up done in %.1f s (%d compilations)", self.stats.warmup_s, runtime.compilations)
-            self.limits = ModelLimits(runtime.token_ids.vocab_size, runtime.in_token_limit, runtime.patch_size)
-            self.model = model
-        except Exception as e:  # noqa: BLE001 - any load failure is reported to whoever waits
-            self.load_error = e
+        except (OSError, ValueError) as e:  # the loader's errors for what the user named
+            raise ModelError(str(e)) from None
+        engine = model.engine(self.max_rows)
+        runtime = model.runtime
+        if self.warmup:
+            runtime.steps.compile_after = 0  # a server's steps are many: compiled in the warm-up, not eagerly run
+            t0 = time.perf_counter()
+            warm_up(engine)
+            self.stats.warmup_s = time.perf_counter() - t0
+            log.info("warm-up done in %.1f s (%d compilations)", self.stats.warmup_s, runtime.compilations)
+        self.limits = ModelLimits(runtime.token_ids.vocab_size, runtime.in_token_limit, runtime.patch_size)
+        self.model = model
+        return engine
+
+    def _serve(self) -> None:
+        try:
+            engine = self._start()
+        except ModelError as e:  # the user's error, told by whoever waits (a new one: no frames of the loader kept)
+            self.load_error = ModelError(str(e))
+        except Exception as e:  # noqa: BLE001 - a bug: logged with its traceback, and reported to whoever waits
             log.exception("loading the model failed")
-            self._ready.set()
+            self.load_error = WorkerError(f"the model failed to load: {type(e).__name__}: {e}")
+        self._ready.set()
+        if self.load_error is not None:
             self._drain_after_stop()
             return
-        self._ready.set()
         live: list[Ticket] = []
         while True:
             try:
