@@ -392,9 +392,10 @@ def test_config_without_a_field(cli, tmp_path):
     config = json.loads((model / "config.json").read_text())
     del config["text_config"]["num_hidden_layers"]
     (model / "config.json").write_text(json.dumps(config))
-    assert (
-        error_line(cli("--model", str(model))) == "error: config.json text_config: missing field(s) num_hidden_layers"
-    )
+    line = error_line(cli("--model", str(model)))
+    assert line == f"error: {model}: config.json text_config: missing field(s) num_hidden_layers"
+    (model / "config.json").write_text(json.dumps([config]))  # valid JSON, but no object
+    assert error_line(cli("--model", str(model))) == f"error: {model / 'config.json'}: expected a JSON object, got list"
 
 
 def test_wrong_tensor_shape(cli, tmp_path):

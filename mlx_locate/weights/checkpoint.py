@@ -58,9 +58,12 @@ def read_json(folder: Path, name: str) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: missing {name}")
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def check_safetensors(path: Path) -> None:

@@ -197,7 +197,16 @@ def in_token_limit(folder: Path) -> int:
 def image_settings(folder: Path) -> tuple[int, int]:
     """(in_token_limit, patch_size) of a checkpoint folder: what preparing an image needs, before the model
     loads (`runtime.Runtime.prepare`)."""
-    return in_token_limit(folder), ModelConfig.from_dict(read_json(folder, "config.json")).vision.patch_size
+    return in_token_limit(folder), read_config(folder).vision.patch_size
+
+
+def read_config(folder: Path) -> ModelConfig:
+    """The checkpoint's config.json, its errors naming the folder."""
+    raw = read_json(folder, "config.json")
+    try:
+        return ModelConfig.from_dict(raw)
+    except ValueError as e:
+        raise ValueError(f"{folder}: {e}") from None
 
 
 def read_checkpoint(
@@ -216,7 +225,8 @@ def read_checkpoint(
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = CPU_DTYPE
     folder = resolve(path_or_hub_id)
-    raw = read_json(folder, "config.json")
+    config = read_config(folder)
+    raw = config.raw
     reading = threading.Event()
 
     def build_tokenizer() -> Tokenizer:
@@ -226,7 +236,7 @@ def read_checkpoint(
     with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-tokenizer") as pool, mx.stream(loading_streams()[1]):
         tokenizer_job = pool.submit(build_tokenizer)
         try:
-            network = build_model(folder, ModelConfig.from_dict(raw), None, dtype, meanwhile=reading.set)
+            network = build_model(folder, config, None, dtype, meanwhile=reading.set)
         finally:
             reading.set()  # a build that fails before the tower is read: let the thread go, or the pool never shuts
         tokenizer = tokenizer_job.result()
