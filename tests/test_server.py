@@ -815,6 +815,34 @@ def test_metrics_and_the_access_log(served, caplog):
     assert any(re.fullmatch(r"req-\w+ POST /v1/locate 400 rows=0 steps=0 \d+\.\d+s", x) for x in lines)
 
 
+def test_a_client_that_hangs_up_while_uploading_is_499_not_a_server_error(served, caplog):
+    """Headers and part of a body, then the connection closed: no traceback, counted as 499 (JSON and
+    multipart alike)."""
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    host, port = served.url.removeprefix("http://").split(":")
+    parts = [
+        ("application/json", json.dumps(good_body()).encode()),
+        ("multipart/form-data; boundary=xyz", b'--xyz\r\nContent-Disposition: form-data; name="query"\r\n\r\nsq'),
+    ]
+    counted = ("mlx_locate_http_requests_total", (("route", "/v1/locate"), ("status", "499")))
+    before = metric_values(served.client.get("/metrics").text).get(counted, 0)
+    try:
+        for n, (kind, payload) in enumerate(parts, 1):
+            with socket.create_connection((host, int(port))) as sock:
+                head = f"POST /v1/locate HTTP/1.1\r\nHost: {host}\r\nContent-Type: {kind}\r\n"
+                sock.sendall(f"{head}Content-Length: {len(payload) + 1000}\r\n\r\n".encode() + payload[:200])
+            deadline = time.monotonic() + 10
+            while metric_values(served.client.get("/metrics").text).get(counted, 0) < before + n:
+                assert time.monotonic() < deadline, "the hang-up was not counted as 499"
+                time.sleep(0.05)
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    values = metric_values(served.client.get("/metrics").text)
+    assert ("mlx_locate_http_requests_total", (("route", "/v1/locate"), ("status", "500"))) not in values
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def chat_messages(text: str) -> list[dict]:
     image = f"data:image/png;base64,{b64(IMAGE)}"
     return [

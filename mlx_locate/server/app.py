@@ -47,7 +47,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 from .bodies import body_fields, is_form, json_body, parse
 from .chat import answer_format, chat_completion, chat_input, chat_stream, chat_task
-from .errors import ApiError, add_error_handlers
+from .errors import CLIENT_CLOSED, ApiError, add_error_handlers
 from .metrics import Metrics
 from .middleware import Cors, Guard, Observe
 from .schemas import ChatBody, Decoding, GroundBody, LocateBody
@@ -177,7 +177,7 @@ class Routes:
                 answered = collecting.done() and not collecting.cancelled() and collecting.exception() is None
                 self.observe(request, job, collecting.result() if answered else ())
             if not collecting.done() or collecting.cancelled():
-                raise ApiError(499, "client_closed", "the client closed the connection")
+                raise ApiError(*CLIENT_CLOSED)
             return job_result(collecting)
 
     # -- the routes (a docstring here is the route's description in the OpenAPI schema) ---------------------
