@@ -244,6 +244,10 @@ def test_chat_completions_with_the_openai_client(served):
 
     with pytest.raises(Exception, match="exactly one image_url"):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+    for image_url, says in [({}, "image_url.url must be a string (a data URL); it is missing"), ({"url": 5}, "got 5")]:
+        parts = [{"type": "text", "text": "square"}, {"type": "image_url", "image_url": image_url}]
+        r = served.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
+        assert says in assert_error(r, 400, "invalid_request")["message"]
 
 
 # -- limits and safety --------------------------------------------------------------------------------------

@@ -81,10 +81,14 @@ def chat_input(messages: list[dict[str, Any]]) -> tuple[str, str]:
             texts.append(part["text"])
         elif kind == "image_url":
             url = part.get("image_url")
-            images.append(url.get("url") if isinstance(url, dict) else url)
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                got = "it is missing" if url is None else f"got {json.dumps(url)[:60]}"
+                raise InputError("invalid_request", f"image_url.url must be a string (a data URL); {got}")
+            images.append(url)
         else:
             raise InputError("invalid_request", f"unsupported content part {kind!r}; use 'text' and 'image_url'")
-    if len(images) != 1 or not isinstance(images[0], str):
+    if len(images) != 1:
         raise InputError("invalid_request", f"the user message needs exactly one image_url, got {len(images)}")
     text = "\n".join(texts).strip()
     if len(text) > MAX_TEXT:
