@@ -516,9 +516,13 @@ def test_bad_requests_get_400_with_the_reason(served):
         ({"image": image, "query": []}, "empty list"),
         ({"query": "x"}, "no image"),
         ({"image": image, "query": "x" * 5000}, "at most 4096 characters"),
+        ({"image": image, "query": 5}, "query: expected a string of at most 4096 characters, or a list of them"),
+        ({"image": image, "query": "x", "tiles": "2y2"}, "tiles: expected 'auto', ROWSxCOLS such as '2x3', or [rows"),
+        ({"image": image, "query": "x", "tiles": 5}, "tiles: expected 'auto', ROWSxCOLS such as '2x3', or [rows"),
     ]
     for body, reason in cases:
-        assert reason in assert_error(served.client.post("/v1/locate", json=body), 400, "invalid_request")["message"]
+        message = assert_error(served.client.post("/v1/locate", json=body), 400, "invalid_request")["message"]
+        assert reason in message and "[" not in message.partition(":")[0], message  # no pydantic type names
     assert_error(served.client.post("/v1/locate", content=b"[1, 2]"), 400, "invalid_json")
     assert_error(served.client.get("/v1/nothing"), 404, "not_found")
     assert_error(served.client.get("/v1/locate"), 405, "method_not_allowed")
@@ -650,7 +654,7 @@ BAD_NUMBERS = [  # (route, raw JSON body text, what the 400 says); each failed w
     ("/v1/locate", '{"seed": 18446744073709551616}', "seed"),
     ("/v1/locate", '{"max_tokens": true}', "not a boolean"),
     ("/v1/locate", '{"top_k": true}', "not a boolean"),
-    ("/v1/locate", '{"tiles": [true, 2]}', "not a boolean"),
+    ("/v1/locate", '{"tiles": [true, 2]}', "tiles: expected 'auto', ROWSxCOLS"),
     ("/v1/ground", '{"top_p": NaN}', "top_p"),
     ("/v1/chat/completions", '{"top_k": 2147483648}', "over the model's vocabulary"),
     ("/v1/chat/completions", '{"temperature": Infinity}', "temperature"),
@@ -752,6 +756,10 @@ def test_a_tiled_stream_sends_each_view_then_the_merged_objects(served):
     assert answer_of(events[-1][1]) == approx_tree(answer_of(plain))
     merged = [{k: v for k, v in d.items() if k not in ("query_index", "query")} for k, d in events if k == "object"]
     assert merged == approx_tree(plain["objects"]) and plain["stats"]["tile_grid"] == [1, 2]
+    spelled = served.client.post("/v1/locate", json={**body, "tiles": "1x2"}).json()  # as the CLI spells it
+    fields = {k: str(v) for k, v in body.items() if k != "image"}
+    form = served.client.post("/v1/locate", files={"image": IMAGE.read_bytes()}, data={**fields, "tiles": "1x2"})
+    assert answer_of(spelled) == answer_of(form.json()) == answer_of(plain)
 
 
 def test_cors_preflight_and_answers_for_allowed_origins_only(strict, served):

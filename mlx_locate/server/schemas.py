@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..admission import MAX_SEED
 from ..decide import MODE_NAMES
@@ -18,6 +19,7 @@ from ..preprocess import ORIENTATIONS
 from ..prompts import TASKS
 from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, MIN_IMAGE_TOKENS, Request
 from ..sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, Sampling
+from ..tiles import parse_tiles
 from .protocol import Settings
 
 MAX_TEXT = 4096  # characters of one query, instruction or chat text
@@ -45,6 +47,28 @@ def real(**bounds) -> Any:
     return Annotated[float, Field(**bounds), BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
 
 
+def described(kind: Any, what: str) -> Any:
+    """`kind`, its refusal one error in words (not one per member of a union): the field expects `what`."""
+
+    def check(value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("invalid_value", f"expected {what}") from None
+
+    return Annotated[kind, WrapValidator(check)]
+
+
+def _grid(value: Any) -> Any:
+    """Tiles as the command line spells them ("2x3", `tiles.parse_tiles`), or [rows, cols] as a tuple."""
+    if isinstance(value, str):
+        try:
+            return parse_tiles(value)
+        except ValueError:
+            return value  # refused by the type
+    return tuple(value) if isinstance(value, list) else value
+
+
 # Tokenizing runs on the worker thread, between everyone's steps: a query's length is bounded here.
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Int = whole()
@@ -60,7 +84,11 @@ RepetitionPenalty = real(ge=PENALTY_LOW, le=PENALTY_HIGH)
 Seed = whole(ge=0, le=MAX_SEED)
 Orientation = Literal[ORIENTATIONS]  # "stored": boxes in the stored pixels, EXIF orientation ignored
 ImageTokens = whole(ge=MIN_IMAGE_TOKENS)  # a patch budget below the model's (at most the model's)
-Tiles = Literal["auto"] | tuple[Int, Int]
+Tiles = described(
+    Annotated[Literal["auto"] | tuple[Int, Int], BeforeValidator(_grid)],
+    "'auto', ROWSxCOLS such as '2x3', or [rows, cols]",
+)
+Query = described(Text | list[Text], f"a string of at most {MAX_TEXT} characters, or a list of them")
 Categories = list[Text]  # several categories of one detect request: one row each, one result
 Instruction = Annotated[Text, Field(min_length=1)]
 
@@ -104,7 +132,7 @@ class Decoding(BaseModel):
 
 class LocateBody(Decoding):
     image: str | None = None  # data URL or base64 (or a file part in multipart)
-    query: Text | list[Text] | None = None  # a list: separate questions, answered under "queries"
+    query: Query | None = None  # a list: separate questions, answered under "queries"
     categories: Categories | None = None
     joint: bool = Request.joint  # categories in ONE prompt joined by </c> (the reference's; also with strict)
     task: TaskName = DEFAULT_TASK
