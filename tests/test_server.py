@@ -416,6 +416,19 @@ def test_pixel_limit_from_the_header(strict):
     assert_error(strict.client.post("/v1/locate", json={"image": b64(IMAGE), "query": "x"}), 400, "image_too_large")
 
 
+def test_line_wrapped_and_unpadded_base64_are_read_and_garbage_is_not(served):
+    data = IMAGE.read_bytes()
+    assert len(data) % 3  # so that its base64 ends with padding
+    plain = served.client.post("/v1/locate", json=good_body("square")).json()
+    wrapped = base64.encodebytes(data).decode()  # 76 characters a line, as the `base64` command writes it
+    for image in (wrapped, f"data:image/png;base64,{wrapped}", base64.b64encode(data).decode().rstrip("=")):
+        r = served.client.post("/v1/locate", json={**good_body("square"), "image": image})
+        assert r.status_code == 200 and answer_of(r.json()) == answer_of(plain), r.text
+    for garbage in ("not base64!", "QUJD*", "QUJDR", wrapped.replace("\n", "\n#", 1)):
+        r = served.client.post("/v1/locate", json={"image": garbage, "query": "x"})
+        assert assert_error(r, 400, "invalid_image")["message"] == "the image is neither a data URL nor valid base64"
+
+
 def test_formats_outside_the_allow_list_and_corrupt_images_are_400(served):
     ico = io.BytesIO()
     Image.new("RGB", (32, 32)).save(ico, "ICO")

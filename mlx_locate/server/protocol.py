@@ -67,7 +67,8 @@ def is_remote(source: str) -> bool:
 
 
 def image_bytes(source: str) -> bytes:
-    """The bytes of an image given as a data URL (`data:image/png;base64,...`) or as plain base64."""
+    """The bytes of an image given as a data URL (`data:image/png;base64,...`) or as plain base64 (whitespace and
+    missing padding allowed)."""
     text = source.strip()
     if text.startswith("data:"):
         header, sep, text = text.partition(",")
@@ -79,8 +80,9 @@ def image_bytes(source: str) -> bytes:
             "image URLs are not fetched; send the image as a data URL or base64 "
             "(or start the server with --allow-remote-images)",
         )
+    text = "".join(text.split())  # line-wrapped, as `base64` and `base64.encodebytes` write it
     try:
-        data = base64.b64decode(text, validate=True)
+        data = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)  # padding optional
     except (binascii.Error, ValueError):
         raise InputError("invalid_image", "the image is neither a data URL nor valid base64") from None
     return data
