@@ -536,6 +536,12 @@ def test_bad_requests_get_400_with_the_reason(served):
     for body, reason in cases:
         message = assert_error(served.client.post("/v1/locate", json=body), 400, "invalid_request")["message"]
         assert reason in message and "[" not in message.partition(":")[0], message  # no pydantic type names
+    upload = {"image": ("a.png", IMAGE.read_bytes(), "image/png")}
+    form = {"query": "square", "max_tokens": "64", "strict": "true", "temperature": "0", "seed": "7"}
+    assert served.client.post("/v1/locate", files=upload, data=form).status_code == 200  # a form's fields are text
+    for field, text, says in [("strict", "yes", "true or false"), ("max_tokens", "1_0", "an integer")]:
+        r = served.client.post("/v1/locate", files=upload, data={**form, field: text})
+        assert assert_error(r, 400, "invalid_request")["message"] == f"{field}: expected {says}, got {text!r}"
     assert_error(served.client.post("/v1/locate", content=b"[1, 2]"), 400, "invalid_json")
     assert_error(served.client.get("/v1/nothing"), 404, "not_found")
     assert_error(served.client.get("/v1/locate"), 405, "method_not_allowed")
@@ -673,6 +679,13 @@ BAD_NUMBERS = [  # (route, raw JSON body text, what the 400 says); each failed w
     ("/v1/chat/completions", '{"temperature": Infinity}', "temperature"),
     ("/v1/chat/completions", '{"seed": -1}', "seed"),
     ("/v1/chat/completions", '{"max_tokens": true}', "not a boolean"),
+    # JSON takes each type itself, not a string or float that looks like one (they were coerced before)
+    ("/v1/locate", '{"strict": "yes"}', "strict: expected true or false, got 'yes'"),
+    ("/v1/locate", '{"stream": "true"}', "stream: expected true or false, got 'true'"),
+    ("/v1/locate", '{"max_tokens": "10"}', "max_tokens: expected an integer, got '10'"),
+    ("/v1/ground", '{"max_tokens": 10.0}', "max_tokens: expected an integer, got 10.0"),
+    ("/v1/ground", '{"temperature": "0.5"}', "temperature: expected a number, got '0.5'"),
+    ("/v1/chat/completions", '{"stream": "yes"}', "stream: expected true or false, got 'yes'"),
 ]
 
 

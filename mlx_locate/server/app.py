@@ -45,7 +45,7 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f'the server needs its extra: pip install "mlx-locate[server]" ({e})') from e
 
-from .bodies import body_fields, is_form, json_body, parse
+from .bodies import is_form, json_body, parse, read_body
 from .chat import answer_format, chat_completion, chat_input, chat_stream, chat_task
 from .errors import CLIENT_CLOSED, ApiError, add_error_handlers
 from .metrics import Metrics
@@ -213,8 +213,8 @@ class Routes:
     async def locate(self, request: HttpRequest):
         vocab = self.require_ready()
         settings = self.settings
-        fields, data = await body_fields(request)
-        body: LocateBody = parse(LocateBody, fields)
+        body: LocateBody
+        body, data = await read_body(request, LocateBody)
         if body.categories is not None and (body.query is not None or body.task != "detect"):
             raise InputError("invalid_request", "categories make one detect request; do not combine with query/task")
         queries = body.query if isinstance(body.query, list) else [body.query]
@@ -249,8 +249,8 @@ class Routes:
 
     async def ground(self, request: HttpRequest):
         vocab = self.require_ready()
-        fields, data = await body_fields(request)
-        body: GroundBody = parse(GroundBody, fields)
+        body: GroundBody
+        body, data = await read_body(request, GroundBody)
         image, held = await self.image_source(body.image, data)
         options = body.options(self.settings)
         job_requests = [

@@ -51,15 +51,19 @@ async def form_body(request: HttpRequest) -> tuple[dict, bytes | None]:
     return fields, data
 
 
-async def body_fields(request: HttpRequest) -> tuple[dict, bytes | None]:
-    """A JSON body, or a form (multipart with the image as a file part, or urlencoded)."""
+async def read_body(request: HttpRequest, model: type[BaseModel]) -> tuple[Any, bytes | None]:
+    """The body as `model` and the image file of a form: a JSON body, or a form (multipart with the image as a
+    file part, or urlencoded) whose text fields are read as the model's booleans and numbers."""
     if is_form(request):
-        return await form_body(request)
-    return await json_body(request), None
+        fields, data = await form_body(request)
+        return parse(model, fields, form=True), data
+    return parse(model, await json_body(request)), None
 
 
-def parse(model: type[BaseModel], fields: dict) -> Any:
+def parse(model: type[BaseModel], fields: dict, form: bool = False) -> Any:
+    """`fields` checked against `model`, their types strictly (`true`, not `"yes"`; `10`, not `"10"`), but a
+    form's text read as `schemas.FORM_TEXT` spells booleans and numbers."""
     try:
-        return model.model_validate(fields)
+        return model.model_validate(fields, strict=True, context={"form": form})
     except ValidationError as e:
         raise InputError("invalid_request", validation_message(e)) from None

@@ -35,8 +35,17 @@ def error_response(status: int, code: str, message: str, headers: dict | None = 
     return JSONResponse(error_body(code, message), status_code=status, headers=headers)
 
 
+TYPE_WORDS = {"bool_type": "true or false", "int_type": "an integer", "float_type": "a number"}
+
+
 def validation_message(e: ValidationError | RequestValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors())
+    """Each error as `field: what is wrong`; a value of the wrong type says the type the field takes."""
+
+    def words(err: dict) -> str:
+        kind = TYPE_WORDS.get(err["type"])
+        return f"expected {kind}, got {repr(err['input'])[:60]}" if kind else err["msg"]
+
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {words(err)}" for err in e.errors())
 
 
 def add_error_handlers(app: FastAPI) -> None:

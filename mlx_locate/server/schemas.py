@@ -8,9 +8,19 @@ No web framework here: the MCP tool imports it too.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from ..admission import MAX_SEED
@@ -29,6 +39,22 @@ SAMPLING = Request.sampling  # a request's default (greedy)
 PENALTY_LOW, PENALTY_HIGH = REPETITION_PENALTY_RANGE
 
 
+FORM_TEXT = {bool: r"true|false", int: r"-?[0-9]+", float: r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?"}
+
+
+def form_text(kind: type) -> BeforeValidator:
+    """Reads a form field's text (validated with `context={"form": True}`) as `kind` when it is spelled as
+    `FORM_TEXT` says; JSON bodies, validated strictly, must send the type itself."""
+    pattern = re.compile(FORM_TEXT[kind])
+
+    def read(value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str) and (info.context or {}).get("form") and pattern.fullmatch(value):
+            return value == "true" if kind is bool else kind(value)
+        return value  # refused by the type, unless it is one
+
+    return BeforeValidator(read)
+
+
 def _no_bool(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("expected a number, not a boolean")
@@ -38,13 +64,13 @@ def _no_bool(value: Any) -> Any:
 def whole(**bounds) -> Any:
     """An integer within `bounds` (pydantic's `ge`, `le`), a boolean refused. The bounds come before the
     validator, so pydantic checks them on the parsed integer (exactly; `minimum`/`maximum` in the schema)."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_no_bool)]
+    return Annotated[int, Field(**bounds), BeforeValidator(_no_bool), form_text(int)]
 
 
 def real(**bounds) -> Any:
     """A finite number within `bounds` (pydantic's `ge`, `gt`, `le`; they also refuse inf and nan), a boolean
     refused."""
-    return Annotated[float, Field(**bounds), BeforeValidator(_no_bool), Field(allow_inf_nan=False)]
+    return Annotated[float, Field(**bounds), BeforeValidator(_no_bool), Field(allow_inf_nan=False), form_text(float)]
 
 
 def described(kind: Any, what: str) -> Any:
@@ -72,6 +98,7 @@ def _grid(value: Any) -> Any:
 # Tokenizing runs on the worker thread, between everyone's steps: a query's length is bounded here.
 Text = Annotated[str, Field(max_length=MAX_TEXT)]
 Int = whole()
+Flag = Annotated[bool, form_text(bool)]
 
 # One type per decoding option.
 ModeName = Literal[MODE_NAMES]
@@ -99,7 +126,7 @@ class Decoding(BaseModel):
     model_config = ConfigDict(extra="forbid")
     mode: ModeName = DEFAULT_MODE
     max_tokens: MaxTokens = DEFAULT_MAX_TOKENS
-    strict: bool = Request.strict
+    strict: Flag = Request.strict
     temperature: Temperature = SAMPLING.temperature
     top_p: TopP = SAMPLING.top_p
     top_k: TopK = SAMPLING.top_k
@@ -134,10 +161,10 @@ class LocateBody(Decoding):
     image: str | None = None  # data URL or base64 (or a file part in multipart)
     query: Query | None = None  # a list: separate questions, answered under "queries"
     categories: Categories | None = None
-    joint: bool = Request.joint  # categories in ONE prompt joined by </c> (the reference's; also with strict)
+    joint: Flag = Request.joint  # categories in ONE prompt joined by </c> (the reference's; also with strict)
     task: TaskName = DEFAULT_TASK
     tiles: Tiles | None = Request.tiles
-    stream: bool = False
+    stream: Flag = False
 
 
 class GroundBody(Decoding):
