@@ -527,6 +527,7 @@ def test_bad_requests_get_400_with_the_reason(served):
         ({"image": image, "task": "detect"}, "needs a non-empty query"),
         ({"image": image, "task": "ocr", "query": "x"}, "takes no query"),
         ({"image": image, "query": []}, "empty list"),
+        ({"image": image, "categories": []}, "categories: List should have at least 1 item"),
         ({"query": "x"}, "no image"),
         ({"image": image, "query": "x" * 5000}, "at most 4096 characters"),
         ({"image": image, "query": 5}, "query: expected a string of at most 4096 characters, or a list of them"),

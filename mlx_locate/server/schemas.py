@@ -116,7 +116,8 @@ Tiles = described(
     "'auto', ROWSxCOLS such as '2x3', or [rows, cols]",
 )
 Query = described(Text | list[Text], f"a string of at most {MAX_TEXT} characters, or a list of them")
-Categories = list[Text]  # several categories of one detect request: one row each, one result
+# Several categories of one detect request: one row each, one result.
+Categories = Annotated[list[Text], Field(min_length=1)]
 Instruction = Annotated[Text, Field(min_length=1)]
 
 
