@@ -88,7 +88,7 @@ class LocateModel:
         if categories is not None:
             if query is not None or kwargs.get("task", "detect") != "detect":
                 raise RequestError("categories make one detect request; do not pass a query or another task")
-            if isinstance(categories, str) or not categories:
+            if isinstance(categories, str):
                 raise RequestError(f"categories must be a non-empty list of names, got {categories!r}")
             return self.locate(image, [list(categories)], rendering=rendering, **kwargs)[0]
         queries = query if isinstance(query, list) else [query]
