@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .admission import Admission, Row, isolated
+from .admission import Admission, Row, isolated, whole_number
 from .cache import SlotCache
 from .compiled import Phase, padded_rows
 from .decide import Next
@@ -72,9 +72,9 @@ class Engine:
 
     def __init__(self, model: Runtime, max_rows: int | None = None, schedule: Schedule | None = None):
         self.model = model
+        if max_rows is not None:
+            whole_number("max_rows", max_rows, 1)
         self.max_rows = max_rows or model.default_rows
-        if self.max_rows < 1:
-            raise ValueError(f"max_rows must be at least 1, got {self.max_rows}")
         self.schedule = schedule or Schedule.for_device()
         self.admission = Admission(model, self.max_rows)  # waiting, prefetched, staged; requests of several views
         self.vision_ahead = VisionAhead(model, self.schedule.tower_ahead)
@@ -99,6 +99,8 @@ class Engine:
         """Queue `request`. Handles of one `group` (any hashable; default: the handle alone) are one client's
         call: admission takes turns between groups. `text`: also send the answer's text as it becomes final
         (TEXT events; their concatenation is a prefix of `Result.text`)."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a Request, got {type(request).__name__} {request!r}")
         return self.admission.submit(request, on_event, group, text)
 
     def cancel(self, handle: Handle) -> None:

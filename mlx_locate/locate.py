@@ -92,11 +92,13 @@ class LocateModel:
                 raise RequestError(f"categories must be a non-empty list of names, got {categories!r}")
             return self.locate(image, [list(categories)], rendering=rendering, **kwargs)[0]
         queries = query if isinstance(query, list) else [query]
-        source = (image.rgb if isinstance(image, PreparedImage) else image, kwargs.get("max_pixels"))  # for draw()
-        if isinstance(image, (str, Path)):
-            image = self.runtime.prepare(  # loaded once for every query
+        path = image if isinstance(image, str | Path) else None
+        if not isinstance(image, Image.Image | PreparedImage):  # a path or a file: read once for every query
+            image = self.runtime.prepare(
                 image, kwargs.get("max_pixels"), kwargs.get("orientation", "exif"), kwargs.get("max_image_tokens")
             )
+        # for draw(): a path is read again, anything else kept as the pixels it gave
+        source = (path or (image.rgb if isinstance(image, PreparedImage) else image), kwargs.get("max_pixels"))
         results = self.locate_many([Request(image, q, rendering=rendering, **kwargs) for q in queries])
         for r in results:
             if isinstance(r, RequestError):
