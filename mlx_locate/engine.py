@@ -101,11 +101,17 @@ class Engine:
         (TEXT events; their concatenation is a prefix of `Result.text`)."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a Request, got {type(request).__name__} {request!r}")
-        return self.admission.submit(request, on_event, group, text)
+        handle = self.admission.submit(request, on_event, group, text)
+        handle.engine = self
+        return handle
 
     def cancel(self, handle: Handle) -> None:
-        """Stop decoding `handle` and free its row; it gets no further events."""
-        self.admission.cancel(handle)
+        """Stop decoding `handle` and free its row; it gets no further events. A finished handle stays as it is;
+        `ValueError` for a handle of another engine."""
+        if handle.engine is not self:
+            raise ValueError(f"handle {handle.id} was not submitted to this engine; cancel it on its own")
+        if not handle.done:
+            self.admission.cancel(handle)
 
     @property
     def queued(self) -> int:
@@ -180,7 +186,7 @@ class Engine:
             del self.admission.tiles[parent]
             if child.error is not None:
                 for other in tiled.children:
-                    self.cancel(other)
+                    self.admission.cancel(other)
         for event in events:
             self._emit(parent, event, out)
 

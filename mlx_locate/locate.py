@@ -144,7 +144,10 @@ class Session:
 
     def locate(self, query: str | list[str] | None = None, **kwargs) -> Result:
         """Find `query` in the session's image (a list: several detect categories, one row each); keyword
-        arguments as `LocateModel.locate`. Boxes and points come back in the pixels of the image as given."""
+        arguments as `LocateModel.locate`, less the image's own (`model.session`'s, refused here: the image is
+        loaded). Boxes and points come back in the pixels of the image as given."""
+        if given := [k for k in ("max_pixels", "orientation", "max_image_tokens") if k in kwargs]:
+            raise RequestError(f"{', '.join(given)}: the session's image is loaded; pass them to model.session()")
         (result,) = self.model.locate_many([Request(self.image, query, rendering=self.rendering, **kwargs)])
         if isinstance(result, RequestError):
             raise result

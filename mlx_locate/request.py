@@ -184,6 +184,7 @@ class Handle:
     parent: Handle | None = field(default=None, repr=False)  # the request of several views a view belongs to
     group: Hashable = field(default=None, repr=False)  # the client call it belongs to (fair admission)
     text: bool = False  # send TEXT events
+    engine: Any = field(default=None, repr=False)  # the engine it was submitted to
 
     @property
     def done(self) -> bool:
