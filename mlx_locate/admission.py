@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from .categories import SplitRequest, is_multi, split_categories
 from .compiled import BLOCK_FORWARD_ROWS
-from .decide import Mode
+from .decide import Guards, Mode
 from .label_trie import LabelTrie
 from .parse import AnswerParser
 from .prompts import UserText, user_text
@@ -68,12 +68,19 @@ def check_request(request: Request, vocab_size: int) -> Mode:
     step: `RequestError` naming the field. Returns the request's mode, parsed. (`Sampling` checks its own ranges
     when made; the vocabulary bound of `top_k` needs the model.)"""
     mode = parse_mode(request.mode)
+    if not (request.query is None or isinstance(request.query, str | list)):
+        raise RequestError(
+            f"query must be text, a list or None (a tuple or set is not taken: use a list), "
+            f"got {type(request.query).__name__} {request.query!r}"
+        )
     whole_number("max_tokens", request.max_tokens, 1)
     whole_number("seed", request.seed, 0, MAX_SEED)
     if request.max_pixels is not None:
         whole_number("max_pixels", request.max_pixels, 1)
     if not isinstance(request.sampling, Sampling):
         raise RequestError(f"sampling must be a Sampling, got {type(request.sampling).__name__}")
+    if not isinstance(request.guards, Guards):
+        raise RequestError(f"guards must be a Guards, got {type(request.guards).__name__}")
     if request.sampling.top_k > vocab_size:
         raise RequestError(
             f"top_k {request.sampling.top_k} is over the model's vocabulary of {vocab_size} tokens; "

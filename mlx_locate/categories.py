@@ -22,10 +22,12 @@ _CONTROL = re.compile(r"<\|[^<>|]*\|>|</?(?:ref|box|img|c)>|<IMG_CONTEXT>|<image
 
 
 def category_names(query: str | list[str] | None, merge: bool = True) -> list[str]:
-    """The categories of a detect query (a list, or one string joined by `</c>`), stripped; `RequestError` for an
-    empty name or one holding a control token or `</c>`. With `merge`, a repeated name is kept once (first place)
-    with a warning."""
+    """The categories of a detect query (a list, or one string joined by `</c>`), stripped; `RequestError` for no
+    name, an empty name or one holding a control token or `</c>`. With `merge`, a repeated name is kept once (first
+    place) with a warning."""
     parts = query.split(CATEGORY_SEPARATOR) if isinstance(query, str) else list(query or [])
+    if not parts:
+        raise RequestError(f"categories must be a non-empty list of names, got {query!r}")
     names = []
     for i, part in enumerate(parts):
         if not isinstance(part, str):
@@ -45,11 +47,12 @@ def category_names(query: str | list[str] | None, merge: bool = True) -> list[st
 
 
 def is_multi(request: Request) -> bool:
-    """Whether `request` is a detect prompt of several categories."""
+    """Whether `request` is a detect query of categories: a list (of any length, so each name is checked) or a
+    string joined by `</c>`."""
     if request.prompt is not None or request.task != "detect":
         return False
     q = request.query
-    return (isinstance(q, list) and len(q) > 1) or (isinstance(q, str) and CATEGORY_SEPARATOR in q)
+    return isinstance(q, list) or (isinstance(q, str) and CATEGORY_SEPARATOR in q)
 
 
 def split_categories(request: Request) -> tuple[list[str], list[Request]]:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .admission import Admission, Row, isolated
+from .admission import Admission, Row, isolated, whole_number
 from .cache import SlotCache
 from .compiled import Phase, padded_rows
 from .decide import Next
@@ -72,9 +72,9 @@ class Engine:
 
     def __init__(self, model: Runtime, max_rows: int | None = None, schedule: Schedule | None = None):
         self.model = model
+        if max_rows is not None:
+            whole_number("max_rows", max_rows, 1)
         self.max_rows = max_rows or model.default_rows
-        if self.max_rows < 1:
-            raise ValueError(f"max_rows must be at least 1, got {self.max_rows}")
         self.schedule = schedule or Schedule.for_device()
         self.admission = Admission(model, self.max_rows)  # waiting, prefetched, staged; requests of several views
         self.vision_ahead = VisionAhead(model, self.schedule.tower_ahead)
@@ -99,11 +99,19 @@ class Engine:
         """Queue `request`. Handles of one `group` (any hashable; default: the handle alone) are one client's
         call: admission takes turns between groups. `text`: also send the answer's text as it becomes final
         (TEXT events; their concatenation is a prefix of `Result.text`)."""
-        return self.admission.submit(request, on_event, group, text)
+        if not isinstance(request, Request):
+            raise TypeError(f"request must be a Request, got {type(request).__name__} {request!r}")
+        handle = self.admission.submit(request, on_event, group, text)
+        handle.engine = self
+        return handle
 
     def cancel(self, handle: Handle) -> None:
-        """Stop decoding `handle` and free its row; it gets no further events."""
-        self.admission.cancel(handle)
+        """Stop decoding `handle` and free its row; it gets no further events. A finished handle stays as it is;
+        `ValueError` for a handle of another engine."""
+        if handle.engine is not self:
+            raise ValueError(f"handle {handle.id} was not submitted to this engine; cancel it on its own")
+        if not handle.done:
+            self.admission.cancel(handle)
 
     @property
     def queued(self) -> int:
@@ -178,7 +186,7 @@ class Engine:
             del self.admission.tiles[parent]
             if child.error is not None:
                 for other in tiled.children:
-                    self.cancel(other)
+                    self.admission.cancel(other)
         for event in events:
             self._emit(parent, event, out)
 

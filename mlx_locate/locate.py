@@ -88,15 +88,17 @@ class LocateModel:
         if categories is not None:
             if query is not None or kwargs.get("task", "detect") != "detect":
                 raise RequestError("categories make one detect request; do not pass a query or another task")
-            if isinstance(categories, str) or not categories:
+            if isinstance(categories, str):
                 raise RequestError(f"categories must be a non-empty list of names, got {categories!r}")
             return self.locate(image, [list(categories)], rendering=rendering, **kwargs)[0]
         queries = query if isinstance(query, list) else [query]
-        source = (image.rgb if isinstance(image, PreparedImage) else image, kwargs.get("max_pixels"))  # for draw()
-        if isinstance(image, (str, Path)):
-            image = self.runtime.prepare(  # loaded once for every query
+        path = image if isinstance(image, str | Path) else None
+        if not isinstance(image, Image.Image | PreparedImage):  # a path or a file: read once for every query
+            image = self.runtime.prepare(
                 image, kwargs.get("max_pixels"), kwargs.get("orientation", "exif"), kwargs.get("max_image_tokens")
             )
+        # for draw(): a path is read again, anything else kept as the pixels it gave
+        source = (path or (image.rgb if isinstance(image, PreparedImage) else image), kwargs.get("max_pixels"))
         results = self.locate_many([Request(image, q, rendering=rendering, **kwargs) for q in queries])
         for r in results:
             if isinstance(r, RequestError):
@@ -142,7 +144,10 @@ class Session:
 
     def locate(self, query: str | list[str] | None = None, **kwargs) -> Result:
         """Find `query` in the session's image (a list: several detect categories, one row each); keyword
-        arguments as `LocateModel.locate`. Boxes and points come back in the pixels of the image as given."""
+        arguments as `LocateModel.locate`, less the image's own (`model.session`'s, refused here: the image is
+        loaded). Boxes and points come back in the pixels of the image as given."""
+        if given := [k for k in ("max_pixels", "orientation", "max_image_tokens") if k in kwargs]:
+            raise RequestError(f"{', '.join(given)}: the session's image is loaded; pass them to model.session()")
         (result,) = self.model.locate_many([Request(self.image, query, rendering=self.rendering, **kwargs)])
         if isinstance(result, RequestError):
             raise result

@@ -8,6 +8,7 @@ untrusted, and anything outside the grammar is skipped or counted.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -225,7 +226,9 @@ class AnswerParser:
 
 
 # Answer text -> the id grammar above, for `parse_text`: the text's own special tokens, each text run one id.
-_TEXT_TOKENS = re.compile(r"<\|im_end\|>|</?ref>|</?box>|<null>|<switch>|<(\d{1,4})>|<\|[^<>|]*\|>")
+# Coordinates are ASCII digits only, as the model's `<0>`..`<1000>` are (`\d` would take any script's digits).
+_TEXT_TOKENS = re.compile(r"<\|im_end\|>|</?ref>|</?box>|<null>|<switch>|<([0-9]{1,4})>|<\|[^<>|]*\|>")
+_PLAIN_COORDINATE = re.compile(r"[0-9]{1,4}")
 
 
 def _text_ids() -> TokenIds:
@@ -238,7 +241,19 @@ def _text_ids() -> TokenIds:
 def parse_text(text: str, image_size: tuple[int, int]) -> ParseResult:
     """Parse a LocateAnything answer text (ours, NVIDIA's or mlx-vlm's: `<ref>label</ref><box><x1><y1><x2><y2>
     </box>...`; plain integers inside a box are read as coordinates too) into objects in the pixels of
-    `image_size` = (W0, H0), by `parse_tokens`' rules. Text carries no probabilities: confidences are None."""
+    `image_size` = (W0, H0), by `parse_tokens`' rules; a coordinate that is not ASCII digits makes its item
+    malformed. Text carries no probabilities: confidences are None. `TypeError` for text that is no string,
+    `ValueError` for an `image_size` that is no pair of positive finite numbers."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string, got {type(text).__name__}")
+    if not (
+        isinstance(image_size, tuple | list)
+        and len(image_size) == 2
+        and all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in image_size
+        )
+    ):
+        raise ValueError(f"image_size must be (width, height), two positive numbers, got {image_size!r}")
     tk = _text_ids()
     marks = {"<|im_end|>": tk.im_end, "<ref>": tk.ref_start, "</ref>": tk.ref_end, "<box>": tk.box_start}
     marks.update({"</box>": tk.box_end, "<null>": tk.null, "<switch>": tk.switch})
@@ -254,7 +269,7 @@ def parse_text(text: str, image_size: tuple[int, int]) -> ParseResult:
         for piece in re.split(r"[\s,()\[\]]+", run):
             if piece in ("None", "none"):
                 ids.append(tk.none)
-            elif piece.isdigit() and int(piece) <= 1000:
+            elif _PLAIN_COORDINATE.fullmatch(piece) and int(piece) <= 1000:
                 ids.append(tk.coord_token(int(piece)))
             elif piece:
                 ids.append(len(runs))

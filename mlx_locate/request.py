@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -50,7 +50,7 @@ class PreparedImage(NamedTuple):
 class Request:
     """One question about one image. `prompt` (raw user text) replaces `task` + `query`."""
 
-    image: str | Path | Image.Image | PreparedImage
+    image: str | Path | BinaryIO | Image.Image | PreparedImage
     query: str | list[str] | None = None
     task: str = DEFAULT_TASK
     prompt: str | None = None
@@ -121,7 +121,7 @@ class Result:
     def draw(self, image: str | Path | Image.Image | None = None) -> Image.Image:
         """An RGB copy of `image` in the result's frame (`load_image` with its `orientation`) with the boxes,
         points, labels and confidences drawn (`draw.draw_objects`); without `image`, the one `locate()` was given
-        (read again from its path, so no copy is kept)."""
+        (a path is read again, so no copy is kept; a file's pixels are kept as it was read once)."""
         max_pixels = None
         if image is None:
             if self.source is None:
@@ -184,6 +184,7 @@ class Handle:
     parent: Handle | None = field(default=None, repr=False)  # the request of several views a view belongs to
     group: Hashable = field(default=None, repr=False)  # the client call it belongs to (fair admission)
     text: bool = False  # send TEXT events
+    engine: Any = field(default=None, repr=False)  # the engine it was submitted to
 
     @property
     def done(self) -> bool:
@@ -237,7 +238,7 @@ def check_image_options(orientation: str, max_image_tokens: int | None, in_token
 
 
 def prepare_image(
-    image: str | Path | Image.Image | PreparedImage,
+    image: str | Path | BinaryIO | Image.Image | PreparedImage,
     max_pixels: int | None,
     in_token_limit: int,
     patch_size: int,
@@ -245,9 +246,14 @@ def prepare_image(
     max_image_tokens: int | None = None,
 ) -> PreparedImage:
     """Load (checking the pixel limit) as a viewer shows it, convert to RGB, cut into patches within the patch
-    budget (`max_image_tokens`, at most the model's `in_token_limit`) and key by content."""
+    budget (`max_image_tokens`, at most the model's `in_token_limit`) and key by content. `TypeError` for an
+    image that is no path, PIL image or binary file object."""
     if isinstance(image, PreparedImage):
         return image
+    if not isinstance(image, str | Path | Image.Image) and not hasattr(image, "read"):
+        hint = "; wrap bytes in io.BytesIO" if isinstance(image, bytes | bytearray) else ""
+        hint = "; convert an array with PIL.Image.fromarray" if isinstance(image, np.ndarray) else hint
+        raise TypeError(f"image must be a path, a PIL image or a binary file object, got {type(image).__name__}{hint}")
     check_image_options(orientation, max_image_tokens, in_token_limit)
     shown = load_image(image, max_pixels, orientation)
     rgb = to_rgb(shown)

@@ -441,3 +441,47 @@ def test_anything_else_is_one_line_too(cli, monkeypatch, raised, code, line):
 
     monkeypatch.setattr(generate, "draw_objects", fail)
     assert cli("--draw", "unused.png") == (code, "", line + "\n")
+
+
+# --- the Python API's argument types -------------------------------------------------------------------------------
+
+ARRAY = np.zeros((8, 8, 3), np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda m: m.locate(ARRAY, "square"),
+            TypeError,
+            "image must be a path, a PIL image or a binary file object, got ndarray; convert",
+        ),
+        (lambda m: m.locate(None, "square"), TypeError, "image must be .* got NoneType"),
+        (lambda m: m.locate(EXAMPLE.read_bytes(), "square"), TypeError, "got bytes; wrap bytes in io.BytesIO"),
+        (lambda m: m.session(ARRAY), TypeError, "image must be .* got ndarray"),
+        (lambda m: m.locate(EXAMPLE, 5), RequestError, "query must be text, a list or None .* got int 5"),
+        (lambda m: m.locate(EXAMPLE, ("square", "circle")), RequestError, "query must be .* got tuple"),
+        (lambda m: m.locate(EXAMPLE, {"square"}), RequestError, "query must be .* got set"),
+        (lambda m: m.locate(EXAMPLE, "square", guards=None), RequestError, "guards must be a Guards, got NoneType"),
+        (lambda m: m.locate_many(["square"]), TypeError, "request must be a Request, got str 'square'"),
+        (lambda m: m.engine().submit("square"), TypeError, "request must be a Request"),
+        (
+            lambda m: m.locate_many([Request(EXAMPLE, "square")], max_rows=1.5),
+            ValueError,
+            "max_rows must be a whole number at least 1, got 1.5",
+        ),
+        (lambda m: m.engine(max_rows="x"), ValueError, "max_rows must be a whole number at least 1, got 'x'"),
+        (lambda m: m.engine(max_rows=0), ValueError, "max_rows must be a whole number at least 1, got 0"),
+    ],
+)
+def test_an_argument_of_the_wrong_type_is_named(demo, call, error, message):
+    with pytest.raises(error, match=message):
+        call(demo)
+
+
+def test_a_result_of_a_file_object_draws_after_the_file_is_closed(demo):
+    with EXAMPLE.open("rb") as f:
+        result = demo.locate(f, "square", mode="fast")
+    from_bytes = demo.locate(io.BytesIO(EXAMPLE.read_bytes()), "square", mode="fast")
+    assert result.draw().tobytes() == demo.locate(EXAMPLE, "square", mode="fast").draw().tobytes()
+    assert from_bytes._repr_png_().startswith(b"\x89PNG")

@@ -95,7 +95,10 @@ def test_joint_and_strict_keep_the_reference_prompt(demo):
         (["circle<|im_end|>", "square"], "holds '<|im_end|>'"),
         (["<ref>circle", "square"], "holds '<ref>'"),
         (["circle", "<image-1>"], "holds '<image-1>'"),
-        ([], "non-empty list"),
+        (["<box>"], "holds '<box>'"),  # one category is checked as several are
+        (["square<|im_end|>"], "holds '<|im_end|>'"),
+        ([" "], "category 1 of 1 is empty"),
+        ([], "categories must be a non-empty list"),
         ("circle", "non-empty list"),
     ],
 )
@@ -106,6 +109,14 @@ def test_a_bad_category_list_is_refused_before_any_decoding(demo, monkeypatch, c
     monkeypatch.setattr(demo.runtime, "features_for", no_vision)
     with pytest.raises(RequestError, match=message):
         demo.locate(IMAGE, categories=categories)
+
+
+def test_a_list_query_of_one_category_is_checked_as_a_category_list(demo):
+    """Every entry point's list query (`Request.query`) is a category list whatever its length."""
+    (error,) = demo.locate_many([Request(IMAGE, ["<box>"])])
+    assert isinstance(error, RequestError) and "holds '<box>'" in str(error)
+    with pytest.raises(RequestError, match="holds '<ref>'"):
+        demo.session(IMAGE).locate(["<ref>square"])
 
 
 def test_repeated_categories_merge_with_a_warning(demo):

@@ -170,6 +170,20 @@ def test_cancel_frees_the_row():
     assert second.result.token_ids == model.locate(image, "circle", mode="slow").token_ids
 
 
+def test_cancel_leaves_a_finished_handle_and_refuses_another_engines(demo):
+    engine, other = demo.engine(1), demo.engine(1)
+    done = engine.submit(Request(DEMO_IMAGE, "square", mode="fast"))
+    engine.run()
+    result = done.result
+    engine.cancel(done)
+    assert done.result is result and not done.cancelled and done.done
+    waiting = engine.submit(Request(DEMO_IMAGE, "circle", mode="fast"))
+    with pytest.raises(ValueError, match=f"handle {waiting.id} was not submitted to this engine"):
+        other.cancel(waiting)
+    engine.run()
+    assert waiting.result is not None and not waiting.cancelled
+
+
 @pytest.mark.parametrize("mode", slow_but(list(MODES), ["slow"]))
 def test_sampling_with_a_seed_per_row_is_the_same_batched_and_alone(mode):
     """Each row draws with its own seed: batched with other seeds (and a greedy row with a repetition penalty)

@@ -80,6 +80,29 @@ def test_parse_text_gives_the_objects_of_the_answer(located):
     assert broken.objects == [] and broken.malformed == 2 and broken.truncated
 
 
+@pytest.mark.parametrize("digit", ["²", "٣", "３"])
+def test_parse_text_reads_only_ascii_digits_as_coordinates(digit):
+    for box in (f"{digit} 2 3 4", f"<{digit}><2><3><4>"):
+        parsed = mlx_locate.parse_text(f"<ref>a</ref><box>{box}</box>", (224, 224))
+        assert parsed.objects == [] and parsed.malformed == 1, box
+
+
+@pytest.mark.parametrize(
+    ("text", "size", "error", "message"),
+    [
+        (None, (10, 10), TypeError, "text must be a string, got NoneType"),
+        (5, (10, 10), TypeError, "text must be a string, got int"),
+        ("", (-1, 5), ValueError, "image_size must be"),
+        ("", (10, float("nan")), ValueError, "image_size must be"),
+        ("", None, ValueError, "image_size must be"),
+        ("", (10, 10, 3), ValueError, "image_size must be"),
+    ],
+)
+def test_parse_text_refuses_bad_arguments(text, size, error, message):
+    with pytest.raises(error, match=message):
+        mlx_locate.parse_text(text, size)
+
+
 def pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"))
 

@@ -49,6 +49,14 @@ def test_vision_cache_hits_on_the_same_image_and_misses_on_a_changed_one(model, 
     assert not model.session(same_size_other).vision_cached
 
 
+@pytest.mark.parametrize(
+    "options", [{"max_pixels": 10}, {"orientation": "stored"}, {"max_pixels": 10**6, "max_image_tokens": 16}]
+)
+def test_a_session_refuses_the_image_options_it_cannot_honour(model, options):
+    with pytest.raises(mlx_locate.RequestError, match=f"{', '.join(options)}: the session's image is loaded"):
+        model.session(IMAGE).locate("red box", max_tokens=4, **options)
+
+
 def test_official_sampling_is_reproducible_by_seed():
     model = mlx_locate.load("demo")
     image = DEMO_DIR / "example.png"

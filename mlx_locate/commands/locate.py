@@ -172,8 +172,9 @@ def run(args: argparse.Namespace) -> str:
     if tiling["tiles"]:
         results = model.locate(image, queries, **tiling, **options)
     else:
-        rendering = options.pop("rendering")
-        session = model.session(prepared.result(), rendering=rendering)
+        session = model.session(prepared.result(), rendering=options.pop("rendering"))
+        for key in flags.image_options(args):  # the prepared image holds them; a session refuses them
+            del options[key]
         results = [session.locate(query, **options) for query in queries]
     if args.draw:
         objects = [obj for result in results for obj in result.objects]
