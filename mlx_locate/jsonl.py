@@ -64,14 +64,6 @@ def cut_unfinished(path: Path, tail: bytes, starts: tuple[bytes, ...], what: str
         cut_to(path, path.stat().st_size - len(tail))
 
 
-def whole_lines(path: Path) -> str:
-    """The text of the file's complete lines; an unfinished last line is cut off the file first."""
-    complete, tail = split_tail(path)
-    if tail:
-        cut_to(path, len(complete))
-    return complete.decode("utf-8")
-
-
 def set_first_line(path: Path, value: object) -> None:
     """Make `value` the file's first line, on disk before returning: written over the old one in place, padded
     with spaces (valid JSON) when shorter; the whole file is rewritten (under a temporary name, then renamed)

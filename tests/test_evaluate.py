@@ -298,7 +298,7 @@ def test_coco_path_matches_the_coco_library(run, bench):
     assert checked > 10  # the perturbed answers give precisions strictly between 0 and 1
 
 
-def test_resume_skips_answered_samples_and_redoes_a_cut_line(run, bench, tmp_path):
+def test_resume_skips_answered_samples_and_redoes_a_cut_line(run, bench, tmp_path, capsys):
     out, _ = run
     original = (out / "synthetic_hybrid.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "synthetic_hybrid.jsonl").write_text("".join(original[:-1]) + original[-1][:40])  # cut mid-line
@@ -311,9 +311,16 @@ def test_resume_skips_answered_samples_and_redoes_a_cut_line(run, bench, tmp_pat
     # An answer file of another benchmark is refused before the model loads (the report is not written yet).
     for name in REPORT_FILES:
         (tmp_path / name).unlink()
-    shutil.copy(out / "synthetic_screenspot_hybrid.jsonl", tmp_path / "synthetic_hybrid.jsonl")
+    other = (out / "synthetic_screenspot_hybrid.jsonl").read_bytes() + b'{"sample_index": 9, "ima'
+    (tmp_path / "synthetic_hybrid.jsonl").write_bytes(other)
     code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(tmp_path)])
     assert code == 2
+    assert (tmp_path / "synthetic_hybrid.jsonl").read_bytes() == other  # checked before anything is cut
+    # A last line that is no answer's start is not taken for an interrupted write.
+    (tmp_path / "synthetic_hybrid.jsonl").write_bytes("".join(original[:-1]).encode() + b"garbage")
+    capsys.readouterr()
+    code, _ = run_main([*data_args(bench, DATA[:1]), "--out", str(tmp_path)])
+    assert code == 2 and "does not end with a line of mlx-locate-eval answers" in capsys.readouterr().err
 
 
 def test_answer_files_record_their_settings_and_resume_only_with_them(run, bench, tmp_path, monkeypatch, capsys):

@@ -18,15 +18,14 @@ def test_a_line_that_is_not_json_is_named_with_the_hint():
         list(jsonl.values('1\n{"a": \n3\n', "f.jsonl", "; start over"))
 
 
-def test_whole_lines_cut_an_unfinished_last_line_off_the_file(tmp_path):
+def test_split_tail_parts_complete_lines_from_an_unfinished_last_line(tmp_path):
     path = tmp_path / "out.jsonl"
     path.write_bytes(b'{"a": 1}\n{"b": 2}\n{"c": ')
     assert jsonl.split_tail(path) == (b'{"a": 1}\n{"b": 2}\n', b'{"c": ')
-    assert jsonl.whole_lines(path) == '{"a": 1}\n{"b": 2}\n'
-    assert path.read_bytes() == b'{"a": 1}\n{"b": 2}\n'
-    assert jsonl.whole_lines(path) == '{"a": 1}\n{"b": 2}\n'  # nothing more to cut
     path.write_bytes(b"no newline at all")
-    assert jsonl.whole_lines(path) == "" and path.read_bytes() == b""
+    assert jsonl.split_tail(path) == (b"", b"no newline at all")
+    path.write_bytes(b'{"a": 1}\n')
+    assert jsonl.split_tail(path) == (b'{"a": 1}\n', b"")
 
 
 def test_a_resumed_file_is_checked_before_its_last_line_is_cut(tmp_path):

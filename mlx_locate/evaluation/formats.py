@@ -215,16 +215,21 @@ def screenspot_benchmark(
 # --- Answer files -----------------------------------------------------------------------------------------
 
 
+ANSWERS_OF = "mlx-locate-eval answers"
+ANSWER_START = b'{"sample_index": '  # how every answer line begins (json.dumps keeps the key order)
+
+
 def resume_lines(path: Path, bench: Benchmark, settings: dict) -> tuple[set[int], int]:
     """Sample indexes already answered in `path`, and how many of its lines do not record every setting
     (`jsonl.check_settings`; an earlier version's, taken as made with `settings`). A line that answers another
     sample (its image, task, categories or ground truth differ) or was made with other settings raises
-    `ValueError`; a last line cut by an interruption is cut off the file."""
+    `ValueError`; once the complete lines are checked, a last line cut by an interruption is cut off the file."""
     if not path.exists():
         return set(), 0
     done, unrecorded = set(), 0
     hint = "; use another --out, or pass --overwrite to answer again"
-    for number, entry in jsonl.values(jsonl.whole_lines(path), path, jsonl.RESUME_HINT):
+    text, tail = jsonl.complete_text(path, ANSWERS_OF)
+    for number, entry in jsonl.values(text, path, jsonl.RESUME_HINT):
         i = entry.get("sample_index") if isinstance(entry, dict) else None
         s = bench.samples[i] if isinstance(i, int) and 0 <= i < len(bench.samples) else None
         if s is None or jsonl.plain([s.image_path, s.task_name, s.dataset_name, s.categories, s.answer_gt()]) != [
@@ -234,6 +239,7 @@ def resume_lines(path: Path, bench: Benchmark, settings: dict) -> tuple[set[int]
         recorded = entry.get("settings", {})
         unrecorded += bool(jsonl.check_settings(path, recorded if isinstance(recorded, dict) else {}, settings, hint))
         done.add(i)
+    jsonl.cut_unfinished(path, tail, (ANSWER_START,), ANSWERS_OF)
     return done, unrecorded
 
 

@@ -241,10 +241,12 @@ def cache_key(model_path: str) -> dict:
 
 
 def read_cache(path: Path, key: dict) -> dict[tuple[str, tuple[str, ...]], Answer]:
-    """The cached answers, when `path` holds answers of the same base and settings."""
+    """The cached answers, when `path` holds answers of the same base and settings (the file is written whole,
+    so an unfinished last line is not ours and is left out)."""
     if not path.is_file():
         return {}
-    lines = [v for _, v in jsonl.values(jsonl.whole_lines(path), path, jsonl.RESUME_HINT)]
+    text, _ = jsonl.complete_text(path, "replay answers")
+    lines = [v for _, v in jsonl.values(text, path, jsonl.RESUME_HINT)]
     if not lines or lines[0] != {"replay": key}:
         return {}
     return {(d["image"], tuple(d["categories"])): Answer.from_json(d) for d in lines[1:]}
