@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
 from PIL import Image
 from tqdm import tqdm
 
@@ -21,6 +22,10 @@ from .runtime import Runtime
 from .tune import cached, model_key, tuned
 from .tune import enabled as tunes
 from .weights.loader import Checkpoint, read_checkpoint
+
+# Threads that read the decoder's weights from the start on a GPU (`loader.read_checkpoint`'s read_ahead): each
+# read of its own, so that a cold one-shot's decoder is in by the time the first image's tower is done.
+READ_AHEAD_THREADS = 8
 
 __all__ = ["LocateModel", "Result", "Session", "load"]
 
@@ -174,12 +179,14 @@ def load(
     are only read. `tune`: measure this device's choices once and cache them (`tune.py`; default: unless
     MLX_LOCATE_TUNE=0).
 
-    The tokenizer is built on a thread while the tower's weights load; the decoder's are read behind the first
+    The tokenizer is built on a thread while the tower's weights load. On a GPU the decoder's are read from the
+    start by threads of their own (`checkpoint.ReadAhead`); elsewhere, or with an adapter, behind the first
     image's tower, which runs while they load (`runtime.DecoderLoad`). `load_s` in a result's stats is the
     load's seconds, the host's waits for the decoder's weights included.
     """
     t0 = time.perf_counter()
-    checkpoint = read_checkpoint(path_or_hub_id, dtype, adapter_path)
+    threads = READ_AHEAD_THREADS if mx.default_device() == mx.gpu else 0
+    checkpoint = read_checkpoint(path_or_hub_id, dtype, adapter_path, read_ahead=threads)
     choices = None
     if tuning := tunes(tune):
         choices = cached(model_key(checkpoint.network))

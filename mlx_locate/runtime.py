@@ -11,12 +11,14 @@ import copy
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_unflatten
 from PIL import Image
 
 from .cache import SlotCache, kv_bucket, rows_bucket
@@ -27,8 +29,8 @@ from .network.language import fuse_projections
 from .preprocess import NORMALISED
 from .prompts import UserText, prompt_ids
 from .request import DEFAULT_MAX_TOKENS, PreparedImage, prepare_image
-from .weights.checkpoint import loading_streams
-from .weights.loader import Checkpoint
+from .weights.checkpoint import ReadAhead, loading_streams
+from .weights.loader import Checkpoint, rename
 
 HOST_WORKERS = 8  # threads that prepare images and prompts ahead of the engine, at most
 PROMPT_WORDS = 128  # a prompt's tokens besides its image's, about (the chat turns and a query)
@@ -96,30 +98,45 @@ class TowerJob:
 
 
 class DecoderLoad:
-    """The decoder's weights, read after the tower's (`loader.assemble_model` leaves them unread), and `seconds`,
-    the host's time spent loading (`locate.load`'s, and the waits here)."""
+    """The decoder's weights, read after the tower's (`loader.assemble_model` leaves them unread) or by threads
+    of their own from the start (`checkpoint.ReadAhead`), made ready for inference by `prepare` (fused, laid
+    out); and `seconds`, the host's time spent loading (`locate.load`'s, and the waits here)."""
 
-    def __init__(self, decoder: nn.Module):
+    def __init__(self, decoder: nn.Module, prepare: Callable[[], None], ahead: ReadAhead | None = None):
         self.decoder = decoder
+        self.prepare = prepare
+        self.ahead = ahead
         self.seconds = 0.0
         self.scheduled = False
         self.ready = False
+        if ahead is None:
+            prepare()  # a graph over the unread weights: it runs as they load
 
     def schedule(self) -> None:
         """Schedule the reads, once. MLX holds the host while more than a few of its tasks are in flight, so
         scheduling hundreds of tensors keeps the host until nearly all are read: `Runtime.run_piece` queues the
-        first image's first tower piece before this, so that it runs meanwhile."""
+        first image's first tower piece before this, so that it runs meanwhile. Threads reading ahead need none."""
         if not self.scheduled:
             self.scheduled = True
+            if self.ahead is not None:
+                return
             t0 = time.perf_counter()
             mx.async_eval(self.decoder.parameters())
             self.seconds += time.perf_counter() - t0
 
     def wait(self) -> None:
-        """Wait until the weights are in (the first forward does, before anything is traced)."""
+        """Wait until the weights are in, and ready: before anything uses them (anything traced or run); where
+        threads read them, they take the place of the network's unread stand-ins first."""
         if not self.ready:
             self.schedule()
             t0 = time.perf_counter()
+            if self.ahead is not None:
+                tensors, self.ahead = self.ahead.take(), None
+                self.decoder.update(
+                    tree_unflatten([(rename(k).removeprefix("language_model."), v) for k, v in tensors.items()])
+                )
+                del tensors  # the fused matrices free their parts as they are made
+                self.prepare()
             mx.eval(self.decoder.parameters())
             self.seconds += time.perf_counter() - t0
             self.ready = True
@@ -143,10 +160,17 @@ class Runtime:
     def __init__(self, checkpoint: Checkpoint, probes: dict[str, int] | None = None, take_over: bool = False):
         network = checkpoint.network if take_over else network_view(checkpoint.network)
         network.eval()
-        with mx.stream(loading_streams()[1]):  # behind the decoder's load, not on the requests' stream
-            fuse_projections(network.language_model.model.layers)
-        if mx.default_device() == mx.cpu:
-            store_input_major(network.language_model.model)
+
+        def prepare() -> None:
+            with mx.stream(loading_streams()[1]):  # behind the decoder's load, not on the requests' stream
+                fuse_projections(network.language_model.model.layers)
+            if mx.default_device() == mx.cpu:
+                store_input_major(network.language_model.model)
+
+        # A network given up (`take_over`) may hold the stand-ins of weights read ahead (`read_checkpoint`).
+        self.weights = DecoderLoad(network.language_model, prepare, checkpoint.ahead if take_over else None)
+        if probes is None and self.weights.ahead is not None:
+            self.weights.wait()  # the budget's probes run the decoder: not on its stand-ins
         self.network = network
         self.tokenizer = checkpoint.tokenizer
         self.token_ids = network.token_ids
@@ -156,7 +180,6 @@ class Runtime:
         self.steps = CompiledSteps(network)
         self.budget = Budget.measure(network, probes)  # `probes`: the budget's measurements, kept (`tune.py`)
         self.prefill_chunk: int | None = None  # one sequence's rows per prefill call at most (None: PREFILL_ROWS)
-        self.weights = DecoderLoad(network.language_model)
         self.row_costs: dict[int, float] = {}  # seconds of a block step by rows, where measured (`measure_rows`)
         self.tuning_s: dict[str, float] = {}  # seconds the tuner took to measure its choices here (`tune.apply`)
         self.tower_block_s: dict[tuple[int, int], float] = {}  # seconds of a tower block per image, by grid
@@ -265,7 +288,7 @@ class Runtime:
         return SlotCache(t.num_hidden_layers, t.num_key_value_heads, t.head_dim, dtype, slots)
 
     def embed_ids(self, ids: list[int]) -> mx.array:
-        """Token embeddings (P, D) of `ids`."""
+        """Token embeddings (P, D) of `ids` (after a prompt's prefix, `compute_prefixes`)."""
         return self.network.language_model.model.embed_tokens(mx.array(ids, dtype=mx.int32))
 
     def features_for(
@@ -389,6 +412,7 @@ class Runtime:
     def compute_prefixes(self, items: list[tuple[list[int], mx.array]]) -> list[list[mx.array]]:
         """The K|V of each (prefix ids, image features) pair, prefilled together in a cache of their own; per
         prefix, per layer (1, 2, KV, P, D) arrays of their own."""
+        self.weights.wait()  # the embedding is the decoder's
         cache = self.new_cache(slots=len(items))
         embeds = [self.network.embed(ids, features)[0] for ids, features in items]
         self.prefill(cache, [(i, e, 0) for i, e in enumerate(embeds)])

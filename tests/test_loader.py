@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 
 from mlx_locate.config import ModelConfig
 from mlx_locate.locate import load
+from mlx_locate.request import Request
 from mlx_locate.runtime import Runtime
 from mlx_locate.tokenizer import Tokenizer
 from mlx_locate.weights.loader import build_model
@@ -443,3 +444,66 @@ def test_unknown_hub_id_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(FileNotFoundError, match=r"'someone/missing' is not a local folder .*no network"):
         load("someone/missing")
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("tiny_random", "float32"), ("tiny_peaky", "float32"), ("tiny_random", "bfloat16")]
+)
+def test_a_decoder_read_ahead_answers_as_the_loader_does(golden_dir, monkeypatch, name, dtype):
+    """Threads read the decoder's weights from the start (`checkpoint.ReadAhead`, what `load` does on a GPU),
+    and the network holds stand-ins until its first use. The stand-ins are NaN here: any use of one before the
+    threads' weights take their place (the prefix's embedding, the budget's probes, a step) would change the
+    answer. Every mode, and a batch, gives the loader's tokens."""
+    from mlx_locate.locate import LocateModel
+    from mlx_locate.tune import probes_of
+    from mlx_locate.weights import loader
+
+    folder = golden_dir(name)
+    image = GOLDEN / "images" / sorted(p.name for p in (GOLDEN / "images").iterdir())[0]
+    asks = [(mode, query) for mode in ("fast", "hybrid", "slow") for query in ("red box", "square")]
+
+    def answers(model):
+        lone = [model.locate(image, q, mode=mode, max_tokens=40).token_ids for mode, q in asks]
+        requests = [Request(image, q, mode=mode, max_tokens=40) for mode, q in asks]
+        return lone, [r.token_ids for r in model.locate_many(requests)]
+
+    loaded = load(folder, dtype=dtype, tune=False)
+    probes = probes_of(loaded.runtime)  # as a cache file gives them: a first load's probes run the decoder
+    want = answers(loaded)
+    read = loader.read_weights
+
+    def stand_ins(folder):
+        return {k: mx.full(v.shape, np.nan, v.dtype) if loader.is_decoders(k) else v for k, v in read(folder).items()}
+
+    monkeypatch.setattr(loader, "read_weights", stand_ins)
+    poisoned = LocateModel(loader.read_checkpoint(folder, dtype, read_ahead=3), probes, take_over=True)
+    assert poisoned.runtime.weights.ahead is not None  # nothing has used the decoder yet
+    assert answers(poisoned) == want
+    assert poisoned.runtime.weights.ahead is None and not any(
+        np.isnan(np.array(v.astype(mx.float32))).any()
+        for _, v in tree_flatten(poisoned.runtime.network.language_model.parameters())
+    )
+    # A first load on a device runs the budget's probes through the decoder: its weights are put in before.
+    first_load = LocateModel(loader.read_checkpoint(folder, dtype, read_ahead=3), take_over=True)
+    assert first_load.runtime.weights.ahead is None and answers(first_load) == want
+    # Without the threads' weights in their place, the stand-ins answer (the check above can fail).
+    assert answers(LocateModel(loader.read_checkpoint(folder, dtype), probes, take_over=True)) != want
+
+
+def test_no_read_ahead_where_loading_changes_the_decoders_weights(golden_dir, tmp_path):
+    """An adapter, or PEFT pairs in the checkpoint, change the decoder's weights as they load: those load as
+    the network is built, whatever `read_ahead` asks."""
+    from mlx_locate.weights import loader
+
+    folder = golden_dir("tiny_random")
+    assert loader.read_checkpoint(folder, "float32", read_ahead=2).ahead is not None
+    peft = tmp_path / "peft"
+    shutil.copytree(folder, peft)
+    weights = mx.load(str(peft / "model.safetensors"))
+    dims = weights["language_model.model.layers.0.self_attn.q_proj.weight"].shape
+    weights["language_model.model.layers.0.self_attn.q_proj.lora_A.default.weight"] = mx.zeros((2, dims[1]))
+    weights["language_model.model.layers.0.self_attn.q_proj.lora_B.default.weight"] = mx.zeros((dims[0], 2))
+    mx.save_safetensors(str(peft / "model.safetensors"), weights)
+    config = json.loads((peft / "config.json").read_text())
+    (peft / "config.json").write_text(json.dumps({**config, "use_llm_lora": 2}))
+    assert loader.read_checkpoint(peft, "float32", read_ahead=2).ahead is None

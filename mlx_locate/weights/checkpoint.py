@@ -10,6 +10,7 @@ import hashlib
 import json
 import struct
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
@@ -66,8 +67,8 @@ def read_json(folder: Path, name: str) -> dict:
     return value
 
 
-def check_safetensors(path: Path) -> None:
-    """Validate the header and the file size so a truncated file fails here, by name."""
+def check_safetensors(path: Path) -> dict:
+    """Validate the header and the file size so a truncated file fails here, by name; the header."""
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
@@ -90,6 +91,7 @@ def check_safetensors(path: Path) -> None:
         raise ValueError(
             f"{path}: truncated safetensors file (tensors need {8 + header_len + end} bytes, file has {size})"
         )
+    return header
 
 
 def content_id(folder: Path) -> str:
@@ -183,3 +185,73 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
     if backend() == "cuda":
         weights = {k: v if v.dtype == mx.bool_ else mx.multiply(v, 1, stream=device) for k, v in weights.items()}
     return weights
+
+
+def cast(value: mx.array, dtype: str | None, stream: mx.Stream | None = None) -> mx.array:
+    """`value` in `dtype` (a DTYPES name) when it is floating point and a dtype is given, else as it is."""
+    if dtype is None or not mx.issubdtype(value.dtype, mx.floating):
+        return value
+    return value.astype(DTYPES[dtype], stream=stream)
+
+
+_new_stream = threading.Lock()  # reading threads make their streams one at a time
+
+
+class ReadAhead:
+    """Tensors of a checkpoint read by threads of their own while the caller goes on (`loader.read_checkpoint`
+    reads the decoder's so, for a network given up to inference). Each thread reads its share, by bytes, on
+    streams it makes, and evaluates it: MLX lets an evaluated array be used on any thread, but not a stream on a
+    thread that did not make it. On CUDA a thread reads on a GPU stream, straight into the GPU's memory; elsewhere
+    on a CPU stream (MLX reads no file on a Metal stream), cast on the default device's. The caller's own thread
+    is never held: MLX holds a thread that queues more than a few reads until they are nearly done."""
+
+    def __init__(self, tensors: list[tuple[int, Path, str]], dtype: str | None, threads: int):
+        """`tensors`: (bytes, file, name) each (`tensor_sizes`)."""
+        shares: list[list[tuple[Path, str]]] = [[] for _ in range(max(1, min(threads, len(tensors))))]
+        sizes = [0] * len(shares)
+        for size, path, name in sorted(tensors, key=lambda t: -t[0]):  # the largest first, each to the lightest
+            i = sizes.index(min(sizes))
+            shares[i].append((path, name))
+            sizes[i] += size
+        pool = ThreadPoolExecutor(len(shares), thread_name_prefix="mlx-locate-reader")
+        self._futures: list[Future] = [pool.submit(read_share, share, dtype) for share in shares if share]
+        pool.shutdown(wait=False)
+
+    def take(self) -> dict[str, mx.array]:
+        """Every tensor by its name in the files, once all are in; the caller's from then on (nothing here keeps
+        them)."""
+        futures, self._futures = self._futures, []
+        tensors: dict[str, mx.array] = {}
+        for future in futures:
+            tensors.update(future.result())
+        return tensors
+
+
+def tensor_sizes(folder: Path) -> list[tuple[int, Path, str]]:
+    """(bytes, file, name) of each tensor of the checkpoint's files, from their checked headers."""
+    return [
+        (entry["data_offsets"][1] - entry["data_offsets"][0], path, name)
+        for path in weight_files(folder)
+        for name, entry in check_safetensors(path).items()
+        if name != "__metadata__"
+    ]
+
+
+def read_share(share: list[tuple[Path, str]], dtype: str | None) -> dict[str, mx.array]:
+    """A reading thread's tensors (`ReadAhead`), cast and evaluated."""
+    with _new_stream:
+        device = mx.new_stream(mx.default_device())
+        files = device if backend() == "cuda" else mx.new_stream(mx.cpu)
+    by_file: dict[Path, list[str]] = {}
+    for path, name in share:
+        by_file.setdefault(path, []).append(name)
+    tensors = {}
+    for path, names in by_file.items():
+        try:
+            arrays = mx.load(str(path), stream=files)
+            part = {name: cast(arrays[name], dtype, device) for name in names}
+            mx.eval(list(part.values()))
+        except RuntimeError as e:  # MLX's reader: unknown dtype, offsets that do not match the shape, ...
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        tensors.update(part)
+    return tensors

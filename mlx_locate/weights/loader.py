@@ -21,7 +21,7 @@ from ..network.model import LocateAnything
 from ..preprocess import IN_TOKEN_LIMIT
 from ..tokenizer import Tokenizer
 from .cards import KnownCategories, known_categories
-from .checkpoint import DTYPES, loading_streams, read_json, read_weights, resolve
+from .checkpoint import DTYPES, ReadAhead, cast, loading_streams, read_json, read_weights, resolve, tensor_sizes
 from .lora import Adapter, apply_adapter, peft_name, read_adapter
 
 CPU_DTYPE = "float32"  # what a checkpoint computes in on the CPU backend unless told otherwise (`read_checkpoint`)
@@ -150,7 +150,7 @@ def assemble_model(
             class_predicate=lambda path, module: f"{path}.scales" in weights and quant.get(path, True),
         )
     if dtype is not None:
-        weights = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+        weights = {k: cast(v, dtype) for k, v in weights.items()}
     check_names_and_shapes(model, weights, where)
     model.load_weights(list(weights.items()), strict=True)
     # The tower's weights are read now; the decoder's when first needed: inference schedules them behind the
@@ -174,6 +174,7 @@ class Checkpoint:
     in_token_limit: int = IN_TOKEN_LIMIT  # patches an image may have (preprocessor_config.json)
     path: str = ""  # the folder or hub id it was read from
     known: KnownCategories | None = None
+    ahead: ReadAhead | None = None  # the decoder's weights, being read by threads (`read_checkpoint`'s read_ahead)
 
     @property
     def config(self) -> ModelConfig:
@@ -210,7 +211,10 @@ def read_config(folder: Path) -> ModelConfig:
 
 
 def read_checkpoint(
-    path_or_hub_id: str | Path, dtype: str | None = None, adapter_path: str | Path | None = None
+    path_or_hub_id: str | Path,
+    dtype: str | None = None,
+    adapter_path: str | Path | None = None,
+    read_ahead: int = 0,
 ) -> Checkpoint:
     """A checkpoint folder or hub id (original Hugging Face, mlx-vlm or converted layout) as a `Checkpoint`.
 
@@ -221,13 +225,21 @@ def read_checkpoint(
     The tokenizer is built on a thread while the tower's weights are read, and not before: the tokenizers library
     holds the interpreter while it builds, so a thread that started at once would keep this one from queuing the
     reads. The decoder's weights are read when first needed (`assemble_model`), on the loading streams
-    (`checkpoint.loading_streams`), not the default one."""
+    (`checkpoint.loading_streams`), not the default one; or, with `read_ahead` threads, by those threads from the
+    start (`checkpoint.ReadAhead`, in `Checkpoint.ahead`), while the network holds their unread stand-ins: for a
+    network given up to inference, which puts them in at its first use (`runtime.DecoderLoad`). Not for a
+    checkpoint saved with PEFT pairs or with an adapter applied: those change the decoder's weights as they load."""
     if dtype is None and mx.default_device() == mx.cpu:
         dtype = CPU_DTYPE
     folder = resolve(path_or_hub_id)
     config = read_config(folder)
     raw = config.raw
     reading = threading.Event()
+    ahead = None
+    if read_ahead and adapter_path is None and (dtype is None or dtype in DTYPES):
+        tensors = tensor_sizes(folder)
+        if not any(".lora_A." in name for _, _, name in tensors):
+            ahead = ReadAhead([t for t in tensors if is_decoders(t[2])], dtype, read_ahead)
 
     def build_tokenizer() -> Tokenizer:
         reading.wait()
@@ -243,4 +255,10 @@ def read_checkpoint(
         network.token_ids = tokenizer.token_ids(raw)
         if adapter_path is not None:
             apply_adapter(network, read_adapter(adapter_path))
-    return Checkpoint(network, tokenizer, in_token_limit(folder), str(path_or_hub_id), known_categories(raw))
+    return Checkpoint(network, tokenizer, in_token_limit(folder), str(path_or_hub_id), known_categories(raw), ahead)
+
+
+def is_decoders(name: str) -> bool:
+    """Whether a tensor of the files is the decoder's (`language_model.*` once renamed)."""
+    ours = rename(name)
+    return ours is not None and ours.startswith("language_model.")
