@@ -194,7 +194,7 @@ def cast(value: mx.array, dtype: str | None, stream: mx.Stream | None = None) ->
     return value.astype(DTYPES[dtype], stream=stream)
 
 
-_new_stream = threading.Lock()  # reading threads make their streams one at a time
+_making_streams = threading.Lock()  # reading threads make their streams one at a time (`ReadAhead`)
 
 
 class ReadAhead:
@@ -214,8 +214,13 @@ class ReadAhead:
             shares[i].append((path, name))
             sizes[i] += size
         pool = ThreadPoolExecutor(len(shares), thread_name_prefix="mlx-locate-reader")
-        self._futures: list[Future] = [pool.submit(read_share, share, dtype) for share in shares if share]
+        made = [threading.Event() for _ in shares]
+        self._futures: list[Future] = [
+            pool.submit(read_share, share, dtype, event) for share, event in zip(shares, made, strict=True)
+        ]
         pool.shutdown(wait=False)
+        for event in made:  # no two threads make MLX streams at once: the threads theirs, one by one, then this one
+            event.wait()
 
     def take(self) -> dict[str, mx.array]:
         """Every tensor by its name in the files, once all are in; the caller's from then on (nothing here keeps
@@ -237,11 +242,14 @@ def tensor_sizes(folder: Path) -> list[tuple[int, Path, str]]:
     ]
 
 
-def read_share(share: list[tuple[Path, str]], dtype: str | None) -> dict[str, mx.array]:
-    """A reading thread's tensors (`ReadAhead`), cast and evaluated."""
-    with _new_stream:
-        device = mx.new_stream(mx.default_device())
-        files = device if backend() == "cuda" else mx.new_stream(mx.cpu)
+def read_share(share: list[tuple[Path, str]], dtype: str | None, made: threading.Event) -> dict[str, mx.array]:
+    """A reading thread's tensors (`ReadAhead`), cast and evaluated; `made` is set once its streams are made."""
+    with _making_streams:
+        try:
+            device = mx.new_stream(mx.default_device())
+            files = device if backend() == "cuda" else mx.new_stream(mx.cpu)
+        finally:
+            made.set()
     by_file: dict[Path, list[str]] = {}
     for path, name in share:
         by_file.setdefault(path, []).append(name)

@@ -236,6 +236,7 @@ def read_checkpoint(
     raw = config.raw
     reading = threading.Event()
     ahead = None
+    loading_streams()  # made before the reading threads make theirs
     if read_ahead and adapter_path is None and (dtype is None or dtype in DTYPES):
         tensors = tensor_sizes(folder)
         if not any(".lora_A." in name for _, _, name in tensors):
