@@ -222,7 +222,7 @@ def list_images(spec: str) -> list[str]:
     if source.is_dir():
         found = [p for p in source.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
     elif source.suffix == ".jsonl" and source.is_file():
-        found = read_manifest(source)
+        found = read_image_list(source)
     else:
         found = [Path(p) for p in glob.glob(str(source), recursive=True) if Path(p).is_file()]
     if not found:
@@ -230,7 +230,7 @@ def list_images(spec: str) -> list[str]:
     return [str(p) for p in sorted(set(found))]
 
 
-def read_manifest(path: Path) -> list[Path]:
+def read_image_list(path: Path) -> list[Path]:
     """The paths of a JSONL list: each line a JSON string or an object with an "image" key (so an output
     JSONL is a list too); relative paths are taken from the list's folder."""
     paths = []
@@ -314,19 +314,21 @@ def write_exports(targets: dict[str, Path], out: Path, ids: dict[str, int], grou
     if not targets:
         return
     ds = exports.dataset(output_lines(out), ids, groups, exports.images_root(ids))
+    manifest = exports.manifest_path(out)
+    owned = exports.read_manifest(manifest)
     written: exports.Manifest = {}
     removed: list[str] = []
     try:
         for kind, target in targets.items():
             for path, fingerprint in exports.write_export(kind, ds, target):
                 written[path] = fingerprint
-        removed = exports.remove_stale(targets, exports.read_manifest(exports.manifest_path(out)), written)
+        removed = exports.remove_stale(targets, owned, written)
     except OSError as e:
         raise OutputError(
             f"cannot write {target}: {e}; {out} is intact, run the same command again to write the exports"
         ) from e
     finally:
-        exports.record(exports.manifest_path(out), written, removed)
+        exports.record(manifest, owned, written, removed)
     notes = []
     if removed:
         notes.append(f"{len(removed)} files of earlier exports removed (their images are no longer in {out})")

@@ -358,9 +358,10 @@ def read_manifest(path: Path) -> Manifest:
         raise ValueError(f"{path} is not a manifest of mlx-locate-batch exports; remove it") from None
 
 
-def record(path: Path, written: Manifest, removed: Iterable[str] = ()) -> None:
-    """Update the manifest at `path`: `written` added (or refreshed), `removed` left out."""
-    entries = {**read_manifest(path), **written}
+def record(path: Path, owned: Manifest, written: Manifest, removed: Iterable[str] = ()) -> None:
+    """Write the manifest at `path`: what it held (`owned`, as read before the run wrote), `written` added (or
+    refreshed), `removed` left out."""
+    entries = {**owned, **written}
     for gone in removed:
         entries.pop(gone, None)
     replace_text(path, json.dumps({"written": dict(sorted(entries.items()))}, indent=1) + "\n")
