@@ -10,14 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import BAD_MODELS, approx_tree, bad_model
-from mcp import ClientSession, StdioServerParameters
+from mcp import Client, ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from PIL import Image
 
 import mlx_locate
+from mlx_locate.server.app import create_app, serve_in_thread
+from mlx_locate.server.mcp import build_server
 from mlx_locate.server.mcp import main as mcp_main
+from mlx_locate.server.protocol import Settings
 from mlx_locate.server.worker import Worker
 
 pytestmark = pytest.mark.slow  # the MCP server as a subprocess
@@ -125,3 +129,92 @@ def test_ctrl_c_while_the_model_loads_stops_it_quietly(monkeypatch, capsys):
     monkeypatch.setattr(Worker, "wait_ready", interrupted)
     assert mcp_main(["--model", "demo"]) == 130
     assert capsys.readouterr() == ("", "")
+
+
+@pytest.fixture(scope="module")
+def both():
+    """The tools' answers and the HTTP server's, each on its own worker of the demo model: `both(tool, arguments)`
+    gives the tool's result and the HTTP answer to the same fields (the image sent as `image`)."""
+    load = lambda: mlx_locate.load("demo")  # noqa: E731
+    worker = Worker(load, warmup=False).start()
+    worker.wait_ready()
+    app = create_app(load, Settings(warmup=False))
+    try:
+        with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+
+            def ask(tool: str, arguments: dict):
+                async def call():
+                    async with Client(build_server(worker)) as client:
+                        return await client.call_tool(tool, arguments)
+
+                body = {k: v for k, v in arguments.items() if k != "image_base64"}
+                return asyncio.run(call()), http.post(f"/v1/{tool}", json={"image": arguments["image_base64"], **body})
+
+            yield ask
+    finally:
+        worker.stop()
+
+
+B64 = base64.b64encode(IMAGE.read_bytes()).decode()
+BAD_ARGUMENTS = [
+    ("locate", {"query": "x", "mode": "turbo"}),
+    ("locate", {"query": "x", "colour": "red"}),
+    ("locate", {"query": "x", "max_tokens": 0}),
+    ("locate", {"query": "x", "max_tokens": "64"}),
+    ("locate", {"query": "x", "max_tokens": 64.0}),
+    ("locate", {"query": "x", "max_tokens": True}),
+    ("locate", {"query": "x", "temperature": "0.5"}),
+    ("locate", {"query": "x", "top_p": 0}),
+    ("locate", {"query": "x", "strict": "yes"}),
+    ("locate", {"query": "x", "orientation": "sideways"}),
+    ("locate", {"query": "x", "tiles": "2y2"}),
+    ("locate", {"task": "detect"}),
+    ("locate", {"task": "ocr", "query": "x"}),
+    ("locate", {"categories": []}),
+    ("locate", {"categories": ["a", 5]}),
+    ("locate", {"categories": ["a", "b"], "query": "c"}),
+    ("locate", {"categories": ["a", "b"], "task": "point"}),
+    ("ground", {"instruction": ""}),
+    ("ground", {"instruction": 5}),
+    ("ground", {"instruction": "x", "max_tokens": 0}),
+    ("ground", {"instruction": "x", "seed": -1}),
+    ("ground", {"instruction": "x", "query": "y"}),
+]
+
+
+@pytest.mark.parametrize("tool, arguments", BAD_ARGUMENTS)
+def test_a_bad_argument_gets_the_http_servers_error(both, tool, arguments):
+    """The tools check their arguments with the HTTP server's code: the same one-line error, no pydantic dump.
+    Before, the tools checked loosely ("64" taken for 64, unknown arguments and `tiles` ignored) and in
+    pydantic's words."""
+    result, response = both(tool, {"image_base64": B64, **arguments})
+    assert response.status_code == 400, response.text
+    assert result.is_error and [c.text for c in result.content] == [response.json()["error"]["message"]]
+
+
+def test_the_http_servers_options_are_applied(both):
+    """Tiles (spelled as on the command line), sampling, a line-wrapped unpadded image: the same answer."""
+    wrapped = base64.encodebytes(IMAGE.read_bytes()).decode().rstrip("=\n")
+    arguments = {"image_base64": wrapped, "query": "square", "tiles": "2x2", "temperature": 0.5, "seed": 3}
+    result, response = both("locate", arguments)
+    assert not result.is_error, result.content
+    answer, expected = result.structured_content, response.json()
+    assert answer["stats"]["tile_grid"] == expected["stats"]["tile_grid"] == [2, 2]
+    objects = [{k: v for k, v in o.items() if v is not None or k == "label"} for o in answer["objects"]]
+    assert objects == approx_tree(expected["objects"]) and answer["text"] == expected["text"]
+
+
+@pytest.mark.parametrize("query", [["square", "circle"], "x" * 5000])
+def test_a_query_is_one_string(both, query):
+    """One answer a call: a list of queries, which `/v1/locate` answers under "queries", is refused."""
+    result, _ = both("locate", {"image_base64": B64, "query": query})
+    assert result.is_error and result.content[0].text == "query: expected a string of at most 4096 characters"
+
+
+def test_an_unknown_tool_is_one_error_line():
+    async def call():
+        async with Client(build_server(Worker(lambda: None))) as client:
+            return await client.call_tool("find", {"query": "x"})
+
+    result = asyncio.run(call())
+    assert result.is_error and [c.text for c in result.content] == ["no tool 'find'; the tools are locate, ground"]

@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from mcp import Client
 from PIL import Image
 from pydantic import ValidationError
 
@@ -16,34 +17,40 @@ import mlx_locate.server
 from mlx_locate import Request
 from mlx_locate.decide import Mode
 from mlx_locate.request import MIN_IMAGE_TOKENS, RequestError, check_image_options
-from mlx_locate.server.errors import validation_message
 from mlx_locate.server.mcp import build_server
 from mlx_locate.server.protocol import Settings
-from mlx_locate.server.schemas import ChatBody, Decoding, GroundBody, LocateBody
+from mlx_locate.server.schemas import ChatBody, Decoding, GroundBody, LocateBody, validation_message
 from mlx_locate.server.worker import Worker
 
+DECODING = ("GroundBody", "mcp.locate", "mcp.ground")  # besides LocateBody: where every decoding option is taken
 SHARED = {  # option: where it is taken besides LocateBody
-    "mode": ("GroundBody", "ChatBody", "mcp.locate", "mcp.ground"),
+    "mode": (*DECODING, "ChatBody"),
     "task": ("ChatBody", "mcp.locate"),
-    "max_tokens": ("GroundBody", "ChatBody", "mcp.locate"),
-    "temperature": ("GroundBody", "ChatBody"),
-    "top_p": ("GroundBody", "ChatBody"),
-    "top_k": ("GroundBody", "ChatBody"),
-    "repetition_penalty": ("GroundBody", "ChatBody"),
-    "seed": ("GroundBody", "ChatBody"),
-    "orientation": ("GroundBody",),
-    "max_image_tokens": ("GroundBody",),
-    "strict": ("GroundBody",),
+    "max_tokens": (*DECODING, "ChatBody"),
+    "temperature": (*DECODING, "ChatBody"),
+    "top_p": (*DECODING, "ChatBody"),
+    "top_k": (*DECODING, "ChatBody"),
+    "repetition_penalty": (*DECODING, "ChatBody"),
+    "seed": (*DECODING, "ChatBody"),
+    "orientation": DECODING,
+    "max_image_tokens": DECODING,
+    "strict": DECODING,
     "categories": ("mcp.locate",),
+    "joint": ("mcp.locate",),
+    "tiles": ("mcp.locate",),
 }
+
+
+async def listed_tools() -> list:
+    async with Client(build_server(Worker(lambda: None), Settings())) as client:
+        return (await client.list_tools()).tools
 
 
 @pytest.fixture(scope="module")
 def schemas() -> dict[str, dict]:
     """The properties of every body's and every MCP tool's JSON schema, by name."""
-    tools = asyncio.run(build_server(Worker(lambda: None), Settings()).list_tools())
     out = {m.__name__: m.model_json_schema()["properties"] for m in (LocateBody, GroundBody, ChatBody)}
-    return {**out, **{f"mcp.{t.name}": t.input_schema["properties"] for t in tools}}
+    return {**out, **{f"mcp.{t.name}": t.input_schema["properties"] for t in asyncio.run(listed_tools())}}
 
 
 def value_schema(prop: dict) -> dict:

@@ -45,12 +45,12 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f'the server needs its extra: pip install "mlx-locate[server]" ({e})') from e
 
-from .bodies import is_form, json_body, parse, read_body
+from .bodies import is_form, json_body, read_body
 from .chat import answer_format, chat_completion, chat_input, chat_stream, chat_task
 from .errors import CLIENT_CLOSED, ApiError, add_error_handlers
 from .metrics import Metrics
 from .middleware import Cors, Guard, Observe
-from .schemas import ChatBody, Decoding, GroundBody, LocateBody
+from .schemas import ChatBody, Decoding, GroundBody, LocateBody, parse
 from .streaming import disconnected, event_stream, job_result, open_job, refusal
 
 WEB = files("mlx_locate.server") / "web"
@@ -215,16 +215,9 @@ class Routes:
         settings = self.settings
         body: LocateBody
         body, data = await read_body(request, LocateBody)
-        if body.categories is not None and (body.query is not None or body.task != "detect"):
-            raise InputError("invalid_request", "categories make one detect request; do not combine with query/task")
-        queries = body.query if isinstance(body.query, list) else [body.query]
-        if body.categories is not None:
-            queries = [body.categories]
-        if not queries:
-            raise InputError("invalid_request", "query is an empty list")
+        queries = body.queries()
         image, held = await self.image_source(body.image, data)
-        options = {**body.options(settings), "joint": body.joint}
-        job_requests = build_requests(image, queries, body.task, vocab, tiles=body.tiles, **options)
+        job_requests = build_requests(image, queries, body.task, vocab, **body.options(settings))
         job_requests, holding = await self.decoded(image, held, job_requests)
         image = job_requests[0].image  # the decoded pixels
         request_id = request.state.request_id = f"loc-{secrets.token_hex(8)}"

@@ -8,11 +8,11 @@ import json
 from typing import Any
 
 from fastapi import Request as HttpRequest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.datastructures import UploadFile
 
-from .errors import validation_message
 from .protocol import InputError
+from .schemas import parse
 
 
 def is_form(request: HttpRequest) -> bool:
@@ -58,12 +58,3 @@ async def read_body(request: HttpRequest, model: type[BaseModel]) -> tuple[Any, 
         fields, data = await form_body(request)
         return parse(model, fields, form=True), data
     return parse(model, await json_body(request)), None
-
-
-def parse(model: type[BaseModel], fields: dict, form: bool = False) -> Any:
-    """`fields` checked against `model`, their types strictly (`true`, not `"yes"`; `10`, not `"10"`), but a
-    form's text read as `schemas.FORM_TEXT` spells booleans and numbers."""
-    try:
-        return model.model_validate(fields, strict=True, context={"form": form})
-    except ValidationError as e:
-        raise InputError("invalid_request", validation_message(e)) from None

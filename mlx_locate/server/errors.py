@@ -9,12 +9,12 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from ..request import RequestError
 from .protocol import InputError
+from .schemas import validation_message
 
 CLIENT_CLOSED = (499, "client_closed", "the client closed the connection")
 
@@ -33,19 +33,6 @@ def error_body(code: str, message: str) -> dict:
 
 def error_response(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error_body(code, message), status_code=status, headers=headers)
-
-
-TYPE_WORDS = {"bool_type": "true or false", "int_type": "an integer", "float_type": "a number"}
-
-
-def validation_message(e: ValidationError | RequestValidationError) -> str:
-    """Each error as `field: what is wrong`; a value of the wrong type says the type the field takes."""
-
-    def words(err: dict) -> str:
-        kind = TYPE_WORDS.get(err["type"])
-        return f"expected {kind}, got {repr(err['input'])[:60]}" if kind else err["msg"]
-
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {words(err)}" for err in e.errors())
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -1,7 +1,8 @@
 """`mlx-locate-mcp --model M`: an MCP server over stdio with the tools `locate` and `ground`.
 
 An agent's MCP client starts it as a subprocess; both tools take the image as a local path or as base64 and
-answer in pixels of that image, with the same fields as the HTTP server's `/v1/locate` and `/v1/ground`. The
+answer in pixels of that image, with the same options and fields as the HTTP server's `/v1/locate` and
+`/v1/ground`, their arguments checked by the same code (`schemas.parse`). The
 model runs on the same single MLX worker thread as the HTTP server, and is loaded before the protocol starts (a
 model that is missing or bad is one `error:` line on stderr, status 2). stdout carries the protocol, so nothing
 else is printed there.
@@ -10,23 +11,27 @@ else is printed there.
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK
 from .protocol import InputError, Settings, build_requests, ground_json, image_bytes, locate_json, open_image
 from .worker import Job, ModelError, QueueFull, Worker, WorkerError
 
 try:
     import anyio
-    from mcp.server.mcpserver import MCPServer
-    from mcp.server.mcpserver.exceptions import ToolError
+    from mcp import types
+    from mcp.server.lowlevel import Server
+    from mcp.server.stdio import stdio_server
     from pydantic import BaseModel
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError(f'the MCP tool needs its extra: pip install "mlx-locate[server]" ({e})') from e
 
-from .schemas import GROUND_MAX_TOKENS, Categories, Decoding, Instruction, MaxTokens, ModeName, TaskName, Text
+from .schemas import GroundTool, LocateTool, parse
 
 INSTRUCTIONS = (
     "Find things in images. `locate` returns every box or point matching a phrase (task 'detect', 'refer', "
@@ -71,8 +76,27 @@ class GroundAnswer(BaseModel):
     image: ImageSize
 
 
-def read_image(image_path: str | None, image_base64: str | None, settings: Settings):
-    """The tool's image from exactly one of a local path or base64 (a data URL works too)."""
+@dataclass(frozen=True)
+class Tool:
+    """A tool: its arguments (a model of `schemas.py`, checked as the HTTP bodies are), its answer, and `run`,
+    whose docstring is its description."""
+
+    arguments: type[BaseModel]
+    answer: type[BaseModel]
+    run: Callable[[Any], Awaitable[dict]]
+
+    def listed(self, name: str) -> types.Tool:
+        return types.Tool(
+            name=name,
+            description=inspect.getdoc(self.run),
+            input_schema=self.arguments.model_json_schema(),
+            output_schema=self.answer.model_json_schema(),
+        )
+
+
+def read_image(image_path: str | None, image_base64: str | None, orientation: str, settings: Settings):
+    """The tool's image from exactly one of a local path or base64 (a data URL works too), in `orientation`'s
+    frame."""
     if (image_path is None) == (image_base64 is None):
         raise InputError("invalid_request", "give exactly one of image_path and image_base64")
     if image_path is not None:
@@ -85,65 +109,72 @@ def read_image(image_path: str | None, image_base64: str | None, settings: Setti
         data = path.read_bytes()
     else:
         data = image_bytes(image_base64)
-    return open_image(data, settings.max_pixels)
+    return open_image(data, settings.max_pixels, orientation)
 
 
-def build_server(worker: Worker, settings: Settings | None = None) -> MCPServer:
-    """The MCP server over `worker`, which the caller starts and stops."""
+def build_server(worker: Worker, settings: Settings | None = None) -> Server:
+    """The MCP server over `worker`, which the caller starts and stops. The tools' arguments are checked by the
+    HTTP server's code (`schemas.parse`): the same bad argument gets the same one-line error. (The low-level
+    server: `MCPServer` checks a tool's arguments itself, loosely and in pydantic's words.)"""
     settings = settings or Settings()
-    server = MCPServer("mlx-locate", instructions=INSTRUCTIONS)
 
-    async def answer(image_path, image_base64, asks: list[tuple[str | None, str]], decoding: Decoding):
-        """The results of (query, task) questions about one image; any failure is a `ToolError`."""
-        options = decoding.options(settings)
-        try:
-            image = await anyio.to_thread.run_sync(read_image, image_path, image_base64, settings)
-            vocab = worker.limits.vocab_size if worker.limits else None
-            requests = [r for q, task in asks for r in build_requests(image, [q], task, vocab, **options)]
-            async with Job(worker, requests, settings.timeout_s) as job:
-                return await job.results()
-        except (InputError, ValueError, TimeoutError, WorkerError, QueueFull) as e:
-            raise ToolError(str(e)) from None
+    async def answer(args: LocateTool | GroundTool, asks: list[tuple[str | list[str] | None, str]]) -> list:
+        """The results of (query, task) questions about the tool's image."""
+        image = await anyio.to_thread.run_sync(
+            read_image, args.image_path, args.image_base64, args.orientation, settings
+        )
+        vocab = worker.limits.vocab_size if worker.limits else None
+        options = args.options(settings)
+        requests = [r for q, task in asks for r in build_requests(image, [q], task, vocab, **options)]
+        async with Job(worker, requests, settings.timeout_s) as job:
+            return await job.results()
 
-    @server.tool()
-    async def locate(
-        query: Text | None = None,
-        image_path: str | None = None,
-        image_base64: str | None = None,
-        task: TaskName = DEFAULT_TASK,
-        mode: ModeName = DEFAULT_MODE,
-        max_tokens: MaxTokens = DEFAULT_MAX_TOKENS,
-        categories: Categories | None = None,
-    ) -> LocateAnswer:
+    async def locate(args: LocateTool) -> dict:
         """Every box or point in the image that matches `query` (no query for task 'ocr'), in pixels.
         `categories` (instead of `query`, task detect): several categories at once, one answer in their order.
 
         Give the image as `image_path` (a local file) or `image_base64`. `task`: detect (all instances of a
         category), single, refer (a referring phrase), point, gui (a screen element's box), textground, ocr,
-        raw (query = the whole prompt). `mode`: hybrid (default), fast (boxes in parallel) or slow.
+        raw (query = the whole prompt). `mode`: hybrid (default), fast (boxes in parallel) or slow. The other
+        arguments are `/v1/locate`'s.
         """
-        if categories is not None and (query is not None or task != "detect"):
-            raise ToolError("categories make one detect request; do not combine with query or another task")
-        ask = (list(categories), "detect") if categories is not None else (query, task)
-        (result,) = await answer(image_path, image_base64, [ask], Decoding(mode=mode, max_tokens=max_tokens))
-        return LocateAnswer.model_validate(locate_json("", settings.model_name, task, mode, None, [result]))
+        (query,) = args.queries()
+        (result,) = await answer(args, [(query, args.task)])
+        return locate_json("", settings.model_name, args.task, args.mode, None, [result])
 
-    @server.tool()
-    async def ground(
-        instruction: Instruction,
-        image_path: str | None = None,
-        image_base64: str | None = None,
-        mode: ModeName = DEFAULT_MODE,
-    ) -> GroundAnswer:
+    async def ground(args: GroundTool) -> dict:
         """Where to click for a GUI instruction ("the Save button") on a screenshot: `point` [x, y] in pixels
         (the model's click point, else the centre of the element's box) and the element's `box`; `found` is
-        false and `point` null when the model finds nothing.
+        false and `point` null when the model finds nothing. The other arguments are `/v1/ground`'s.
         """
-        asks = [(instruction, "point"), (instruction, "gui")]
-        point, region = await answer(image_path, image_base64, asks, Decoding(mode=mode, max_tokens=GROUND_MAX_TOKENS))
-        return GroundAnswer.model_validate(ground_json(point, region))
+        point, region = await answer(args, [(args.instruction, "point"), (args.instruction, "gui")])
+        return ground_json(point, region)
 
-    return server
+    tools = {"locate": Tool(LocateTool, LocateAnswer, locate), "ground": Tool(GroundTool, GroundAnswer, ground)}
+
+    async def list_tools(context, params) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[tool.listed(name) for name, tool in tools.items()])
+
+    async def call_tool(context, params: types.CallToolRequestParams) -> types.CallToolResult:
+        """The tool's answer; a failure the caller can act on is an error result of one line."""
+        try:
+            tool = tools.get(params.name)
+            if tool is None:
+                raise InputError("invalid_request", f"no tool {params.name!r}; the tools are {', '.join(tools)}")
+            found = await tool.run(parse(tool.arguments, params.arguments or {}))
+        except (InputError, ValueError, TimeoutError, WorkerError, QueueFull) as e:
+            return types.CallToolResult(content=[types.TextContent(type="text", text=str(e))], is_error=True)
+        out = tool.answer.model_validate(found).model_dump(mode="json")
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=json.dumps(out))], structured_content=out
+        )
+
+    return Server("mlx-locate", instructions=INSTRUCTIONS, on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+async def serve_stdio(server: Server) -> None:
+    async with stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(load, max_queue=settings.max_queue, max_rows=settings.max_rows, warmup=settings.warmup)
     try:
         worker.start().wait_ready()  # before the protocol starts: a model that fails to load is one line
-        build_server(worker, settings).run("stdio")
+        anyio.run(serve_stdio, build_server(worker, settings))
     except WorkerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ModelError) else 1

@@ -88,10 +88,11 @@ def image_bytes(source: str) -> bytes:
     return data
 
 
-def open_image(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+def open_image(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS, orientation: str = "exif") -> Image.Image:
     """Decode `data` with `preprocess.load_image` (allowed formats found from the content, size checked from the
-    header before any pixel is decoded); every failure is an `InputError`, `image_too_large` for the size."""
-    return decode_image(image_header(data, max_pixels), max_pixels)
+    header before any pixel is decoded) in `orientation`'s frame; every failure is an `InputError`,
+    `image_too_large` for the size."""
+    return decode_image(image_header(data, max_pixels), max_pixels, orientation)
 
 
 def image_header(data: bytes, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:

@@ -1,7 +1,7 @@
 """The options clients send, each declared once for the HTTP routes (`/v1/locate`, `/v1/ground`), the OpenAI chat
 adapter and the MCP tools: its type and range here, its default `Request`'s, its names from the enum or tuple of
-the module that owns them (`decide.Mode`, `prompts.TASKS`, `preprocess.ORIENTATIONS`). The bodies are pydantic
-models built from these types; the MCP tools' parameters use the same types.
+the module that owns them (`decide.Mode`, `prompts.TASKS`, `preprocess.ORIENTATIONS`). The bodies and the MCP tools'
+arguments are pydantic models built from these types, checked by `parse` (strict JSON types, errors in words).
 
 No web framework here: the MCP tool imports it too.
 """
@@ -30,7 +30,7 @@ from ..prompts import TASKS
 from ..request import DEFAULT_MAX_TOKENS, DEFAULT_MODE, DEFAULT_TASK, MIN_IMAGE_TOKENS, Request
 from ..sampling import MAX_TEMPERATURE, REPETITION_PENALTY_RANGE, Sampling
 from ..tiles import parse_tiles
-from .protocol import Settings
+from .protocol import InputError, Settings
 
 MAX_TEXT = 4096  # characters of one query, instruction or chat text
 MAX_TOKENS = 65536  # a request's max_tokens (the engine clips it to the model's positions)
@@ -116,6 +116,7 @@ Tiles = described(
     "'auto', ROWSxCOLS such as '2x3', or [rows, cols]",
 )
 Query = described(Text | list[Text], f"a string of at most {MAX_TEXT} characters, or a list of them")
+OneQuery = described(Text, f"a string of at most {MAX_TEXT} characters")  # an MCP tool's: one answer a call
 # Several categories of one detect request: one row each, one result.
 Categories = Annotated[list[Text], Field(min_length=1)]
 Instruction = Annotated[Text, Field(min_length=1)]
@@ -158,20 +159,65 @@ class Decoding(BaseModel):
         }
 
 
-class LocateBody(Decoding):
-    image: str | None = None  # data URL or base64 (or a file part in multipart)
+class Asking(Decoding):
+    """What `/v1/locate` and the MCP tool `locate` ask about an image: a query or categories, a task, tiles."""
+
     query: Query | None = None  # a list: separate questions, answered under "queries"
     categories: Categories | None = None
     joint: Flag = Request.joint  # categories in ONE prompt joined by </c> (the reference's; also with strict)
     task: TaskName = DEFAULT_TASK
     tiles: Tiles | None = Request.tiles
+
+    def queries(self) -> list:
+        """The questions: `[categories]` (one detect request), else the query or each query of a list."""
+        if self.categories is not None:
+            if self.query is not None or self.task != "detect":
+                raise InputError(
+                    "invalid_request", "categories make one detect request; do not combine with query/task"
+                )
+            return [self.categories]
+        queries = self.query if isinstance(self.query, list) else [self.query]
+        if not queries:
+            raise InputError("invalid_request", "query is an empty list")
+        return queries
+
+    def options(self, settings: Settings) -> dict:
+        """`Decoding.options` with the categories' `joint` and the `tiles`."""
+        return {**super().options(settings), "joint": self.joint, "tiles": self.tiles}
+
+
+class Grounding(Decoding):
+    """What `/v1/ground` and the MCP tool `ground` ask: where an instruction's element is."""
+
+    instruction: Instruction
+    max_tokens: MaxTokens = GROUND_MAX_TOKENS
+
+
+class LocateBody(Asking):
+    image: str | None = None  # data URL or base64 (or a file part in multipart)
     stream: Flag = False
 
 
-class GroundBody(Decoding):
+class GroundBody(Grounding):
     image: str | None = None  # data URL or base64 (or a file part in multipart)
-    instruction: Instruction
-    max_tokens: MaxTokens = GROUND_MAX_TOKENS
+
+
+class LocalImage(BaseModel):
+    """An MCP tool's image: a local file or base64 (a data URL too); exactly one."""
+
+    model_config = ConfigDict(extra="forbid")
+    image_path: str | None = None
+    image_base64: str | None = None
+
+
+class LocateTool(LocalImage, Asking):
+    """The MCP tool `locate`'s arguments: `/v1/locate`'s, one query a call."""
+
+    query: OneQuery | None = None
+
+
+class GroundTool(LocalImage, Grounding):
+    """The MCP tool `ground`'s arguments: `/v1/ground`'s."""
 
 
 class ChatBody(BaseModel):
@@ -201,3 +247,26 @@ class ChatBody(BaseModel):
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
         seed = Request.seed if self.seed is None else self.seed
         return {"max_tokens": max_tokens, "seed": seed, **{f: getattr(self, f) for f in fields}}
+
+
+TYPE_WORDS = {"bool_type": "true or false", "int_type": "an integer", "float_type": "a number"}
+
+
+def validation_message(e: ValidationError) -> str:
+    """Each error as `field: what is wrong`; a value of the wrong type says the type the field takes. (FastAPI's
+    `RequestValidationError` has the same `errors()`.)"""
+
+    def words(err: dict) -> str:
+        kind = TYPE_WORDS.get(err["type"])
+        return f"expected {kind}, got {repr(err['input'])[:60]}" if kind else err["msg"]
+
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {words(err)}" for err in e.errors())
+
+
+def parse(model: type[BaseModel], fields: dict, form: bool = False) -> Any:
+    """`fields` checked against `model`, their types strictly (`true`, not `"yes"`; `10`, not `"10"`), but a
+    form's text read as `FORM_TEXT` spells booleans and numbers; an `InputError` in words (`validation_message`)."""
+    try:
+        return model.model_validate(fields, strict=True, context={"form": form})
+    except ValidationError as e:
+        raise InputError("invalid_request", validation_message(e)) from None
