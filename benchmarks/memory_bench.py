@@ -91,11 +91,12 @@ def one_image(model, path: Path, max_tokens: int, image_tokens: int | None = Non
     engine = model.engine()
     phases = PhasePeaks(model.runtime, engine, weights)
     try:
-        request_fn = lambda: engine.submit(Request(image, QUERY, mode="fast", max_tokens=max_tokens)) and engine.run()  # noqa: E731
+        asked = Request(image, QUERY, mode="fast", max_tokens=max_tokens, max_image_tokens=image_tokens)
+        request_fn = lambda: engine.submit(asked) and engine.run()  # noqa: E731
         request, request_s = peak_of(request_fn)
     finally:
         phases.remove(model.runtime)
-    result = model.locate(image, QUERY, mode="fast", max_tokens=max_tokens)
+    result = model.locate(image, QUERY, mode="fast", max_tokens=max_tokens, max_image_tokens=image_tokens)
     return {
         "grid": list(image.pre.grid),
         "image_tokens": image.pre.grid[0] * image.pre.grid[1] // 4,

@@ -129,9 +129,14 @@ class Session:
     ):
         self.model = model
         self.rendering = rendering
+        self.image_options = {
+            "max_pixels": max_pixels,
+            "orientation": orientation,
+            "max_image_tokens": max_image_tokens,
+        }
         runtime = model.runtime
         t0 = time.perf_counter()
-        self.image = runtime.prepare(image, max_pixels, orientation, max_image_tokens)
+        self.image = runtime.prepare(image, **self.image_options)
         self.pre = self.image.pre
         prompt = runtime.prompt("", self.pre.grid, rendering)
         self.prefix = prompt[: prompt.index(runtime.token_ids.img_end) + 1]
@@ -151,9 +156,10 @@ class Session:
         """Find `query` in the session's image (a list: several detect categories, one row each); keyword
         arguments as `LocateModel.locate`, less the image's own (`model.session`'s, refused here: the image is
         loaded). Boxes and points come back in the pixels of the image as given."""
-        if given := [k for k in ("max_pixels", "orientation", "max_image_tokens") if k in kwargs]:
+        if given := [k for k in self.image_options if k in kwargs]:
             raise RequestError(f"{', '.join(given)}: the session's image is loaded; pass them to model.session()")
-        (result,) = self.model.locate_many([Request(self.image, query, rendering=self.rendering, **kwargs)])
+        request = Request(self.image, query, rendering=self.rendering, **self.image_options, **kwargs)
+        (result,) = self.model.locate_many([request])
         if isinstance(result, RequestError):
             raise result
         if self.unreported:  # the engine found the session's prefix ready; the session did its work

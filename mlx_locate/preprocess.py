@@ -110,10 +110,15 @@ class ImageTooLargeError(ValueError):
     """An image over the pixel limit (a server answers it differently from a broken file)."""
 
 
+def pixel_limit(max_pixels: int | None) -> int:
+    """The pixel limit `max_pixels` sets (None: `DEFAULT_MAX_PIXELS`)."""
+    return DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+
+
 def check_pixels(size: tuple[int, int], max_pixels: int | None, what: str) -> None:
     """Raise `ImageTooLargeError` naming `what`, its size, the limit and how to raise it when `size` has more
     than `max_pixels` pixels (None: `DEFAULT_MAX_PIXELS`)."""
-    limit = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+    limit = pixel_limit(max_pixels)
     if not isinstance(limit, int) or limit < 1:
         raise ValueError(f"max_pixels must be a positive integer, got {max_pixels!r}")
     w, h = size

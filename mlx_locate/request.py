@@ -22,7 +22,16 @@ from .decide import Guards, Mode
 from .draw import draw_objects
 from .label_trie import LabelTrie
 from .parse import LocatedObject
-from .preprocess import ORIENTATIONS, PhotoNotes, Preprocessed, load_image, patches_of, photo_notes, to_rgb
+from .preprocess import (
+    ORIENTATIONS,
+    PhotoNotes,
+    Preprocessed,
+    load_image,
+    patches_of,
+    photo_notes,
+    pixel_limit,
+    to_rgb,
+)
 from .row_decoder import DecodeOptions
 from .sampling import Sampling
 
@@ -36,13 +45,22 @@ class RequestError(ValueError):
     """A request that cannot run (unreadable image, prompt too long, bad option); other requests go on."""
 
 
+class ImageOptions(NamedTuple):
+    """A request's options for its image, resolved: the pixel limit, the frame and the patch budget."""
+
+    max_pixels: int
+    orientation: str
+    max_image_tokens: int
+
+
 class PreparedImage(NamedTuple):
-    """An image's host work, done once: RGB pixels (as a viewer shows them), patches, a key of its content, and
-    what the image policy did."""
+    """An image's host work, done once: RGB pixels (as a viewer shows them), patches, a key of its content, the
+    options it was prepared under, and what the image policy did."""
 
     rgb: Image.Image
     pre: Preprocessed
     key: tuple  # (sha256 of the resized pixels, original size, grid)
+    options: ImageOptions
     notes: PhotoNotes = PhotoNotes("exif", 1, ())
 
 
@@ -246,16 +264,28 @@ def prepare_image(
     max_image_tokens: int | None = None,
 ) -> PreparedImage:
     """Load (checking the pixel limit) as a viewer shows it, convert to RGB, cut into patches within the patch
-    budget (`max_image_tokens`, at most the model's `in_token_limit`) and key by content. `TypeError` for an
+    budget (`max_image_tokens`, at most the model's `in_token_limit`) and key by content. A prepared image is
+    taken as it is, under the options it was prepared with only (`RequestError` for others). `TypeError` for an
     image that is no path, PIL image or binary file object."""
-    if isinstance(image, PreparedImage):
-        return image
-    if not isinstance(image, str | Path | Image.Image) and not hasattr(image, "read"):
+    if not isinstance(image, str | Path | Image.Image | PreparedImage) and not hasattr(image, "read"):
         hint = "; wrap bytes in io.BytesIO" if isinstance(image, bytes | bytearray) else ""
         hint = "; convert an array with PIL.Image.fromarray" if isinstance(image, np.ndarray) else hint
         raise TypeError(f"image must be a path, a PIL image or a binary file object, got {type(image).__name__}{hint}")
     check_image_options(orientation, max_image_tokens, in_token_limit)
+    options = ImageOptions(pixel_limit(max_pixels), orientation, max_image_tokens or in_token_limit)
+    if isinstance(image, PreparedImage):
+        if options != image.options:
+            differ = [name for name in ImageOptions._fields if getattr(options, name) != getattr(image.options, name)]
+            raise RequestError(
+                f"{_spelled(options, differ)}: the image was prepared with {_spelled(image.options, differ)}; pass "
+                "the image itself, or prepare it with the request's options"
+            )
+        return image
     shown = load_image(image, max_pixels, orientation)
     rgb = to_rgb(shown)
-    pre = patches_of(rgb, max_image_tokens or in_token_limit, patch_size)
-    return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid), photo_notes(shown, orientation))
+    pre = patches_of(rgb, options.max_image_tokens, patch_size)
+    return PreparedImage(rgb, pre, (pre.digest, rgb.size, pre.grid), options, photo_notes(shown, orientation))
+
+
+def _spelled(options: ImageOptions, names: list[str]) -> str:
+    return ", ".join(f"{name}={getattr(options, name)!r}" for name in names)

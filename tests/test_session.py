@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import GOLDEN
 from PIL import Image
 
 import mlx_locate
+from mlx_locate.preprocess import DEFAULT_MAX_PIXELS
 from mlx_locate.weights.checkpoint import DEMO_DIR
 
 IMAGE = GOLDEN / "images" / "shapes_448x448.png"
@@ -55,6 +58,32 @@ def test_vision_cache_hits_on_the_same_image_and_misses_on_a_changed_one(model, 
 def test_a_session_refuses_the_image_options_it_cannot_honour(model, options):
     with pytest.raises(mlx_locate.RequestError, match=f"{', '.join(options)}: the session's image is loaded"):
         model.session(IMAGE).locate("red box", max_tokens=4, **options)
+
+
+def test_a_session_answers_under_its_own_image_options(model):
+    """The session's requests carry its image's options, so a prepared image's check lets them through."""
+    result = model.session(IMAGE, max_pixels=10**6, orientation="stored", max_image_tokens=16).locate("red box")
+    assert (result.grid, result.orientation) == ([4, 4], "stored")
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ({"max_pixels": 1000}, "max_pixels=1000: the image was prepared with max_pixels=89478485"),
+        ({"orientation": "stored"}, "orientation='stored': the image was prepared with orientation='exif'"),
+        ({"max_image_tokens": 16}, "max_image_tokens=16: the image was prepared with max_image_tokens=256"),
+    ],
+)
+def test_a_request_on_a_prepared_image_refuses_other_image_options(model, options, says):
+    """A `PreparedImage` (`model.runtime.prepare`, `session.image`) holds the work its options did: a request that
+    asks others is told so. Before, they were ignored: a 200,704-pixel image answered under `max_pixels=1000`, its
+    16 x 16 patches under `max_image_tokens=16`, its shown frame under `orientation="stored"`."""
+    prepared = model.runtime.prepare(IMAGE)
+    with pytest.raises(mlx_locate.RequestError, match=re.escape(says)):
+        model.locate(prepared, "red box", max_tokens=4, **options)
+    same = {"max_pixels": DEFAULT_MAX_PIXELS, "orientation": "exif", "max_image_tokens": model.runtime.in_token_limit}
+    again = model.locate(prepared, "red box", max_tokens=4, **same)  # the options it was prepared under, spelled out
+    assert again.token_ids == model.locate(IMAGE, "red box", max_tokens=4).token_ids
 
 
 def test_official_sampling_is_reproducible_by_seed():

@@ -166,15 +166,15 @@ def run(args: argparse.Namespace) -> str:
     with ThreadPoolExecutor(1, thread_name_prefix="mlx-locate-image") as pool:
         folder = resolve(args.model)
         settings = image_settings(folder)
-        frame = (args.orientation, args.max_image_tokens)
-        prepared = None if tiling["tiles"] else pool.submit(prepare_image, image, args.max_pixels, *settings, *frame)
+        frame = flags.image_options(args)
+        prepared = None if tiling["tiles"] else pool.submit(prepare_image, image, args.max_pixels, *settings, **frame)
         model = flags.load_model(args, folder)
     if tiling["tiles"]:
         results = model.locate(image, queries, **tiling, **options)
     else:
-        session = model.session(prepared.result(), rendering=options.pop("rendering"))
-        for key in flags.image_options(args):  # the prepared image holds them; a session refuses them
+        for key in frame:  # the prepared image's, so its session's; a session's query refuses them
             del options[key]
+        session = model.session(prepared.result(), options.pop("rendering"), args.max_pixels, **frame)
         results = [session.locate(query, **options) for query in queries]
     if args.draw:
         objects = [obj for result in results for obj in result.objects]
