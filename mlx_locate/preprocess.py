@@ -154,10 +154,12 @@ def load_image(
     if isinstance(image, Image.Image):
         if APPLIED in image.info:
             return image
+        name = getattr(image, "filename", "") or "the image"
         if isinstance(image, ImageFile.ImageFile) and image._im is None:  # opened, not decoded (no image memory)
-            name = getattr(image, "filename", "") or "the image"
             check_pixels(image.size, max_pixels, name)
             _decode(image, name)
+        elif isinstance(image, TiffImagePlugin.TiffImageFile):
+            _recall_orientation(image, name, orientation)
         shown, notes = apply_photo_policy(image, orientation)
         if shown is image:  # the caller's own image, unchanged: it carries no notes (`photo_notes` has defaults)
             return image
@@ -312,6 +314,29 @@ def _decode(image: Image.Image, name: str) -> None:
         ) from None
     if tag is not None and EXIF_ORIENTATION not in image.tag_v2:
         image.info["original_orientation"] = tag
+
+
+def _recall_orientation(image: TiffImagePlugin.TiffImageFile, name: str, orientation: str) -> None:
+    """A TIFF the caller decoded: Pillow turned it by its Orientation tag as it decoded it and dropped the tag,
+    keeping only its type (`tag_v2.tagtype`). The tag is read again from its file's first frame (the one the
+    policy uses) and recorded as `_decode` records it. Decoded from bytes, it has no file: its stored frame is
+    refused; the shown one is its pixels."""
+    tags = image.tag_v2
+    if "original_orientation" in image.info or EXIF_ORIENTATION in tags or EXIF_ORIENTATION not in tags.tagtype:
+        return  # not turned, or recorded
+    try:
+        with open(image.filename, "rb") as fp:
+            tag = _TiffImageFile(fp, name).tag_v2.get(EXIF_ORIENTATION)
+    except Exception:  # no file (decoded from bytes), or one gone or changed since: the tag is unknown
+        tag = None
+    if tag is not None:
+        image.info["original_orientation"] = tag
+    elif orientation == "stored":
+        raise ValueError(
+            f"{name}: Pillow turned this TIFF by its Orientation tag as it decoded it and dropped the tag, so its "
+            "stored pixels are unknown; for orientation='stored' pass its path or bytes, or the image as "
+            "Image.open returns it (not yet decoded)"
+        )
 
 
 def _pillows_limit(name: str, fmt: str | None, error: Image.DecompressionBombError) -> ImageTooLargeError:

@@ -111,23 +111,41 @@ def tagged_tiff(image: Image.Image, orientation: int, path, pages: int = 1) -> I
     return stored
 
 
+def decoded(source) -> Image.Image:
+    """`source` opened and decoded by the caller, as `Image.open(...).load()` (or reading its pixels) leaves it."""
+    image = Image.open(source)
+    image.load()
+    return image
+
+
 @pytest.mark.parametrize("orientation", range(2, 9))
 def test_tiff_orientation_in_either_frame(shown, tmp_path, orientation):
-    """Pillow turns a TIFF as it decodes it: "stored" still gives the stored pixels, from a path, an opened PIL
-    image or a multi-page file."""
+    """Pillow turns a TIFF as it decodes it and drops the tag: "stored" still gives the stored pixels, from a
+    path, an opened PIL image, one the caller decoded (before, its shown pixels) or a multi-page file."""
     for pages in (1, 2):
         path = tmp_path / f"scan_{pages}.tif"
         stored = tagged_tiff(shown, orientation, path, pages)
         assert Image.open(path).tag_v2[0x0112] == orientation
-        for image in (path, Image.open(path)):
-            kept = load_image(image, orientation="stored")
-            assert np.array_equal(np.asarray(kept), np.asarray(stored)), (pages, image)
+        for given in (Path, Image.open, decoded):  # the path, an opened image, a decoded one
+            kept = load_image(given(path), orientation="stored")
+            assert np.array_equal(np.asarray(kept), np.asarray(stored)), (pages, given)
             assert photo_notes(kept) == ("stored", orientation, photo_notes(kept).warnings)
-            turned = load_image(image if isinstance(image, Path) else Image.open(path))
+            turned = load_image(given(path))
             assert (
                 np.array_equal(np.asarray(turned), np.asarray(shown))
                 and photo_notes(turned).exif_orientation == orientation
             )
+
+
+def test_a_tiff_decoded_from_bytes_has_no_stored_frame_to_give(shown, tmp_path):
+    """Its tag is gone with the bytes it was decoded from: "stored" is refused, saying what to pass instead (before,
+    the shown pixels as "stored"); as a viewer shows it, it answers."""
+    path = tmp_path / "scan.tif"
+    tagged_tiff(shown, 6, path)
+    image = decoded(io.BytesIO(path.read_bytes()))
+    with pytest.raises(ValueError, match=r"^the image: Pillow turned this TIFF by its Orientation tag as it decoded"):
+        load_image(image, orientation="stored")
+    assert np.array_equal(np.asarray(load_image(image)), np.asarray(shown))
 
 
 def test_a_tiff_answers_in_the_stored_frame_as_its_stored_pixels(demo, shown, tmp_path):
@@ -137,6 +155,8 @@ def test_a_tiff_answers_in_the_stored_frame_as_its_stored_pixels(demo, shown, tm
     bare = demo.locate(Image.fromarray(np.asarray(stored)), "square", mode="slow")
     assert kept.orientation == "stored" and kept.image_size == stored.size == (SIZE[1], SIZE[0])
     assert kept.token_ids == bare.token_ids and [o.box for o in kept.objects] == [o.box for o in bare.objects]
+    opened = demo.locate(decoded(path), "square", mode="slow", orientation="stored")  # decoded by the caller
+    assert opened.image_size == kept.image_size and opened.token_ids == kept.token_ids
 
 
 def test_draw_is_in_the_frame_of_the_result(demo, shown, tmp_path):
