@@ -218,3 +218,15 @@ def test_an_unknown_tool_is_one_error_line():
 
     result = asyncio.run(call())
     assert result.is_error and [c.text for c in result.content] == ["no tool 'find'; the tools are locate, ground"]
+
+
+def test_a_list_sent_as_its_json_text_is_read_as_the_list(both):
+    """Some MCP clients (Claude Desktop) send a list argument as its JSON text: the tool reads it as the list, as
+    the mcp package's own server does; any other string where a list belongs is still refused."""
+    listed, _ = both("locate", {"image_base64": B64, "categories": ["square", "circle"]})
+    as_text, _ = both("locate", {"image_base64": B64, "categories": '["square", "circle"]'})
+    assert not as_text.is_error, as_text.content
+    answer, expected = as_text.structured_content, listed.structured_content
+    assert (answer["objects"], answer["text"]) == (expected["objects"], expected["text"]) and answer["objects"]
+    result, response = both("locate", {"image_base64": B64, "categories": "square, circle"})
+    assert result.is_error and [c.text for c in result.content] == [response.json()["error"]["message"]]

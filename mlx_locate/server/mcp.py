@@ -112,6 +112,27 @@ def read_image(image_path: str | None, image_base64: str | None, orientation: st
     return open_image(data, settings.max_pixels, orientation)
 
 
+def lists_from_json(model: type, arguments: dict) -> dict:
+    """`arguments` with a list argument that came as its JSON text (as some clients, Claude Desktop among them,
+    send one) read as that list; every other value as it came."""
+    properties = model.model_json_schema().get("properties", {})
+
+    def takes_list(name: str) -> bool:
+        schema = properties.get(name, {})
+        return any(s.get("type") == "array" for s in [schema, *schema.get("anyOf", [])])
+
+    out = dict(arguments)
+    for name, value in arguments.items():
+        if isinstance(value, str) and value.lstrip().startswith("[") and takes_list(name):
+            try:
+                listed = json.loads(value)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(listed, list):
+                out[name] = listed
+    return out
+
+
 def build_server(worker: Worker, settings: Settings | None = None) -> Server:
     """The MCP server over `worker`, which the caller starts and stops. The tools' arguments are checked by the
     HTTP server's code (`schemas.parse`): the same bad argument gets the same one-line error. (The low-level
@@ -161,7 +182,7 @@ def build_server(worker: Worker, settings: Settings | None = None) -> Server:
             tool = tools.get(params.name)
             if tool is None:
                 raise InputError("invalid_request", f"no tool {params.name!r}; the tools are {', '.join(tools)}")
-            found = await tool.run(parse(tool.arguments, params.arguments or {}))
+            found = await tool.run(parse(tool.arguments, lists_from_json(tool.arguments, params.arguments or {})))
         except (InputError, ValueError, TimeoutError, WorkerError, QueueFull) as e:
             return types.CallToolResult(content=[types.TextContent(type="text", text=str(e))], is_error=True)
         out = tool.answer.model_validate(found).model_dump(mode="json")
