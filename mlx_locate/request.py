@@ -265,7 +265,8 @@ def prepare_image(
 ) -> PreparedImage:
     """Load (checking the pixel limit) as a viewer shows it, convert to RGB, cut into patches within the patch
     budget (`max_image_tokens`, at most the model's `in_token_limit`) and key by content. A prepared image is
-    taken as it is, under the options it was prepared with only (`RequestError` for others). `TypeError` for an
+    taken as it is, under the options it was prepared with only (a limit not given is its own; `RequestError` for
+    others). `TypeError` for an
     image that is no path, PIL image or binary file object."""
     if not isinstance(image, str | Path | Image.Image | PreparedImage) and not hasattr(image, "read"):
         hint = "; wrap bytes in io.BytesIO" if isinstance(image, bytes | bytearray) else ""
@@ -274,6 +275,8 @@ def prepare_image(
     check_image_options(orientation, max_image_tokens, in_token_limit)
     options = ImageOptions(pixel_limit(max_pixels), orientation, max_image_tokens or in_token_limit)
     if isinstance(image, PreparedImage):
+        limits = {"max_pixels": max_pixels, "max_image_tokens": max_image_tokens}
+        options = options._replace(**{k: getattr(image.options, k) for k, v in limits.items() if v is None})
         if options != image.options:
             differ = [name for name in ImageOptions._fields if getattr(options, name) != getattr(image.options, name)]
             raise RequestError(

@@ -84,6 +84,11 @@ def test_a_request_on_a_prepared_image_refuses_other_image_options(model, option
     same = {"max_pixels": DEFAULT_MAX_PIXELS, "orientation": "exif", "max_image_tokens": model.runtime.in_token_limit}
     again = model.locate(prepared, "red box", max_tokens=4, **same)  # the options it was prepared under, spelled out
     assert again.token_ids == model.locate(IMAGE, "red box", max_tokens=4).token_ids
+    # Limits not given are the prepared image's own: an image prepared under a patch budget answers under it.
+    small = model.runtime.prepare(IMAGE, max_image_tokens=16)
+    assert model.locate(small, "red box", max_tokens=4).token_ids == (
+        model.locate(IMAGE, "red box", max_tokens=4, max_image_tokens=16).token_ids
+    )
 
 
 def test_official_sampling_is_reproducible_by_seed():
