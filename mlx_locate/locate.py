@@ -7,7 +7,9 @@ features by image content, and prompt prefixes.
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -23,9 +25,23 @@ from .tune import cached, model_key, tuned
 from .tune import enabled as tunes
 from .weights.loader import Checkpoint, read_checkpoint
 
-# Threads that read the decoder's weights from the start on a GPU (`loader.read_checkpoint`'s read_ahead): each
-# read of its own, so that a cold one-shot's decoder is in by the time the first image's tower is done.
+# Threads that read the decoder's weights from the start on a GPU (`loader.read_checkpoint`'s read_ahead), so
+# that a cold one-shot's decoder is in by the time the first image's tower is done; READ_AHEAD_ENV sets another
+# number (0: none), as `mlx-locate-bench` does to measure the cold one-shot without them.
 READ_AHEAD_THREADS = 8
+READ_AHEAD_ENV = "MLX_LOCATE_READ_AHEAD"
+
+
+def read_ahead_threads() -> int:
+    """READ_AHEAD_ENV's number where it is a whole number from 0 to 64 (else a warning), READ_AHEAD_THREADS on a
+    GPU, 0 elsewhere."""
+    value = os.environ.get(READ_AHEAD_ENV, "").strip()
+    if value:
+        if value.isdigit() and int(value) <= 64:
+            return int(value)
+        warnings.warn(f"{READ_AHEAD_ENV}={value!r} is not a whole number from 0 to 64; ignored", stacklevel=2)
+    return READ_AHEAD_THREADS if mx.default_device() == mx.gpu else 0
+
 
 __all__ = ["LocateModel", "Result", "Session", "load"]
 
@@ -186,13 +202,12 @@ def load(
     MLX_LOCATE_TUNE=0).
 
     The tokenizer is built on a thread while the tower's weights load. On a GPU the decoder's are read from the
-    start by threads of their own (`checkpoint.ReadAhead`); elsewhere, or with an adapter, behind the first
-    image's tower, which runs while they load (`runtime.DecoderLoad`). `load_s` in a result's stats is the
-    load's seconds, the host's waits for the decoder's weights included.
+    start by threads of their own (`checkpoint.ReadAhead`, `read_ahead_threads`); elsewhere, or with an adapter,
+    behind the first image's tower, which runs while they load (`runtime.DecoderLoad`). `load_s` in a result's
+    stats is the load's seconds, the host's waits for the decoder's weights included.
     """
     t0 = time.perf_counter()
-    threads = READ_AHEAD_THREADS if mx.default_device() == mx.gpu else 0
-    checkpoint = read_checkpoint(path_or_hub_id, dtype, adapter_path, read_ahead=threads)
+    checkpoint = read_checkpoint(path_or_hub_id, dtype, adapter_path, read_ahead=read_ahead_threads())
     choices = None
     if tuning := tunes(tune):
         choices = cached(model_key(checkpoint.network))

@@ -72,6 +72,9 @@ def test_bench_quick_on_the_demo_writes_every_field(tmp_path):
     assert s["ar_x_floor"] == pytest.approx(s["ar_ms"] / s["floor_ms"])
     assert r["cold_start"]["seconds"] > r["cold_start"]["load_s"] > 0 and "compile_s" in r["cold_start"]
     assert r["cold_start"]["seconds"] > r["cold_start"]["import_s"] > 0
+    other = r["cold_start_other"]  # the CPU reads no decoder ahead by default: the other run does, on 8 threads
+    assert (r["cold_start"]["read_ahead"], other["read_ahead"]) == (0, 8) and other["seconds"] > other["load_s"] > 0
+    assert "| cold one-shot, read ahead by 8 |" in proc.stdout
     for rows in ("1", "16"):
         f = r["folder"][rows]
         assert f["images_per_s"] > 0 and {"vision", "prefill", "decode"} <= set(f["phases_s"])

@@ -507,3 +507,21 @@ def test_no_read_ahead_where_loading_changes_the_decoders_weights(golden_dir, tm
     config = json.loads((peft / "config.json").read_text())
     (peft / "config.json").write_text(json.dumps({**config, "use_llm_lora": 2}))
     assert loader.read_checkpoint(peft, "float32", read_ahead=2).ahead is None
+
+
+def test_read_ahead_threads_from_the_environment(monkeypatch):
+    """MLX_LOCATE_READ_AHEAD sets the reading threads (the bench's cold one-shot without them sets 0); a value
+    that is no whole number from 0 to 64 is ignored with a warning. On the CPU backend none by default."""
+    from mlx_locate import locate
+
+    monkeypatch.delenv(locate.READ_AHEAD_ENV, raising=False)
+    assert locate.read_ahead_threads() == 0
+    monkeypatch.setenv(locate.READ_AHEAD_ENV, "3")
+    assert locate.read_ahead_threads() == 3
+    for bad in ("-1", "two", "65"):
+        monkeypatch.setenv(locate.READ_AHEAD_ENV, bad)
+        with pytest.warns(UserWarning, match=f"MLX_LOCATE_READ_AHEAD={bad!r} is not a whole number from 0 to 64"):
+            assert locate.read_ahead_threads() == 0
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setenv(locate.READ_AHEAD_ENV, "")
+    assert locate.read_ahead_threads() == locate.READ_AHEAD_THREADS
