@@ -266,24 +266,27 @@ def prepare_image(
     """Load (checking the pixel limit) as a viewer shows it, convert to RGB, cut into patches within the patch
     budget (`max_image_tokens`, at most the model's `in_token_limit`) and key by content. A prepared image is
     taken as it is, under the options it was prepared with only (a limit not given is its own; `RequestError` for
-    others). `TypeError` for an
-    image that is no path, PIL image or binary file object."""
+    others). `TypeError` for an image that is no path, PIL image or binary file object."""
     if not isinstance(image, str | Path | Image.Image | PreparedImage) and not hasattr(image, "read"):
         hint = "; wrap bytes in io.BytesIO" if isinstance(image, bytes | bytearray) else ""
         hint = "; convert an array with PIL.Image.fromarray" if isinstance(image, np.ndarray) else hint
         raise TypeError(f"image must be a path, a PIL image or a binary file object, got {type(image).__name__}{hint}")
     check_image_options(orientation, max_image_tokens, in_token_limit)
-    options = ImageOptions(pixel_limit(max_pixels), orientation, max_image_tokens or in_token_limit)
     if isinstance(image, PreparedImage):
-        limits = {"max_pixels": max_pixels, "max_image_tokens": max_image_tokens}
-        options = options._replace(**{k: getattr(image.options, k) for k, v in limits.items() if v is None})
-        if options != image.options:
-            differ = [name for name in ImageOptions._fields if getattr(options, name) != getattr(image.options, name)]
+        own = image.options
+        options = ImageOptions(
+            own.max_pixels if max_pixels is None else pixel_limit(max_pixels),
+            orientation,
+            max_image_tokens or own.max_image_tokens,
+        )
+        if options != own:
+            differ = [name for name in ImageOptions._fields if getattr(options, name) != getattr(own, name)]
             raise RequestError(
-                f"{_spelled(options, differ)}: the image was prepared with {_spelled(image.options, differ)}; pass "
+                f"{_spelled(options, differ)}: the image was prepared with {_spelled(own, differ)}; pass "
                 "the image itself, or prepare it with the request's options"
             )
         return image
+    options = ImageOptions(pixel_limit(max_pixels), orientation, max_image_tokens or in_token_limit)
     shown = load_image(image, max_pixels, orientation)
     rgb = to_rgb(shown)
     pre = patches_of(rgb, options.max_image_tokens, patch_size)

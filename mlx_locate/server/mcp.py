@@ -11,6 +11,7 @@ else is printed there.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import sys
@@ -112,18 +113,23 @@ def read_image(image_path: str | None, image_base64: str | None, orientation: st
     return open_image(data, settings.max_pixels, orientation)
 
 
-def lists_from_json(model: type, arguments: dict) -> dict:
+@functools.cache
+def list_arguments(model: type[BaseModel]) -> frozenset[str]:
+    """The arguments of a tool's `model` that take a list (an array in its JSON schema), found once."""
+    properties = model.model_json_schema().get("properties", {})
+    return frozenset(
+        name
+        for name, schema in properties.items()
+        if any(s.get("type") == "array" for s in [schema, *schema.get("anyOf", [])])
+    )
+
+
+def lists_from_json(model: type[BaseModel], arguments: dict) -> dict:
     """`arguments` with a list argument that came as its JSON text (as some clients, Claude Desktop among them,
     send one) read as that list; every other value as it came."""
-    properties = model.model_json_schema().get("properties", {})
-
-    def takes_list(name: str) -> bool:
-        schema = properties.get(name, {})
-        return any(s.get("type") == "array" for s in [schema, *schema.get("anyOf", [])])
-
     out = dict(arguments)
     for name, value in arguments.items():
-        if isinstance(value, str) and value.lstrip().startswith("[") and takes_list(name):
+        if isinstance(value, str) and value.lstrip().startswith("[") and name in list_arguments(model):
             try:
                 listed = json.loads(value)
             except json.JSONDecodeError:

@@ -187,6 +187,12 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
     return weights
 
 
+def check_dtype(dtype: str | None) -> None:
+    """`ValueError` for a dtype name that is not one of DTYPES (None: the weights' own)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
 def cast(value: mx.array, dtype: str | None, stream: mx.Stream | None = None) -> mx.array:
     """`value` in `dtype` (a DTYPES name) when it is floating point and a dtype is given, else as it is."""
     if dtype is None or not mx.issubdtype(value.dtype, mx.floating):

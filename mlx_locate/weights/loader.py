@@ -21,7 +21,7 @@ from ..network.model import LocateAnything
 from ..preprocess import IN_TOKEN_LIMIT
 from ..tokenizer import Tokenizer
 from .cards import KnownCategories, known_categories
-from .checkpoint import DTYPES, ReadAhead, cast, loading_streams, read_json, read_weights, resolve, tensor_sizes
+from .checkpoint import ReadAhead, cast, check_dtype, loading_streams, read_json, read_weights, resolve, tensor_sizes
 from .lora import Adapter, apply_adapter, peft_name, read_adapter
 
 CPU_DTYPE = "float32"  # what a checkpoint computes in on the CPU backend unless told otherwise (`read_checkpoint`)
@@ -136,8 +136,7 @@ def assemble_model(
 ) -> LocateAnything:
     """The model from sanitized `weights`, quantized as `config.raw["quantization"]` says; strict. `meanwhile` is
     called as the host starts to wait for the tower's weights: work another thread may do while they are read."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     model = LocateAnything(config, token_ids)
     quant = config.raw.get("quantization")
     if quant:
@@ -237,7 +236,8 @@ def read_checkpoint(
     reading = threading.Event()
     ahead = None
     loading_streams()  # made before the reading threads make theirs
-    if read_ahead and adapter_path is None and (dtype is None or dtype in DTYPES):
+    check_dtype(dtype)  # before any thread reads
+    if read_ahead and adapter_path is None:
         tensors = tensor_sizes(folder)
         if not any(".lora_A." in name for _, _, name in tensors):
             ahead = ReadAhead([t for t in tensors if is_decoders(t[2])], dtype, read_ahead)
